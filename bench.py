@@ -1,0 +1,674 @@
+#!/usr/bin/env python3
+"""bench.py: Reame vs llama-server, measured side by side in one run.
+
+    python3 bench.py                      qwen2.5-coder-1.5b, 3 repeats, streams 1,2,4,8
+    python3 bench.py --quick              gemma3-270m, few tokens: a smoke test (< 1 minute)
+    python3 bench.py --model PATH --threads 4 --repeats 5 --streams 1,4 --json
+    python3 bench.py --no-server          Reame only (no llama-server needed)
+
+What it measures (every number is client-side wall clock, taken the same way for both):
+
+  decode tok/s      one stream, a prompt that makes the model write a long answer;
+                    (decode steps after the first token) / (last token - first token),
+                    with streaming on both sides. llama-server gets the same prompt tokens
+                    and ``n_predict`` = the tokens Reame generated, with ``ignore_eos``, so
+                    both do the same work; their greedy outputs are compared as a check.
+  prefill tok/s     a fresh ~768-token prompt (different every repeat, so neither side can
+                    reuse a cached prefix; llama-server also gets ``cache_prompt: false`` and
+                    ``--cache-ram 0``), one token generated: prompt tokens / wall time.
+  aggregate tok/s   N streams at once (continuous batching): Reame gets N requests submitted
+                    together to one Engine with n_slots >= N; llama-server gets N concurrent
+                    HTTP requests, started with ``-np max(N)``. Sum of generated tokens / wall.
+
+Runs alternate (Reame, server, Reame, server, ...) measurement by measurement, so drift on
+a noisy shared vCPU hits both; the table reports medians over ``--repeats`` and the ratio
+Reame / server. Only a ratio from one run means anything on these machines. Also reported:
+what llama-server says about itself (``timings``), Reame's own per-request numbers, and
+Reame's Python time per decode-only step (the scheduler's overhead around llama_decode).
+
+Fairness, written down:
+  * Same source tree (``_llama/llama-server`` is built by ``./build_llama.sh --with-server``),
+    same GGUF, same threads (-t and -tb), same batch (-b = -ub = Reame's n_batch), flash
+    attention auto on both (llama.cpp's default), same total KV cells (-c = ctx * slots),
+    unified KV on both (--kv-unified), full SWA cache on both (--swa-full; Reame always
+    keeps it so cached prefixes stay valid for sliding-window models), temperature 0.
+  * llama-server's extra work that Reame does not do is switched off: prompt cache in RAM
+    (--cache-ram 0), context checkpoints (--ctx-checkpoints 0), and by default its sampler
+    chain is cut to top_k=1 (the same argmax as Reame's greedy sampler; --server-sampling
+    default keeps its full temperature-0 chain: top-k 40, top-p, min-p, ... then argmax).
+  * Reame is driven in-process through its Engine API; llama-server over loopback HTTP.
+    That costs the server well under a millisecond per request or streamed token, which
+    is why its own ``timings`` are printed next to the client-side numbers.
+  * Neither side is warmed by its own startup warm-up only: bench.py sends one untimed
+    request to each before timing.
+
+KV layout: Reame creates its context with ``kv_unified=True`` (one KV buffer for all
+sequences), because that is what lets ``llama_memory_seq_cp`` share cells between a cached
+prefix and a new request, or between the N candidates of a best-of, instead of copying
+them. llama.h warns that a unified buffer can be slower when sequences share nothing.
+Measuring Reame unified vs not unified is NOT possible through the public Engine API
+(kv_unified is fixed inside Engine), so bench.py does not try; llama-server here runs
+unified too, so the comparison is like for like.
+
+Benchmarks are never timed tests: this is a standalone script, standard library only.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import reame
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_SERVER = os.path.join(HERE, "_llama", "llama-server")
+
+# Prompts that make an instruct (code) model write long answers. Each repeat and each
+# stream gets its own, so nothing one request computed can be reused by another.
+TOPICS = [
+    "a binary search tree with insert, delete, search and in-order traversal",
+    "an LRU cache with a doubly linked list and a dict, with thread safety",
+    "a tokenizer and recursive-descent parser for arithmetic expressions",
+    "a min-heap priority queue and Dijkstra's shortest path algorithm",
+    "a trie with insert, prefix search, delete and autocomplete",
+    "a simple HTTP request parser and router with path parameters",
+    "a matrix class with addition, multiplication, transpose and determinant",
+    "a rate limiter with token bucket and sliding window strategies",
+    "a JSON pretty printer and validator written from scratch",
+    "a union-find structure and Kruskal's minimum spanning tree",
+    "an event scheduler with cron-like rules and a run loop",
+    "a text adventure game engine with rooms, items and a command parser",
+    "a bank account system with transactions, overdraft rules and a ledger",
+    "a CSV reader and writer with quoting, escaping and type inference",
+    "a linked list with reverse, merge sort and cycle detection",
+    "a simple key-value store with write-ahead log and compaction",
+]
+
+_WORDS = ("alpha beta gamma delta value index count total buffer state node edge graph "
+          "token batch cache queue stream frame layer model weight bias vector matrix "
+          "result error handler config option parser reader writer client server request "
+          "response session record field table column row key item entry list map set").split()
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prefill_text(rng: random.Random, n_lines: int) -> str:
+    """Random Python-looking text: realistic token mix, never the same twice."""
+    lines = ["# module %08x" % rng.getrandbits(32)]
+    for i in range(n_lines):
+        a, b, c, d = (rng.choice(_WORDS) for _ in range(4))
+        lines.append("def %s_%s_%d(%s, %s=%d):\n    return %s.%s(%s) + %d"
+                     % (a, b, i, c, d, rng.randrange(100), c, a, d, rng.randrange(1000)))
+    return "\n".join(lines) + "\n"
+
+
+def make_prefill_tokens(model, rng: random.Random, n_tok: int) -> list:
+    text, n_lines = "", 16
+    while True:
+        text = prefill_text(rng, n_lines)
+        toks = model.tokenize(text)
+        if len(toks) >= n_tok:
+            return list(toks[:n_tok])
+        n_lines *= 2
+
+
+def chat_tokens(eng, text: str) -> list:
+    """The model's chat template around one user message (plain text for base models)."""
+    try:
+        return list(eng.chat_prompt([{"role": "user", "content": text}]))
+    except reame.ReameError:
+        return list(eng.model.tokenize(text))
+
+
+def long_answer_prompt(topic: str, tag: str) -> str:
+    return ("[%s] Write a complete, well documented Python module implementing %s. "
+            "Include type hints, docstrings for every function, and a long set of unittest "
+            "test cases. Write the whole file." % (tag, topic))
+
+
+class CpuNoise:
+    """CPU time used by processes other than this one and llama-server (Linux /proc).
+
+    These machines are shared; a number here well above zero means timings are noisy.
+    """
+
+    def __init__(self):
+        self.pids = []
+        self.t0 = time.monotonic()
+        self.busy0, self.steal0 = self._system()
+        self.own0 = self._own()
+
+    @staticmethod
+    def _system():
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None, None
+        hz = os.sysconf("SC_CLK_TCK")
+        user, nice, system, _idle, _iowait, irq, softirq = v[:7]
+        steal = v[7] if len(v) > 7 else 0
+        return (user + nice + system + irq + softirq) / hz, steal / hz
+
+    def _own(self):
+        t = os.times()
+        total = t.user + t.system
+        hz = os.sysconf("SC_CLK_TCK")
+        for pid in self.pids:
+            try:
+                with open("/proc/%d/stat" % pid) as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / hz  # utime, stime
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
+    def add_pid(self, pid: int) -> None:
+        # The server's CPU time so far counts as ours from now on.
+        self.pids.append(pid)
+
+    def report(self) -> dict:
+        busy, steal = self._system()
+        wall = time.monotonic() - self.t0
+        if busy is None:
+            return {"wall_s": wall}
+        other = max(0.0, (busy - self.busy0) - (self._own() - self.own0))
+        return {"wall_s": round(wall, 1), "other_cpu_s": round(other, 1),
+                "other_cpu_frac_of_one_core": round(other / max(wall, 1e-9), 3),
+                "steal_s": round(steal - self.steal0, 1), "cores": os.cpu_count()}
+
+
+# -- llama-server ----------------------------------------------------------------------
+
+
+def _set_pdeathsig():
+    """Linux: the server gets SIGTERM if bench.py dies without cleaning up (kill -9)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class LlamaServer:
+    """llama-server as a subprocess on a free loopback port; close() always stops it."""
+
+    def __init__(self, binary: str, model_path: str, *, threads: int, n_parallel: int, ctx_per_slot: int,
+                 n_batch: int, log_path: str):
+        if not os.access(binary, os.X_OK):
+            raise SystemExit("llama-server not found at %s: build it with ./build_llama.sh --with-server, "
+                             "pass --server PATH, or use --no-server" % binary)
+        self.binary = binary
+        self.log_path = log_path
+        self.help = self._help_text()
+        self.port = free_port()
+        self.base = "http://127.0.0.1:%d" % self.port
+        args = [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(self.port),
+                "-t", str(threads), "-tb", str(threads), "-np", str(n_parallel),
+                "-c", str(ctx_per_slot * n_parallel), "-b", str(n_batch), "-ub", str(n_batch),
+                "-ngl", "0"]
+        self.flags = []
+        # Match Reame, and switch off work Reame does not do; only flags this build knows.
+        for flag, value in (("--kv-unified", None), ("--swa-full", None), ("-fa", "auto"),
+                            ("--cache-ram", "0"), ("--ctx-checkpoints", "0"), ("--no-cache-idle-slots", None),
+                            ("--fit", "off"), ("--no-webui", None)):
+            if self._knows(flag):
+                self.flags += [flag] + ([value] if value is not None else [])
+        self.args = args + self.flags
+        self._log = open(log_path, "wb")
+        env = dict(os.environ)
+        libdir = os.path.dirname(os.path.abspath(binary))
+        env["LD_LIBRARY_PATH"] = libdir + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env, preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None)
+
+    def _help_text(self) -> str:
+        try:
+            out = subprocess.run([self.binary, "--help"], capture_output=True, timeout=60,
+                                 env=dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(os.path.abspath(self.binary))))
+            return (out.stdout + out.stderr).decode("utf-8", "replace")
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    def _knows(self, flag: str) -> bool:
+        return any(tok.strip(",") == flag for line in self.help.splitlines() for tok in line.split())
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("llama-server exited with %s; log tail:\n%s" % (self.proc.returncode, self.log_tail()))
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        raise RuntimeError("llama-server not ready after %.0f s; log tail:\n%s" % (timeout_s, self.log_tail()))
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"\n".join(f.read().splitlines()[-n:]).decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def completion(self, body: dict, timeout_s: float = 900) -> dict:
+        """POST /completion (not streamed): the JSON answer plus client wall time."""
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(self.base + "/completion", data=data, headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            out = json.loads(r.read())
+        out["_wall_s"] = time.perf_counter() - t0
+        return out
+
+    def completion_stream(self, body: dict, timeout_s: float = 900) -> dict:
+        """POST /completion with stream: client times of the first token and of the end."""
+        data = json.dumps(dict(body, stream=True)).encode()
+        req = urllib.request.Request(self.base + "/completion", data=data, headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        t_first, last, tokens = None, {}, []
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            for line in r:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    break
+                chunk = json.loads(payload)
+                toks = chunk.get("tokens") or []
+                if t_first is None and (toks or chunk.get("content")):
+                    t_first = time.perf_counter()
+                tokens.extend(toks)
+                last = chunk
+                if chunk.get("stop"):
+                    break
+        t_end = time.perf_counter()
+        last["_t_first_s"] = (t_first or t_end) - t0
+        last["_t_end_s"] = t_end - t0
+        last["_tokens"] = tokens
+        return last
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def server_body(prompt_tokens: list, n_predict: int, sampling: str) -> dict:
+    body = {"prompt": prompt_tokens, "n_predict": n_predict, "ignore_eos": True, "temperature": 0,
+            "cache_prompt": False, "return_tokens": True, "seed": 0}
+    if sampling == "greedy":
+        body.update({"samplers": ["top_k"], "top_k": 1})
+    return body
+
+
+# -- the measurements ------------------------------------------------------------------
+
+
+def _steps_snapshot(eng) -> tuple:
+    return (getattr(eng, "n_decode_only_steps", 0), getattr(eng, "t_decode_only_py_s", 0.0),
+            getattr(eng, "n_steps", 0), getattr(eng, "t_decode_s", 0.0), getattr(eng, "t_step_s", 0.0))
+
+
+def _steps_delta(a: tuple, b: tuple) -> dict:
+    n_do, py_s = b[0] - a[0], b[1] - a[1]
+    n_steps, dec_s, step_s = b[2] - a[2], b[3] - a[3], b[4] - a[4]
+    return {"decode_only_steps": n_do, "py_s": py_s, "steps": n_steps, "decode_s": dec_s, "step_s": step_s}
+
+
+def reame_decode(eng, tokens: list, max_tokens: int) -> dict:
+    """One streamed request: client times of the first piece and of the end."""
+    t0 = time.perf_counter()
+    req = eng.submit(tokens, temperature=0, max_tokens=max_tokens)
+    t_first = None
+    for _piece in req:
+        if t_first is None:
+            t_first = time.perf_counter()
+    t_end = time.perf_counter()
+    res = req.wait()
+    n = res.n_gen_tok
+    # Decode steps after the first token: the others, plus the one that sampled the end token.
+    steps = n - 1 + (1 if res.finish_reason == "stop" else 0)
+    span = t_end - (t_first or t_end)
+    return {"n_gen": n, "finish": res.finish_reason, "tokens": list(res.tokens),
+            "tok_s": steps / span if span > 0 and steps > 0 else None,
+            "engine_tok_s": (steps / (res.total_s - res.ttft_s)) if res.total_s > res.ttft_s and steps > 0 else None,
+            "ttft_s": (t_first or t_end) - t0}
+
+
+def server_decode(srv, tokens: list, n_predict: int, sampling: str) -> dict:
+    out = srv.completion_stream(server_body(tokens, n_predict, sampling))
+    timings = out.get("timings") or {}
+    n = out.get("tokens_predicted") or timings.get("predicted_n") or len(out["_tokens"])
+    span = out["_t_end_s"] - out["_t_first_s"]
+    return {"n_gen": n, "tokens": out["_tokens"], "n_prompt": timings.get("prompt_n"),
+            "tok_s": (n - 1) / span if span > 0 and n > 1 else None,
+            "server_tok_s": timings.get("predicted_per_second"), "ttft_s": out["_t_first_s"]}
+
+
+def reame_prefill(eng, tokens: list) -> dict:
+    t0 = time.perf_counter()
+    res = eng.submit(tokens, temperature=0, max_tokens=1).wait()
+    wall = time.perf_counter() - t0
+    return {"tok_s": len(tokens) / wall, "engine_tok_s": len(tokens) / res.ttft_s if res.ttft_s > 0 else None,
+            "n_prompt": res.n_prompt_tok}
+
+
+def server_prefill(srv, tokens: list, sampling: str) -> dict:
+    out = srv.completion(server_body(tokens, 1, sampling))
+    timings = out.get("timings") or {}
+    return {"tok_s": len(tokens) / out["_wall_s"], "server_tok_s": timings.get("prompt_per_second"),
+            "n_prompt": timings.get("prompt_n"), "cached": timings.get("cache_n")}
+
+
+def reame_aggregate(eng, prompts: list, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    reqs = [eng.submit(p, temperature=0, max_tokens=max_tokens) for p in prompts]
+    results = [r.wait() for r in reqs]
+    wall = time.perf_counter() - t0
+    lens = [r.n_gen_tok for r in results]
+    return {"tok_s": sum(lens) / wall, "lens": lens, "wall_s": wall}
+
+
+def server_aggregate(srv, prompts: list, lens: list, sampling: str) -> dict:
+    outs, errors = [None] * len(prompts), []
+    start = threading.Barrier(len(prompts) + 1)
+
+    def one(i):
+        start.wait()
+        try:
+            outs[i] = srv.completion(server_body(prompts[i], lens[i], sampling))
+        except Exception as e:  # noqa: BLE001 - reported below, in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,), name="bench-client-%d" % i, daemon=True)
+               for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    start.wait()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    n = [o.get("tokens_predicted") or (o.get("timings") or {}).get("predicted_n") or 0 for o in outs]
+    return {"tok_s": sum(n) / wall, "lens": n, "wall_s": wall}
+
+
+# -- the run ---------------------------------------------------------------------------
+
+
+class Results:
+    """metric -> {"reame": [...], "server": [...], "unit": str} plus side notes."""
+
+    def __init__(self):
+        self.metrics = {}
+        self.order = []
+
+    def add(self, metric: str, side: str, value) -> None:
+        if metric not in self.metrics:
+            self.metrics[metric] = {"reame": [], "server": []}
+            self.order.append(metric)
+        self.metrics[metric][side].append(value)
+
+    def summary(self) -> dict:
+        out = {}
+        for m in self.order:
+            d = self.metrics[m]
+            r, s = median(d["reame"]), median(d["server"])
+            out[m] = {"reame": d["reame"], "server": d["server"], "reame_median": r, "server_median": s,
+                      "ratio": (r / s) if r is not None and s else None}
+        return out
+
+
+def log(msg: str) -> None:
+    sys.stderr.write("[bench] %s\n" % msg)
+    sys.stderr.flush()
+
+
+def run(args) -> dict:
+    model_path = reame.resolve_model(args.model)
+    streams = sorted(set(args.streams))
+    n_slots = max(streams + [1])
+    res = Results()
+    notes = {"decode_lens": [], "agg_lens": {}, "greedy_match": [], "prefill_server_prompt_n": [],
+             "python_ms_per_decode_step": {}}
+    noise = CpuNoise()
+    srv = None
+    eng = None
+    try:
+        if not args.no_server:
+            # Started before the Engine, from the main thread: prctl(PDEATHSIG) follows this thread.
+            srv = LlamaServer(args.server, model_path, threads=args.threads, n_parallel=n_slots,
+                              ctx_per_slot=args.ctx, n_batch=args.batch, log_path=args.server_log)
+            log("llama-server pid %d on port %d: %s" % (srv.proc.pid, srv.port, " ".join(srv.args[1:])))
+            noise.add_pid(srv.proc.pid)
+        t_load = time.perf_counter()
+        eng = reame.Engine(model_path, n_ctx=args.ctx, n_slots=n_slots, n_threads=args.threads, n_batch=args.batch)
+        log("Reame engine: %s, %d slots x %d ctx, %d threads, batch %d (%.1f s to load)" % (
+            os.path.basename(model_path), n_slots, eng.n_ctx, args.threads, args.batch, time.perf_counter() - t_load))
+        if srv:
+            srv.wait_ready()
+            log("llama-server ready")
+
+        # Untimed warm-up on both sides: page the weights in, spin up thread pools.
+        warm = chat_tokens(eng, long_answer_prompt("a hello world program", "warm-up"))
+        eng.submit(warm, temperature=0, max_tokens=8).wait()
+        if srv:
+            srv.completion(server_body(warm, 8, args.server_sampling))
+
+        rng = random.Random(args.seed)
+        for r in range(args.repeats):
+            log("repeat %d/%d" % (r + 1, args.repeats))
+            # 1. single-stream decode
+            toks = chat_tokens(eng, long_answer_prompt(TOPICS[r % len(TOPICS)], "d%d" % r))
+            a = _steps_snapshot(eng)
+            rd = reame_decode(eng, toks, args.gen_tokens)
+            notes.setdefault("_decode_steps", []).append(_steps_delta(a, _steps_snapshot(eng)))
+            notes["decode_lens"].append(rd["n_gen"])
+            notes.setdefault("decode_prompt_lens", []).append(len(toks))
+            res.add("decode tok/s (1 stream)", "reame", rd["tok_s"])
+            res.add("  engine-reported decode tok/s", "reame", rd["engine_tok_s"])
+            res.add("time to first token s (chat prompt)", "reame", rd["ttft_s"])
+            if rd["n_gen"] < args.gen_tokens // 2:
+                log("note: Reame stopped after %d tokens (%s); the server is asked for the same count"
+                    % (rd["n_gen"], rd["finish"]))
+            if srv:
+                sd = server_decode(srv, toks, max(rd["n_gen"], 2), args.server_sampling)
+                res.add("decode tok/s (1 stream)", "server", sd["tok_s"])
+                res.add("  engine-reported decode tok/s", "server", sd["server_tok_s"])
+                res.add("time to first token s (chat prompt)", "server", sd["ttft_s"])
+                k = min(len(rd["tokens"]), len(sd["tokens"]))
+                diverge = next((i for i in range(k) if rd["tokens"][i] != sd["tokens"][i]), None)
+                notes["greedy_match"].append("identical" if diverge is None and k else
+                                             ("no server tokens" if not k else "diverge at %d" % diverge))
+            # 2. prefill
+            ptoks = make_prefill_tokens(eng.model, rng, args.prefill_tokens)
+            rp = reame_prefill(eng, ptoks)
+            res.add("prefill tok/s (%d-tok prompt)" % len(ptoks), "reame", rp["tok_s"])
+            res.add("  engine-reported prefill tok/s", "reame", rp["engine_tok_s"])
+            if srv:
+                sp = server_prefill(srv, ptoks, args.server_sampling)
+                res.add("prefill tok/s (%d-tok prompt)" % len(ptoks), "server", sp["tok_s"])
+                res.add("  engine-reported prefill tok/s", "server", sp["server_tok_s"])
+                notes["prefill_server_prompt_n"].append([sp["n_prompt"], sp["cached"]])
+            # 3. aggregate throughput with N streams
+            for n in streams:
+                prompts = [chat_tokens(eng, long_answer_prompt(TOPICS[(r * 7 + i) % len(TOPICS)], "a%d-%d-%d" % (r, n, i)))
+                           for i in range(n)]
+                a = _steps_snapshot(eng)
+                ra = reame_aggregate(eng, prompts, args.gen_tokens)
+                notes.setdefault("_agg_steps_%d" % n, []).append(_steps_delta(a, _steps_snapshot(eng)))
+                notes["agg_lens"].setdefault(n, []).append(ra["lens"])
+                res.add("aggregate tok/s, %d stream%s" % (n, "s" if n > 1 else ""), "reame", ra["tok_s"])
+                if srv:
+                    sa = server_aggregate(srv, prompts, [max(x, 1) for x in ra["lens"]], args.server_sampling)
+                    res.add("aggregate tok/s, %d stream%s" % (n, "s" if n > 1 else ""), "server", sa["tok_s"])
+        # Python time per decode-only step, from Reame's own counters, per section.
+        for key in [k for k in notes if k.startswith("_")]:
+            d = notes.pop(key)
+            n_do = sum(x["decode_only_steps"] for x in d)
+            n_st = sum(x["steps"] for x in d)
+            n_str = key.rsplit("_", 1)[1]
+            label = ("decode, 1 stream" if key == "_decode_steps" else
+                     "aggregate, %s stream%s" % (n_str, "" if n_str == "1" else "s"))
+            notes["python_ms_per_decode_step"][label] = {
+                "python_ms_per_decode_only_step": round(1000 * sum(x["py_s"] for x in d) / n_do, 3) if n_do else None,
+                "llama_decode_ms_per_step": round(1000 * sum(x["decode_s"] for x in d) / n_st, 2) if n_st else None,
+                "steps": n_st}
+        notes["engine_stats"] = eng.stats()
+    finally:
+        if eng is not None:
+            eng.close()
+        if srv is not None:
+            srv.close()
+            log("llama-server stopped")
+    out = {
+        "config": {"model": os.path.basename(model_path), "threads": args.threads, "repeats": args.repeats,
+                   "gen_tokens": args.gen_tokens, "prefill_tokens": args.prefill_tokens, "streams": streams,
+                   "ctx_per_slot": args.ctx, "n_batch": args.batch, "slots": n_slots,
+                   "server_sampling": None if args.no_server else args.server_sampling,
+                   "server_cmd": None if srv is None else " ".join(srv.args),
+                   "reame_version": getattr(reame, "__version__", "?"), "kv_unified": True},
+        "metrics": res.summary(),
+        "notes": notes,
+        "noise": noise.report(),
+    }
+    return out
+
+
+def _fmt(x, digits=1):
+    if x is None:
+        return "-"
+    return ("%.*f" % (digits, x)) if isinstance(x, float) else str(x)
+
+
+def print_table(out: dict, stream=sys.stdout) -> None:
+    c = out["config"]
+    w = stream.write
+    w("Reame vs llama-server: %s, %d threads, median of %d alternating repeats, temperature 0\n"
+      % (c["model"], c["threads"], c["repeats"]))
+    w("(client-side wall clock unless marked engine-reported; ratio = Reame / server, for tok/s > 1 means "
+      "Reame is faster)\n\n")
+    w("%-42s %10s %10s %8s   %s\n" % ("metric", "Reame", "server", "ratio", "runs (Reame | server)"))
+    w("-" * 100 + "\n")
+    for name, m in out["metrics"].items():
+        digits = 3 if name.startswith("time") else 1
+        ratio = m["ratio"]
+        runs = " ".join(_fmt(x, digits) for x in m["reame"]) + " | " + " ".join(_fmt(x, digits) for x in m["server"])
+        w("%-42s %10s %10s %8s   %s\n" % (name, _fmt(m["reame_median"], digits), _fmt(m["server_median"], digits),
+                                          (_fmt(ratio, 2) + "x") if ratio is not None else "-", runs))
+    w("(time to first token: lower is better, so there a ratio < 1 means Reame is faster)\n")
+    n = out["notes"]
+    w("\nReame Python time around llama_decode (the scheduler's own overhead):\n")
+    for label, d in n["python_ms_per_decode_step"].items():
+        w("  %-20s python %s ms per decode-only step, llama_decode %s ms per step (%s steps)\n"
+          % (label, _fmt(d["python_ms_per_decode_only_step"], 3), _fmt(d["llama_decode_ms_per_step"], 2), d["steps"]))
+    w("\ntokens generated per decode run: %s (server asked for the same count, ignore_eos)\n" % n["decode_lens"])
+    if n["greedy_match"]:
+        w("greedy output Reame vs server, single stream: %s\n" % ", ".join(n["greedy_match"]))
+    for k, v in n["agg_lens"].items():
+        w("tokens per stream, %s streams: %s\n" % (k, v))
+    if n["prefill_server_prompt_n"]:
+        w("server prefill [prompt_n, cache_n] per repeat: %s (cache_n should be 0)\n" % n["prefill_server_prompt_n"])
+    nz = out["noise"]
+    if "other_cpu_s" in nz:
+        w("\nnoise: other processes used %.1f CPU-s over %.1f s (%.0f%% of one core), steal %.1f s, %s cores%s\n"
+          % (nz["other_cpu_s"], nz["wall_s"], 100 * nz["other_cpu_frac_of_one_core"], nz["steal_s"], nz["cores"],
+             "  <- NOISY: other work ran during the benchmark" if nz["other_cpu_frac_of_one_core"] > 0.05 else ""))
+    if c.get("server_cmd"):
+        w("server: %s\n" % c["server_cmd"])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Reame vs llama-server, side by side (see the module docstring).")
+    p.add_argument("--model", default=None, help="alias or path (default qwen2.5-coder-1.5b; --quick: gemma3-270m)")
+    p.add_argument("--threads", type=int, default=None, help="threads for both (default reame.pick_threads())")
+    p.add_argument("--repeats", type=int, default=None, help="alternating repeats (default 3; --quick: 2)")
+    p.add_argument("--gen-tokens", type=int, default=None, help="tokens per generation (default 128; --quick: 32)")
+    p.add_argument("--prefill-tokens", type=int, default=None, help="prefill prompt length (default 768; --quick: 256)")
+    p.add_argument("--streams", default=None, help="concurrent streams, comma-separated (default 1,2,4,8; --quick: 1,4)")
+    p.add_argument("--ctx", type=int, default=2048, help="context per slot, both sides (default 2048)")
+    p.add_argument("--batch", type=int, default=512, help="n_batch = n_ubatch, both sides (default 512)")
+    p.add_argument("--server", default=DEFAULT_SERVER, help="llama-server binary (default _llama/llama-server)")
+    p.add_argument("--server-sampling", choices=("greedy", "default"), default="greedy",
+                   help="greedy: server sampler chain cut to top_k=1 (same work as Reame); default: the server's "
+                        "full temperature-0 chain")
+    p.add_argument("--server-log", default=None, help="llama-server log file (default: a temp file)")
+    p.add_argument("--no-server", action="store_true", help="Reame only")
+    p.add_argument("--quick", action="store_true", help="smoke test: gemma3-270m, few tokens, under a minute")
+    p.add_argument("--seed", type=int, default=1234, help="seed for the random prefill prompts")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
+    args = p.parse_args(argv)
+    q = args.quick
+    args.model = args.model or ("gemma3-270m" if q else "qwen2.5-coder-1.5b")
+    args.threads = args.threads or reame.pick_threads()
+    args.repeats = args.repeats or (2 if q else 3)
+    args.gen_tokens = args.gen_tokens or (32 if q else 128)
+    args.prefill_tokens = args.prefill_tokens or (256 if q else 768)
+    args.streams = [int(x) for x in (args.streams or ("1,4" if q else "1,2,4,8")).split(",") if x.strip()]
+    if not args.streams or min(args.streams) < 1:
+        p.error("--streams needs positive integers")
+    if args.prefill_tokens + 8 > args.ctx:
+        p.error("--prefill-tokens must fit in --ctx")
+    if args.server_log is None:
+        fd, args.server_log = tempfile.mkstemp(prefix="bench-llama-server-", suffix=".log")
+        os.close(fd)
+    return args
+
+
+def _sigterm(signum, frame):
+    """SIGTERM behaves like Ctrl-C, so the finally blocks stop llama-server."""
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        out = run(args)
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    if args.json:
+        json.dump(out, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print_table(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

