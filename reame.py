@@ -824,15 +824,22 @@ class Context:
     """
 
     def __init__(self, model: Model, *, n_ctx: int, n_seq_max: int, n_batch: int = 512,
-                 n_threads: Optional[int] = None, kv_unified: bool = True, swa_full: bool = True):
+                 n_threads: Optional[int] = None, kv_unified: bool = False, swa_full: bool = True,
+                 flash_attn: int = -1):
         L = lib()
         self.model = model
         p = L.llama_context_default_params()
         p.n_ctx, p.n_seq_max = n_ctx, n_seq_max
         p.n_batch = p.n_ubatch = n_batch
         p.n_threads = p.n_threads_batch = n_threads or pick_threads()
+        # One KV stream per sequence. With a unified buffer, a sequence's attention is
+        # reduced over chunks that depend on how many cells its neighbours hold, so its
+        # greedy tokens changed when others shared the batch (measured: qwen 0.5B, 4
+        # prompts, divergence after 16 tokens). Separate streams keep them identical.
         p.kv_unified = kv_unified
         p.swa_full = swa_full  # sliding-window models keep the full KV so prefixes stay reusable
+        p.flash_attn_type = flash_attn  # -1 auto (on for CPU): its kernel skips masked cells, so a
+        # sequence's attention does not depend on its neighbours in the unified KV
         p.no_perf = True
         L.take_errors()
         ptr = L.llama_init_from_model(model.ptr, p)
@@ -1388,25 +1395,25 @@ _STOP = object()
 class Engine:
     """A model, one context with ``n_slots`` sequences, and the scheduler thread.
 
-    ``n_ctx`` is per sequence (what a user thinks of as the context); the KV memory is
-    unified and holds ``n_ctx * n_slots`` cells, so a request never waits on another's
-    tokens once it has a slot.
+    ``n_ctx`` is per sequence (what a user thinks of as the context); the KV memory
+    holds ``n_ctx * n_slots`` cells in one stream per slot, so a request never waits on
+    another's tokens once it has a slot.
     """
 
     def __init__(self, model, *, n_ctx: int = 4096, n_slots: int = 4, n_threads: Optional[int] = None,
-                 n_batch: int = 512):
+                 n_batch: int = 512, **context_kw):
         self._own_model = not isinstance(model, Model)
         self.model = Model(model) if self._own_model else model
         self.n_ctx = min(n_ctx, self.model.n_ctx_train or n_ctx)
         self.n_slots = n_slots
         self.ctx = Context(self.model, n_ctx=self.n_ctx * n_slots, n_seq_max=n_slots, n_batch=n_batch,
-                           n_threads=n_threads)
+                           n_threads=n_threads, **context_kw)
         self._batch = Batch(self.ctx.n_batch)
         self._incoming: "queue.Queue" = queue.Queue()
         self._ids = iter(range(1, 1 << 62))
         self._ids_lock = threading.Lock()          # guards _ids
         # Scheduler-owned (no lock: only the scheduler thread touches them).
-        self._free = list(range(n_slots - 1, -1, -1))
+        self._free = list(range(n_slots))
         self._waiting: collections.deque = collections.deque()
         self._active: List[_Seq] = []
         self._closing = False
@@ -1516,57 +1523,70 @@ class Engine:
             for t in req.prompt[-p.penalty_last_n:]:  # penalties see the prompt, as in llama-server
                 sampler.accept(t)
         room = self.n_ctx - len(req.prompt)
-        seq = _Seq(req, self._free.pop(), sampler, min(p.max_tokens or room, room))
+        slot = min(self._free)  # low slots first: fewer gaps in the decode batch's seq ids
+        self._free.remove(slot)
+        seq = _Seq(req, slot, sampler, min(p.max_tokens or room, room))
         self.ctx.seq_rm(seq.seq_id)
         self._active.append(seq)
 
     def _step(self) -> None:
+        """One step: a decode batch for every generating sequence, then one prefill chunk.
+
+        Greedy output must not depend on who else is in the batch, and llama.cpp's CPU
+        kernels pick tiling by batch shape (flash attention tiles 64+ queries). So each
+        prompt is prefilled in its own llama_decode, in chunks of n_batch counted from
+        its start (the same chunks as when it runs alone), and decode tokens go in
+        ascending slot order (llama.cpp splits a multi-stream batch at a gap in seq ids).
+        """
         t0 = time.perf_counter()
         for s in [s for s in self._active if s.req.cancelled]:
             self._finish(s, "cancelled")
-        if not self._active:
-            return
+        decoding = sorted((s for s in self._active if s.n_done == s.n_prompt), key=lambda s: s.seq_id)
+        prefilling = next((s for s in self._active if s.n_done < s.n_prompt), None)
         b = self._batch
-        b.clear()
-        outputs = []   # (seq, batch index of its logits)
-        for s in self._active:
-            if s.n_done == s.n_prompt:
-                outputs.append((s, b.add(s.last, s.n_past, s.seq_id, True)))
-        n_decode = b.n
-        budget = self.ctx.n_batch - b.n
-        for s in self._active:
-            if budget <= 0:
-                break
-            if s.n_done < s.n_prompt:
-                k = min(budget, s.n_prompt - s.n_done)
-                prompt, seq_id, start, end = s.req.prompt, s.seq_id, s.n_done, s.n_done + k
-                for pos in range(start, end):
-                    idx = b.add(prompt[pos], pos, seq_id, pos == s.n_prompt - 1)
-                s.n_done = end
-                budget -= k
-                if end == s.n_prompt:
-                    outputs.append((s, idx))
-        t1 = time.perf_counter()
+        if decoding:
+            b.clear()
+            for s in decoding:
+                b.add(s.last, s.n_past, s.seq_id, True)
+            t1 = time.perf_counter()
+            if not self._decode(b, decoding):
+                return
+            t2 = time.perf_counter()
+            for i, s in enumerate(decoding):
+                s.n_past += 1
+                self._accept(s, s.sampler.sample(self.ctx, i))
+            self.n_decode_tok += len(decoding)
+            self.t_decode_s += t2 - t1
+            if prefilling is None:
+                self.n_decode_only_steps += 1
+                self.t_decode_only_py_s += (time.perf_counter() - t0) - (t2 - t1)
+        if prefilling is not None:
+            s = prefilling
+            start, end = s.n_done, min(s.n_done + self.ctx.n_batch, s.n_prompt)
+            b.clear()
+            prompt, seq_id, last = s.req.prompt, s.seq_id, s.n_prompt - 1
+            for pos in range(start, end):
+                b.add(prompt[pos], pos, seq_id, pos == last)
+            t1 = time.perf_counter()
+            if not self._decode(b, [s]):
+                return
+            self.t_decode_s += time.perf_counter() - t1
+            s.n_done = s.n_past = end
+            self.n_prefill_tok += end - start
+            if end == s.n_prompt:
+                self._accept(s, s.sampler.sample(self.ctx, b.n - 1))
+        self.n_steps += 1
+        self.t_step_s += time.perf_counter() - t0
+
+    def _decode(self, b: Batch, seqs: List[_Seq]) -> bool:
+        """llama_decode; on failure the sequences in the batch end with the error."""
         try:
             self.ctx.decode(b)
+            return True
         except EngineError as e:
-            for s in list(self._active):
+            for s in seqs:
                 self._finish(s, None, e)
-            return
-        t2 = time.perf_counter()
-        for s in self._active:
-            s.n_past = s.n_done if s.n_past < s.n_prompt else s.n_past + 1
-        for s, idx in outputs:
-            self._accept(s, s.sampler.sample(self.ctx, idx))
-        t3 = time.perf_counter()
-        self.n_steps += 1
-        self.n_decode_tok += n_decode
-        self.n_prefill_tok += b.n - n_decode
-        self.t_decode_s += t2 - t1
-        self.t_step_s += t3 - t0
-        if b.n == n_decode:
-            self.n_decode_only_steps += 1
-            self.t_decode_only_py_s += (t3 - t0) - (t2 - t1)
+            return False
 
     def _accept(self, s: _Seq, tok: int) -> None:
         """A sampled token: record it, emit its text, and finish the sequence if done."""

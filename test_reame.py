@@ -468,7 +468,7 @@ def test_prompt_too_long_is_a_request_error(gemma):
         gemma.submit(list(range(10, 2000)))
     assert "context" in str(e.value)
     with pytest.raises(reame.RequestError):
-        gemma.submit("")
+        gemma.submit([])
 
 
 def test_bad_model_path_and_corrupt_gguf(tmp_path):
