@@ -273,11 +273,44 @@ class LlamaServer:
     def log_tail(self, n: int = 30) -> str:
         try:
             with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 300 * n))
                 return b"\n".join(f.read().splitlines()[-n:]).decode("utf-8", "replace")
         except OSError:
             return ""
 
-    def completion(self, body: dict, timeout_s: float = 900) -> dict:
+    def check_alive(self) -> None:
+        """Raise if llama-server exited or began shutting down (it then may never answer)."""
+        if self.proc.poll() is not None:
+            raise RuntimeError("llama-server exited with %s; log tail:\n%s" % (self.proc.returncode, self.log_tail()))
+        if "cleaning up before exit" in self.log_tail(5):
+            raise RuntimeError("llama-server is shutting down (did something send it SIGINT/SIGTERM?); "
+                               "log tail:\n%s" % self.log_tail())
+
+    def guarded(self, fn, *args):
+        """Run fn(*args) in a worker thread, so a server that dies mid-request raises here
+        instead of hanging the benchmark. Timing happens inside fn, in the worker."""
+        box = {}
+
+        def work():
+            try:
+                box["out"] = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
+                box["err"] = e
+
+        t = threading.Thread(target=work, name="bench-http", daemon=True)
+        t.start()
+        wait_joined(t, self)
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+    def completion(self, body: dict, timeout_s: float = 1800) -> dict:
+        return self.guarded(self._completion, body, timeout_s)
+
+    def completion_stream(self, body: dict, timeout_s: float = 1800) -> dict:
+        return self.guarded(self._completion_stream, body, timeout_s)
+
+    def _completion(self, body: dict, timeout_s: float) -> dict:
         """POST /completion (not streamed): the JSON answer plus client wall time."""
         data = json.dumps(body).encode()
         req = urllib.request.Request(self.base + "/completion", data=data, headers={"Content-Type": "application/json"})
@@ -287,7 +320,7 @@ class LlamaServer:
         out["_wall_s"] = time.perf_counter() - t0
         return out
 
-    def completion_stream(self, body: dict, timeout_s: float = 900) -> dict:
+    def _completion_stream(self, body: dict, timeout_s: float) -> dict:
         """POST /completion with stream: client times of the first token and of the end."""
         data = json.dumps(dict(body, stream=True)).encode()
         req = urllib.request.Request(self.base + "/completion", data=data, headers={"Content-Type": "application/json"})
@@ -323,6 +356,16 @@ class LlamaServer:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def wait_joined(thread: threading.Thread, srv: "LlamaServer", poll_s: float = 0.5) -> None:
+    """join() that checks every poll_s that llama-server is still alive (join returns at once
+    when the thread ends, so this adds no latency to what is measured)."""
+    while True:
+        thread.join(poll_s)
+        if not thread.is_alive():
+            return
+        srv.check_alive()
 
 
 def server_body(prompt_tokens: list, n_predict: int, sampling: str) -> dict:
@@ -408,7 +451,7 @@ def server_aggregate(srv, prompts: list, lens: list, sampling: str) -> dict:
     def one(i):
         start.wait()
         try:
-            outs[i] = srv.completion(server_body(prompts[i], lens[i], sampling))
+            outs[i] = srv._completion(server_body(prompts[i], lens[i], sampling), 1800)
         except Exception as e:  # noqa: BLE001 - reported below, in the main thread
             errors.append(e)
 
@@ -419,7 +462,7 @@ def server_aggregate(srv, prompts: list, lens: list, sampling: str) -> dict:
     t0 = time.perf_counter()
     start.wait()
     for t in threads:
-        t.join()
+        wait_joined(t, srv)
     wall = time.perf_counter() - t0
     if errors:
         raise errors[0]

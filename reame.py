@@ -1401,9 +1401,9 @@ class Engine:
     """
 
     def __init__(self, model, *, n_ctx: int = 4096, n_slots: int = 4, n_threads: Optional[int] = None,
-                 n_batch: int = 512, **context_kw):
+                 n_batch: int = 512, repack: bool = False, **context_kw):
         self._own_model = not isinstance(model, Model)
-        self.model = Model(model) if self._own_model else model
+        self.model = Model(model, repack=repack) if self._own_model else model
         self.n_ctx = min(n_ctx, self.model.n_ctx_train or n_ctx)
         self.n_slots = n_slots
         self.ctx = Context(self.model, n_ctx=self.n_ctx * n_slots, n_seq_max=n_slots, n_batch=n_batch,

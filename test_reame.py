@@ -514,3 +514,58 @@ def test_readme_test_command_is_what_ci_runs():
     main_cmd, test_cmd = blocks[0], blocks[1]
     assert "reame.py run" in main_cmd and "./build_llama.sh" in main_cmd
     assert test_cmd in ci.splitlines()
+
+
+def test_batched_equals_alone_long_prompts(gemma):
+    """Past 512 KV cells llama.cpp's CPU attention changes kernels; output must not."""
+    base = "Here is a long story about a kingdom by the sea, its kings, its ships and its people. " * 40
+    prompts = [_chat(gemma, base + q) for q in ["Summarize it.", "Who rules?", "List the ships.", "What next?"]]
+    assert all(len(p) > 600 for p in prompts)
+    alone = [gemma.complete(p, temperature=0, max_tokens=24).tokens for p in prompts]
+    reqs = [gemma.submit(p, temperature=0, max_tokens=24) for p in prompts]
+    assert [r.wait().tokens for r in reqs] == alone
+
+
+def test_interactive_chat_on_a_tty():
+    """On a terminal, `run MODEL` is a multi-turn chat with /reset and /exit."""
+    import pty
+    import select
+    pid, fd = pty.fork()
+    if pid == 0:  # child: the CLI on a pseudo-terminal
+        os.chdir(HERE)
+        os.execv(sys.executable, [sys.executable, "reame.py", "run", "qwen2.5-coder-0.5b",
+                                  "--temperature", "0", "--max-tokens", "16"])
+    out = b""
+
+    def read_until(marker, timeout=120):
+        nonlocal out
+        end = time.monotonic() + timeout
+        while marker not in out and time.monotonic() < end:
+            r, _, _ = select.select([fd], [], [], 0.5)
+            if r:
+                try:
+                    out += os.read(fd, 4096)
+                except OSError:
+                    break
+        return marker in out
+
+    try:
+        assert read_until(b">>> "), out
+        os.write(fd, b"My name is Ada. Reply with just OK.\n")
+        out = b""
+        assert read_until(b">>> "), out
+        os.write(fd, b"What is my name? One word.\n")
+        out = b""
+        assert read_until(b">>> "), out
+        assert b"Ada" in out  # the second turn saw the first: context is kept
+        os.write(fd, b"/reset\n")
+        assert read_until(b"cleared")
+        os.write(fd, b"/exit\n")
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+    finally:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+        os.close(fd)
