@@ -1402,6 +1402,9 @@ class Engine:
 
     def __init__(self, model, *, n_ctx: int = 4096, n_slots: int = 4, n_threads: Optional[int] = None,
                  n_batch: int = 512, repack: bool = False, **context_kw):
+        if _np is None:
+            log.info("numpy is not installed: greedy sampling uses llama.cpp's sampler chain "
+                     "(the same tokens, about 1 ms more per token)")
         self._own_model = not isinstance(model, Model)
         self.model = Model(model, repack=repack) if self._own_model else model
         self.n_ctx = min(n_ctx, self.model.n_ctx_train or n_ctx)

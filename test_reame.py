@@ -40,6 +40,13 @@ def test_sections_are_numbered_in_order():
         banners = [line for line in f if line.startswith("# == ")]
     numbers = [int(b.split()[2].rstrip(".")) for b in banners]
     assert numbers == list(range(1, len(numbers) + 1))
+    # the module docstring's table of contents names the same sections
+    import re
+    toc = re.findall(r"^ +(\d+)\. (.+)$", reame.__doc__, re.M)
+    names = [b[5:].rstrip("= \n").split(". ", 1)[1] for b in banners]
+    assert [int(n) for n, _ in toc] == numbers
+    for (_, doc_name), name in zip(toc, names):
+        assert doc_name.startswith(name.split(":")[0].split(" (")[0]), (doc_name, name)
 
 
 def test_import_without_libllama_numpy_zstandard():
@@ -569,3 +576,15 @@ def test_interactive_chat_on_a_tty():
         except OSError:
             pass
         os.close(fd)
+
+
+def test_greedy_same_without_numpy(gemma):
+    """numpy only accelerates: without it the greedy tokens are the same."""
+    prompt = "The three largest cities of Italy are"
+    want = gemma.complete(prompt, temperature=0, max_tokens=16).tokens
+    code = ("import sys, json\nsys.modules['numpy'] = None\nimport reame\n"
+            "e = reame.Engine(reame.resolve_model('gemma3-270m', pull=False), n_ctx=1024, n_slots=4)\n"
+            "print(json.dumps(e.complete(%r, temperature=0, max_tokens=16).tokens))\ne.close()\n" % prompt)
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
