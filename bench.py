@@ -56,9 +56,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import inspect
 import json
+import logging
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -69,6 +72,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import Optional
 
 import reame
 
@@ -95,6 +99,8 @@ TOPICS = [
     "a linked list with reverse, merge sort and cycle detection",
     "a simple key-value store with write-ahead log and compaction",
 ]
+
+NOISY_FRAC = 0.10  # other CPU use (fraction of one core) above which a run is flagged noisy
 
 _WORDS = ("alpha beta gamma delta value index count total buffer state node edge graph "
           "token batch cache queue stream frame layer model weight bias vector matrix "
@@ -158,6 +164,8 @@ class CpuNoise:
 
     def __init__(self):
         self.pids = []
+        self._last_pid_s = {}  # pid -> CPU seconds last read (kept once the process is gone)
+        self.reaped = set()
         self.t0 = time.monotonic()
         self.busy0, self.steal0 = self._system()
         self.own0 = self._own()
@@ -176,20 +184,39 @@ class CpuNoise:
 
     def _own(self):
         t = os.times()
-        total = t.user + t.system
+        total = t.user + t.system + t.children_user + t.children_system
         hz = os.sysconf("SC_CLK_TCK")
         for pid in self.pids:
             try:
                 with open("/proc/%d/stat" % pid) as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / hz  # utime, stime
+                self._last_pid_s[pid] = (int(fields[11]) + int(fields[12])) / hz  # utime, stime
             except (OSError, IndexError, ValueError):
                 pass
-        return total
+            # Once reaped, its time is in children_* above; until then, count the last reading.
+        return total + sum(self._last_pid_s.get(p, 0.0) for p in self.pids if not self._reaped(p))
+
+    def _reaped(self, pid: int) -> bool:
+        return pid in self.reaped
+
+    def mark_reaped(self, pid: int) -> None:
+        self.reaped.add(pid)
 
     def add_pid(self, pid: int) -> None:
         # The server's CPU time so far counts as ours from now on.
         self.pids.append(pid)
+
+    def mark(self) -> tuple:
+        busy, steal = self._system()
+        return time.monotonic(), busy, steal, self._own()
+
+    def since(self, mark: tuple) -> Optional[float]:
+        """Fraction of one core that other processes, or the hypervisor (steal), took since mark."""
+        t1, busy, steal, own = self.mark()
+        if busy is None or mark[1] is None:
+            return None
+        other = max(0.0, (busy - mark[1]) - (own - mark[3])) + (steal - mark[2])
+        return round(other / max(t1 - mark[0], 1e-9), 3)
 
     def report(self) -> dict:
         busy, steal = self._system()
@@ -217,7 +244,7 @@ class LlamaServer:
     """llama-server as a subprocess on a free loopback port; close() always stops it."""
 
     def __init__(self, binary: str, model_path: str, *, threads: int, n_parallel: int, ctx_per_slot: int,
-                 n_batch: int, log_path: str):
+                 n_batch: int, log_path: str, kv_unified: bool = True, repack: bool = True):
         if not os.access(binary, os.X_OK):
             raise SystemExit("llama-server not found at %s: build it with ./build_llama.sh --with-server, "
                              "pass --server PATH, or use --no-server" % binary)
@@ -232,7 +259,8 @@ class LlamaServer:
                 "-ngl", "0"]
         self.flags = []
         # Match Reame, and switch off work Reame does not do; only flags this build knows.
-        for flag, value in (("--kv-unified", None), ("--swa-full", None), ("-fa", "auto"),
+        for flag, value in (("--kv-unified" if kv_unified else "--no-kv-unified", None),
+                            ("--repack" if repack else "--no-repack", None), ("--swa-full", None), ("-fa", "auto"),
                             ("--cache-ram", "0"), ("--ctx-checkpoints", "0"), ("--no-cache-idle-slots", None),
                             ("--fit", "off"), ("--no-webui", None)):
             if self._knows(flag):
@@ -376,6 +404,58 @@ def server_body(prompt_tokens: list, n_predict: int, sampling: str) -> dict:
     return body
 
 
+# -- Reame engines ---------------------------------------------------------------------
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _param_default(fn, name):
+    try:
+        p = inspect.signature(fn).parameters.get(name)
+    except (TypeError, ValueError):
+        return None
+    return None if p is None or p.default is inspect.Parameter.empty else p.default
+
+
+def open_engine(model_path: str, **kw):
+    """A reame.Engine, plus what llama.cpp itself says it chose while loading it (KV layout,
+    weight repacking, flash attention), so llama-server can be started the same way."""
+    lg = logging.getLogger("reame.llama")  # where reame.py sends llama.cpp's log lines
+    cap, saved = _Capture(), (lg.level, lg.propagate)
+    lg.setLevel(logging.DEBUG)
+    lg.propagate = False
+    lg.addHandler(cap)
+    try:
+        eng = reame.Engine(model_path, **kw)
+    finally:
+        lg.removeHandler(cap)
+        lg.setLevel(saved[0])
+        lg.propagate = saved[1]
+    text = "\n".join(cap.lines)
+    m = re.search(r"kv_unified\s*=\s*(true|false)", text)
+    if m:
+        kv_unified = m.group(1) == "true"
+    else:  # no log lines: fall back to the defaults in reame.py's signatures
+        kv_unified = kw.get("kv_unified", _param_default(reame.Context.__init__, "kv_unified"))
+        kv_unified = True if kv_unified is None else kv_unified
+    if "model buffer size" in text:
+        repack = "REPACK" in text
+    else:
+        repack = kw.get("repack", _param_default(reame.Engine.__init__, "repack"))
+        repack = True if repack is None else repack  # older reame.py: llama.cpp's default
+    fa = re.search(r"flash_attn\s*=\s*(\w+)", text)
+    settings = {"kv_unified": kv_unified, "repack": repack, "flash_attn": fa.group(1) if fa else "auto",
+                "from_llama_log": bool(m)}
+    return eng, settings
+
+
 # -- the measurements ------------------------------------------------------------------
 
 
@@ -480,11 +560,12 @@ class Results:
         self.metrics = {}
         self.order = []
 
-    def add(self, metric: str, side: str, value) -> None:
+    def add(self, metric: str, side: str, value, noise: Optional[float] = None) -> None:
         if metric not in self.metrics:
-            self.metrics[metric] = {"reame": [], "server": []}
+            self.metrics[metric] = {"reame": [], "server": [], "reame_noise": [], "server_noise": []}
             self.order.append(metric)
         self.metrics[metric][side].append(value)
+        self.metrics[metric][side + "_noise"].append(noise)
 
     def summary(self) -> dict:
         out = {}
@@ -492,7 +573,9 @@ class Results:
             d = self.metrics[m]
             r, s = median(d["reame"]), median(d["server"])
             out[m] = {"reame": d["reame"], "server": d["server"], "reame_median": r, "server_median": s,
-                      "ratio": (r / s) if r is not None and s else None}
+                      "ratio": (r / s) if r is not None and s else None,
+                      # per run: fraction of one core taken by other processes + steal while it ran
+                      "reame_noise": d["reame_noise"], "server_noise": d["server_noise"]}
         return out
 
 
@@ -511,18 +594,25 @@ def run(args) -> dict:
     noise = CpuNoise()
     srv = None
     eng = None
+    settings = {}
     try:
+        t_load = time.perf_counter()
+        eng, settings = open_engine(model_path, n_ctx=args.ctx, n_slots=n_slots, n_threads=args.threads,
+                                    n_batch=args.batch)
+        log("Reame engine: %s, %d slots x %d ctx, %d threads, batch %d, %s KV, repack %s, flash attn %s "
+            "(%.1f s to load)" % (os.path.basename(model_path), n_slots, eng.n_ctx, args.threads, args.batch,
+                                  "unified" if settings["kv_unified"] else "per-sequence",
+                                  "on" if settings["repack"] else "off", settings["flash_attn"],
+                                  time.perf_counter() - t_load))
         if not args.no_server:
-            # Started before the Engine, from the main thread: prctl(PDEATHSIG) follows this thread.
+            kv = settings["kv_unified"] if args.server_kv == "match" else args.server_kv == "unified"
+            rp = settings["repack"] if args.server_repack == "match" else args.server_repack == "on"
+            # Started from the main thread: prctl(PDEATHSIG) follows the thread that forked.
             srv = LlamaServer(args.server, model_path, threads=args.threads, n_parallel=n_slots,
-                              ctx_per_slot=args.ctx, n_batch=args.batch, log_path=args.server_log)
+                              ctx_per_slot=args.ctx, n_batch=args.batch, log_path=args.server_log,
+                              kv_unified=kv, repack=rp)
             log("llama-server pid %d on port %d: %s" % (srv.proc.pid, srv.port, " ".join(srv.args[1:])))
             noise.add_pid(srv.proc.pid)
-        t_load = time.perf_counter()
-        eng = reame.Engine(model_path, n_ctx=args.ctx, n_slots=n_slots, n_threads=args.threads, n_batch=args.batch)
-        log("Reame engine: %s, %d slots x %d ctx, %d threads, batch %d (%.1f s to load)" % (
-            os.path.basename(model_path), n_slots, eng.n_ctx, args.threads, args.batch, time.perf_counter() - t_load))
-        if srv:
             srv.wait_ready()
             log("llama-server ready")
 
@@ -537,48 +627,58 @@ def run(args) -> dict:
             log("repeat %d/%d" % (r + 1, args.repeats))
             # 1. single-stream decode
             toks = chat_tokens(eng, long_answer_prompt(TOPICS[r % len(TOPICS)], "d%d" % r))
-            a = _steps_snapshot(eng)
+            a, m = _steps_snapshot(eng), noise.mark()
             rd = reame_decode(eng, toks, args.gen_tokens)
+            nz = noise.since(m)
             notes.setdefault("_decode_steps", []).append(_steps_delta(a, _steps_snapshot(eng)))
             notes["decode_lens"].append(rd["n_gen"])
             notes.setdefault("decode_prompt_lens", []).append(len(toks))
-            res.add("decode tok/s (1 stream)", "reame", rd["tok_s"])
-            res.add("  engine-reported decode tok/s", "reame", rd["engine_tok_s"])
-            res.add("time to first token s (chat prompt)", "reame", rd["ttft_s"])
+            res.add("decode tok/s (1 stream)", "reame", rd["tok_s"], nz)
+            res.add("  engine-reported decode tok/s", "reame", rd["engine_tok_s"], nz)
+            res.add("time to first token s (chat prompt)", "reame", rd["ttft_s"], nz)
             if rd["n_gen"] < args.gen_tokens // 2:
                 log("note: Reame stopped after %d tokens (%s); the server is asked for the same count"
                     % (rd["n_gen"], rd["finish"]))
             if srv:
+                m = noise.mark()
                 sd = server_decode(srv, toks, max(rd["n_gen"], 2), args.server_sampling)
-                res.add("decode tok/s (1 stream)", "server", sd["tok_s"])
-                res.add("  engine-reported decode tok/s", "server", sd["server_tok_s"])
-                res.add("time to first token s (chat prompt)", "server", sd["ttft_s"])
+                nz = noise.since(m)
+                res.add("decode tok/s (1 stream)", "server", sd["tok_s"], nz)
+                res.add("  engine-reported decode tok/s", "server", sd["server_tok_s"], nz)
+                res.add("time to first token s (chat prompt)", "server", sd["ttft_s"], nz)
                 k = min(len(rd["tokens"]), len(sd["tokens"]))
                 diverge = next((i for i in range(k) if rd["tokens"][i] != sd["tokens"][i]), None)
                 notes["greedy_match"].append("identical" if diverge is None and k else
                                              ("no server tokens" if not k else "diverge at %d" % diverge))
             # 2. prefill
             ptoks = make_prefill_tokens(eng.model, rng, args.prefill_tokens)
+            m = noise.mark()
             rp = reame_prefill(eng, ptoks)
-            res.add("prefill tok/s (%d-tok prompt)" % len(ptoks), "reame", rp["tok_s"])
-            res.add("  engine-reported prefill tok/s", "reame", rp["engine_tok_s"])
+            nz = noise.since(m)
+            res.add("prefill tok/s (%d-tok prompt)" % len(ptoks), "reame", rp["tok_s"], nz)
+            res.add("  engine-reported prefill tok/s", "reame", rp["engine_tok_s"], nz)
             if srv:
+                m = noise.mark()
                 sp = server_prefill(srv, ptoks, args.server_sampling)
-                res.add("prefill tok/s (%d-tok prompt)" % len(ptoks), "server", sp["tok_s"])
-                res.add("  engine-reported prefill tok/s", "server", sp["server_tok_s"])
+                nz = noise.since(m)
+                res.add("prefill tok/s (%d-tok prompt)" % len(ptoks), "server", sp["tok_s"], nz)
+                res.add("  engine-reported prefill tok/s", "server", sp["server_tok_s"], nz)
                 notes["prefill_server_prompt_n"].append([sp["n_prompt"], sp["cached"]])
             # 3. aggregate throughput with N streams
             for n in streams:
                 prompts = [chat_tokens(eng, long_answer_prompt(TOPICS[(r * 7 + i) % len(TOPICS)], "a%d-%d-%d" % (r, n, i)))
                            for i in range(n)]
-                a = _steps_snapshot(eng)
+                a, m = _steps_snapshot(eng), noise.mark()
                 ra = reame_aggregate(eng, prompts, args.gen_tokens)
+                nz = noise.since(m)
                 notes.setdefault("_agg_steps_%d" % n, []).append(_steps_delta(a, _steps_snapshot(eng)))
                 notes["agg_lens"].setdefault(n, []).append(ra["lens"])
-                res.add("aggregate tok/s, %d stream%s" % (n, "s" if n > 1 else ""), "reame", ra["tok_s"])
+                res.add("aggregate tok/s, %d stream%s" % (n, "s" if n > 1 else ""), "reame", ra["tok_s"], nz)
                 if srv:
+                    m = noise.mark()
                     sa = server_aggregate(srv, prompts, [max(x, 1) for x in ra["lens"]], args.server_sampling)
-                    res.add("aggregate tok/s, %d stream%s" % (n, "s" if n > 1 else ""), "server", sa["tok_s"])
+                    nz = noise.since(m)
+                    res.add("aggregate tok/s, %d stream%s" % (n, "s" if n > 1 else ""), "server", sa["tok_s"], nz)
         # Python time per decode-only step, from Reame's own counters, per section.
         for key in [k for k in notes if k.startswith("_")]:
             d = notes.pop(key)
@@ -597,6 +697,7 @@ def run(args) -> dict:
             eng.close()
         if srv is not None:
             srv.close()
+            noise.mark_reaped(srv.proc.pid)
             log("llama-server stopped")
     out = {
         "config": {"model": os.path.basename(model_path), "threads": args.threads, "repeats": args.repeats,
@@ -604,7 +705,7 @@ def run(args) -> dict:
                    "ctx_per_slot": args.ctx, "n_batch": args.batch, "slots": n_slots,
                    "server_sampling": None if args.no_server else args.server_sampling,
                    "server_cmd": None if srv is None else " ".join(srv.args),
-                   "reame_version": getattr(reame, "__version__", "?"), "kv_unified": True},
+                   "reame_version": getattr(reame, "__version__", "?"), "reame_settings": settings},
         "metrics": res.summary(),
         "notes": notes,
         "noise": noise.report(),
@@ -630,10 +731,13 @@ def print_table(out: dict, stream=sys.stdout) -> None:
     for name, m in out["metrics"].items():
         digits = 3 if name.startswith("time") else 1
         ratio = m["ratio"]
-        runs = " ".join(_fmt(x, digits) for x in m["reame"]) + " | " + " ".join(_fmt(x, digits) for x in m["server"])
+        runs = " | ".join(" ".join(_fmt(x, digits) + ("*" if (z or 0) > NOISY_FRAC else "")
+                                   for x, z in zip(m[side], m[side + "_noise"])) for side in ("reame", "server"))
         w("%-42s %10s %10s %8s   %s\n" % (name, _fmt(m["reame_median"], digits), _fmt(m["server_median"], digits),
                                           (_fmt(ratio, 2) + "x") if ratio is not None else "-", runs))
     w("(time to first token: lower is better, so there a ratio < 1 means Reame is faster)\n")
+    w("(* = a run during which other processes or the hypervisor took > %d%% of one core: noisy)\n"
+      % (100 * NOISY_FRAC))
     n = out["notes"]
     w("\nReame Python time around llama_decode (the scheduler's own overhead):\n")
     for label, d in n["python_ms_per_decode_step"].items():
@@ -650,7 +754,8 @@ def print_table(out: dict, stream=sys.stdout) -> None:
     if "other_cpu_s" in nz:
         w("\nnoise: other processes used %.1f CPU-s over %.1f s (%.0f%% of one core), steal %.1f s, %s cores%s\n"
           % (nz["other_cpu_s"], nz["wall_s"], 100 * nz["other_cpu_frac_of_one_core"], nz["steal_s"], nz["cores"],
-             "  <- NOISY: other work ran during the benchmark" if nz["other_cpu_frac_of_one_core"] > 0.05 else ""))
+             "  <- NOISY: other work ran during the benchmark"
+             if (nz["other_cpu_s"] + nz["steal_s"]) / max(nz["wall_s"], 1e-9) > NOISY_FRAC else ""))
     if c.get("server_cmd"):
         w("server: %s\n" % c["server_cmd"])
 
@@ -674,6 +779,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="smoke test: gemma3-270m, few tokens, under a minute")
     p.add_argument("--seed", type=int, default=1234, help="seed for the random prefill prompts")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON instead of the table")
+    p.add_argument("--save-json", default=None, metavar="PATH", help="also write the JSON to PATH")
     args = p.parse_args(argv)
     q = args.quick
     args.model = args.model or ("gemma3-270m" if q else "qwen2.5-coder-1.5b")
@@ -705,6 +811,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         log("interrupted")
         return 130
+    if args.save_json:
+        with open(args.save_json, "w") as f:
+            json.dump(out, f, indent=2)
     if args.json:
         json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
