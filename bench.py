@@ -5,6 +5,7 @@
     python3 bench.py --quick              gemma3-270m, few tokens: a smoke test (< 1 minute)
     python3 bench.py --model PATH --threads 4 --repeats 5 --streams 1,4 --json
     python3 bench.py --no-server          Reame only (no llama-server needed)
+    python3 bench.py --variants           also Reame vs itself: KV layout x weight repacking
 
 What it measures (every number is client-side wall clock, taken the same way for both):
 
@@ -30,8 +31,14 @@ Fairness, written down:
   * Same source tree (``_llama/llama-server`` is built by ``./build_llama.sh --with-server``),
     same GGUF, same threads (-t and -tb), same batch (-b = -ub = Reame's n_batch), flash
     attention auto on both (llama.cpp's default), same total KV cells (-c = ctx * slots),
-    unified KV on both (--kv-unified), full SWA cache on both (--swa-full; Reame always
-    keeps it so cached prefixes stay valid for sliding-window models), temperature 0.
+    full SWA cache on both (--swa-full; Reame keeps it so cached prefixes stay valid for
+    sliding-window models), temperature 0.
+  * KV layout and weight repacking follow Reame by default (--server-kv/--server-repack
+    match): bench.py reads what llama.cpp itself logged while building Reame's context
+    (``kv_unified = ...``, a ``CPU_REPACK`` buffer or not) and starts llama-server with
+    --kv-unified or --no-kv-unified, --repack or --no-repack to match. The ratios then
+    compare the engines (scheduler, batching, sampling, Python) on identical kernels.
+    --server-kv unified / --server-repack on compare against llama-server's fastest setup.
   * llama-server's extra work that Reame does not do is switched off: prompt cache in RAM
     (--cache-ram 0), context checkpoints (--ctx-checkpoints 0), and by default its sampler
     chain is cut to top_k=1 (the same argmax as Reame's greedy sampler; --server-sampling
@@ -39,16 +46,19 @@ Fairness, written down:
   * Reame is driven in-process through its Engine API; llama-server over loopback HTTP.
     That costs the server well under a millisecond per request or streamed token, which
     is why its own ``timings`` are printed next to the client-side numbers.
-  * Neither side is warmed by its own startup warm-up only: bench.py sends one untimed
-    request to each before timing.
+  * Both get one untimed warm-up request before anything is timed.
+  * Noise: bench.py counts the CPU time other processes (and the hypervisor, as steal)
+    took during each run and marks runs where that exceeded 10% of one core with ``*``.
 
-KV layout: Reame creates its context with ``kv_unified=True`` (one KV buffer for all
-sequences), because that is what lets ``llama_memory_seq_cp`` share cells between a cached
-prefix and a new request, or between the N candidates of a best-of, instead of copying
-them. llama.h warns that a unified buffer can be slower when sequences share nothing.
-Measuring Reame unified vs not unified is NOT possible through the public Engine API
-(kv_unified is fixed inside Engine), so bench.py does not try; llama-server here runs
-unified too, so the comparison is like for like.
+KV layout: DESIGN.md planned one unified KV buffer (``kv_unified``) so that
+``llama_memory_seq_cp`` can share cells between a cached prefix and a new request, or
+between the N candidates of a best-of, instead of copying them; llama.h warns that a
+unified buffer can be slower when sequences share nothing. reame.py now defaults to one
+KV stream per sequence and no weight repacking, because both make greedy output
+independent of who else shares the batch (see Context and Model in reame.py). What that
+costs is measured, not guessed: ``--variants`` runs Reame against itself with unified vs
+per-sequence KV and repacking on vs off (Engine(kv_unified=..., repack=...)), alternating,
+at the largest stream count, and the table prints each next to Reame's default.
 
 Benchmarks are never timed tests: this is a standalone script, standard library only.
 """
@@ -699,6 +709,8 @@ def run(args) -> dict:
             srv.close()
             noise.mark_reaped(srv.proc.pid)
             log("llama-server stopped")
+    if args.variants:
+        variants = run_variants(args, model_path, settings, noise)
     out = {
         "config": {"model": os.path.basename(model_path), "threads": args.threads, "repeats": args.repeats,
                    "gen_tokens": args.gen_tokens, "prefill_tokens": args.prefill_tokens, "streams": streams,
@@ -710,7 +722,93 @@ def run(args) -> dict:
         "notes": notes,
         "noise": noise.report(),
     }
+    if args.variants:
+        out["variants"] = variants
     return out
+
+
+VARIANTS = [  # label, Engine keyword arguments (reame.py passes kv_unified on to its Context)
+    ("per-seq KV, no repack", {"kv_unified": False, "repack": False}),
+    ("unified KV, no repack", {"kv_unified": True, "repack": False}),
+    ("per-seq KV, repack", {"kv_unified": False, "repack": True}),
+    ("unified KV, repack", {"kv_unified": True, "repack": True}),
+]
+
+
+def run_variants(args, model_path: str, default: dict, noise: CpuNoise) -> dict:
+    """Reame against itself: KV layout x weight repacking, alternating like the main runs.
+
+    Every variant gets its own prompts (same lengths), so no cache can carry work over.
+    """
+    n = max(args.streams)
+    engines, skipped = {}, {}
+    metrics = ["decode tok/s (1 stream)", "prefill tok/s (%d-tok prompt)" % args.prefill_tokens,
+               "aggregate tok/s, %d stream%s" % (n, "s" if n > 1 else "")]
+    vals = {m: {} for m in metrics}
+    noisy = {m: {} for m in metrics}
+    try:
+        for label, kw in VARIANTS:
+            try:
+                eng, st = open_engine(model_path, n_ctx=args.ctx, n_slots=n, n_threads=args.threads,
+                                      n_batch=args.batch, **kw)
+            except TypeError as e:  # an older reame.py without these options
+                skipped[label] = str(e)
+                continue
+            if (st["kv_unified"], st["repack"]) != (kw["kv_unified"], kw["repack"]):
+                log("variant %s: llama.cpp reports kv_unified=%s repack=%s" % (label, st["kv_unified"], st["repack"]))
+            engines[label] = eng
+            eng.submit(chat_tokens(eng, long_answer_prompt("a hello world program", "warm-up")),
+                       temperature=0, max_tokens=8).wait()
+        rng = random.Random(args.seed + 1)
+        labels = list(engines)
+        for r in range(args.repeats):
+            log("variants repeat %d/%d" % (r + 1, args.repeats))
+            order = labels[r % len(labels):] + labels[:r % len(labels)]  # rotate who goes first
+            for vi, label in enumerate(order):
+                eng = engines[label]
+                k = r * len(labels) + vi
+                for metric, fn in (
+                        (metrics[0], lambda: reame_decode(
+                            eng, chat_tokens(eng, long_answer_prompt(TOPICS[k % len(TOPICS)], "vd%d" % k)),
+                            args.gen_tokens)),
+                        (metrics[1], lambda: reame_prefill(eng, make_prefill_tokens(eng.model, rng, args.prefill_tokens))),
+                        (metrics[2], lambda: reame_aggregate(
+                            eng, [chat_tokens(eng, long_answer_prompt(TOPICS[(k * 3 + i) % len(TOPICS)], "va%d-%d" % (k, i)))
+                                  for i in range(n)], args.gen_tokens))):
+                    m = noise.mark()
+                    value = fn()["tok_s"]
+                    vals[metric].setdefault(label, []).append(value)
+                    noisy[metric].setdefault(label, []).append(noise.since(m))
+    finally:
+        for eng in engines.values():
+            eng.close()
+    default_label = next((lb for lb, kw in VARIANTS if kw["kv_unified"] == default.get("kv_unified")
+                          and kw["repack"] == default.get("repack")), None)
+    table = {}
+    for metric in metrics:
+        base = median(vals[metric].get(default_label, []))
+        table[metric] = {lb: {"runs": v, "noise": noisy[metric][lb], "median": median(v),
+                              "ratio_vs_default": (median(v) / base) if base else None}
+                         for lb, v in vals[metric].items()}
+    return {"streams": n, "default": default_label, "metrics": table, "skipped": skipped}
+
+
+def print_variants(v: dict, w) -> None:
+    w("\nReame variants, KV layout x weight repacking (median, ratio vs Reame's default = *; "
+      "runs alternate, * after a run = noisy):\n")
+    metrics = list(v["metrics"])
+    labels = [lb for lb, _ in VARIANTS if any(lb in v["metrics"][m] for m in metrics)]
+    w("%-26s" % "variant" + "".join("%34s" % m for m in metrics) + "\n")
+    for lb in labels:
+        cells = []
+        for m in metrics:
+            d = v["metrics"][m].get(lb)
+            cells.append("%34s" % ("-" if not d else "%s (%sx)  [%s]" % (
+                _fmt(d["median"]), _fmt(d["ratio_vs_default"], 2),
+                " ".join(_fmt(x) + ("*" if (z or 0) > NOISY_FRAC else "") for x, z in zip(d["runs"], d["noise"])))))
+        w("%-26s" % (lb + (" *" if lb == v["default"] else "")) + "".join(cells) + "\n")
+    for lb, why in v["skipped"].items():
+        w("  skipped %s: %s\n" % (lb, why))
 
 
 def _fmt(x, digits=1):
@@ -724,6 +822,13 @@ def print_table(out: dict, stream=sys.stdout) -> None:
     w = stream.write
     w("Reame vs llama-server: %s, %d threads, median of %d alternating repeats, temperature 0\n"
       % (c["model"], c["threads"], c["repeats"]))
+    st = c.get("reame_settings") or {}
+    if st:
+        w("Reame: %s KV, weight repacking %s, flash attention %s; llama-server: %s\n" % (
+            "unified" if st.get("kv_unified") else "per-sequence", "on" if st.get("repack") else "off",
+            st.get("flash_attn"), "not run" if not c.get("server_cmd") else "%s KV, repacking %s, sampler %s" % (
+                "unified" if "--kv-unified" in c["server_cmd"].split() else "per-sequence",
+                "off" if "--no-repack" in c["server_cmd"].split() else "on", c.get("server_sampling"))))
     w("(client-side wall clock unless marked engine-reported; ratio = Reame / server, for tok/s > 1 means "
       "Reame is faster)\n\n")
     w("%-42s %10s %10s %8s   %s\n" % ("metric", "Reame", "server", "ratio", "runs (Reame | server)"))
@@ -750,6 +855,8 @@ def print_table(out: dict, stream=sys.stdout) -> None:
         w("tokens per stream, %s streams: %s\n" % (k, v))
     if n["prefill_server_prompt_n"]:
         w("server prefill [prompt_n, cache_n] per repeat: %s (cache_n should be 0)\n" % n["prefill_server_prompt_n"])
+    if "variants" in out:
+        print_variants(out["variants"], w)
     nz = out["noise"]
     if "other_cpu_s" in nz:
         w("\nnoise: other processes used %.1f CPU-s over %.1f s (%.0f%% of one core), steal %.1f s, %s cores%s\n"
@@ -774,6 +881,14 @@ def parse_args(argv=None):
     p.add_argument("--server-sampling", choices=("greedy", "default"), default="greedy",
                    help="greedy: server sampler chain cut to top_k=1 (same work as Reame); default: the server's "
                         "full temperature-0 chain")
+    p.add_argument("--server-kv", choices=("match", "unified", "split"), default="match",
+                   help="llama-server KV layout: match (what Reame's context reports; default), unified "
+                        "(--kv-unified) or split (one stream per slot)")
+    p.add_argument("--server-repack", choices=("match", "on", "off"), default="match",
+                   help="llama-server weight repacking: match Reame (default), on, or off (--no-repack)")
+    p.add_argument("--variants", action="store_true",
+                   help="also run Reame against itself: unified vs per-sequence KV x repack on/off "
+                        "(decode, prefill, aggregate at the largest --streams)")
     p.add_argument("--server-log", default=None, help="llama-server log file (default: a temp file)")
     p.add_argument("--no-server", action="store_true", help="Reame only")
     p.add_argument("--quick", action="store_true", help="smoke test: gemma3-270m, few tokens, under a minute")

@@ -151,9 +151,10 @@ if [ "$need_build" = 1 ]; then
   cmake --build "$BDIR/cmake" --config Release -j "$JOBS" "${targets[@]}" 2>&1 | tee "$BDIR/build.log" \
     | grep --line-buffered -E '^\[ *[0-9]+(/[0-9]+|%)' | sed -u -e "s/^\(.\{0,100\}\).*/[build_llama]   \1/" >&2 || true
   [ "${PIPESTATUS[0]}" = 0 ] || { tail -30 "$BDIR/build.log" >&2; die "build failed (full log: $BDIR/build.log)"; }
-  # Collect the libraries (real files, with their symlink names) into $BDIR/lib.
+  # Collect every shared library the build made (libllama, libggml*, and for the server
+  # libllama-common, libmtmd, ...), real files with their symlink names, into $BDIR/lib.
   rm -rf "$BDIR/lib.tmp"; mkdir -p "$BDIR/lib.tmp"
-  find "$BDIR/cmake" \( -name 'libllama*.so*' -o -name 'libggml*.so*' -o -name 'libllama*.dylib' -o -name 'libggml*.dylib' \) \
+  find "$BDIR/cmake" \( -name 'lib*.so*' -o -name 'lib*.dylib' \) \( -type f -o -type l \) \
     -exec cp -P {} "$BDIR/lib.tmp/" \;
   ls "$BDIR/lib.tmp" | grep -q '^libllama' || die "build finished but no libllama was produced (see $BDIR/build.log)"
   rm -rf "$BDIR/lib"; mv "$BDIR/lib.tmp" "$BDIR/lib"
@@ -174,16 +175,16 @@ rm -rf "$OUT.tmp"; mkdir -p "$OUT.tmp"
 cp -P "$BDIR"/lib/* "$OUT.tmp/"
 [ "$WITH_SERVER" = 1 ] || rm -f "$OUT.tmp/llama-server"
 LLAMA_H_SHA256="$(sha256_of "$SRC/include/llama.h")"
-python3 - "$OUT.tmp/manifest.json" <<EOF
+python3 - "$OUT.tmp/manifest.json" "${FLAGS[@]}" <<EOF
 import json, sys, time
 json.dump({
     "source": "$SRC_KIND", "source_id": "$SRC_ID", "source_sha256": "$SRC_SHA256",
     "source_dir": "$SRC", "llama_h_sha256": "$LLAMA_H_SHA256",
     "build_number": $BUILD_NUMBER, "arch": "$ARCH", "os": "$OS",
-    "flags": """${FLAGS[*]}""".split(), "ggml_native": "$NATIVE", "cxx": "$CXX_BIN",
+    "flags": sys.argv[2:], "ggml_native": "$NATIVE", "cxx": "$CXX_BIN",
     "with_server": bool($WITH_SERVER), "cache_dir": "$BDIR",
     "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
 }, open(sys.argv[1], "w"), indent=2)
 EOF
 rm -rf "$OUT"; mv "$OUT.tmp" "$OUT"
-say "ready: $OUT ($(ls "$OUT" | grep -c -E '\.(so|dylib)') libraries$([ "$WITH_SERVER" = 1 ] && echo ', llama-server'))"
+say "ready: $OUT ($(find "$OUT" -type f \( -name '*.so*' -o -name '*.dylib' \) | wc -l | tr -d ' ') libraries$([ "$WITH_SERVER" = 1 ] && echo ', llama-server'))"
