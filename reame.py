@@ -1297,8 +1297,9 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
 # == 9. Engine: the scheduler thread and continuous batching ====================
 # HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
 # thread owns the llama context: each step it admits waiting requests into free
-# slots, builds ONE batch with a decode token for every generating sequence plus
-# prefill chunks (budget n_batch), runs llama_decode, samples, and emits text.
+# slots, runs ONE llama_decode with the next token of every generating sequence,
+# then one prefill chunk of a new prompt in its own llama_decode (see _step for why),
+# samples, and emits text.
 
 
 @dataclasses.dataclass
@@ -1475,6 +1476,7 @@ class Engine:
         self._closing = True
         self._incoming.put(_STOP)
         self._thread.join()
+        self._fail_all(EngineError("engine is shut down"))  # a submit that raced close()
         self._batch.close()
         self.ctx.close()
         if self._own_model:
