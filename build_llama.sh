@@ -148,9 +148,15 @@ if [ "$need_build" = 1 ]; then
   [ "$WITH_SERVER" = 1 ] && targets+=(--target llama-server)
   say "compiling with $JOBS jobs (about 4 minutes on 2 cores for the libraries, 3 more for llama-server)"
   # Progress: cmake/ninja print [n/N] lines; show them as they come.
+  # (a read loop, not grep|sed: their line buffering differs between GNU and BSD)
+  set +e
   cmake --build "$BDIR/cmake" --config Release -j "$JOBS" "${targets[@]}" 2>&1 | tee "$BDIR/build.log" \
-    | grep --line-buffered -E '^\[ *[0-9]+(/[0-9]+|%)' | sed -u -e "s/^\(.\{0,100\}\).*/[build_llama]   \1/" >&2 || true
-  [ "${PIPESTATUS[0]}" = 0 ] || { tail -30 "$BDIR/build.log" >&2; die "build failed (full log: $BDIR/build.log)"; }
+    | while IFS= read -r line; do
+        case "$line" in "["*) printf '[build_llama]   %.100s\n' "$line" >&2 ;; esac
+      done
+  rc="${PIPESTATUS[0]}"
+  set -e
+  [ "$rc" = 0 ] || { tail -30 "$BDIR/build.log" >&2; die "build failed (full log: $BDIR/build.log)"; }
   # Collect every shared library the build made (libllama, libggml*, and for the server
   # libllama-common, libmtmd, ...), real files with their symlink names, into $BDIR/lib.
   rm -rf "$BDIR/lib.tmp"; mkdir -p "$BDIR/lib.tmp"
