@@ -1982,6 +1982,13 @@ before failing over to the PyPI mirror, default 5).
 """
 
 
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="alias, path to a .gguf, or hf://owner/repo/file.gguf")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores "
+                   "allowed by affinity and cgroup quota, here %d)" % pick_threads())
+    p.add_argument("--ctx", type=int, default=4096, help="context length per sequence in tokens (default 4096)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="reame.py", description="Reame: a small, fast LLM inference server on llama.cpp for cheap CPUs.",
@@ -1993,11 +2000,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        description="Resolve (and pull) MODEL, then answer PROMPT (or piped stdin) and exit; "
                                    "on a terminal with no PROMPT, chat interactively (/reset, /exit).",
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("model", help="alias, path to a .gguf, or hf://owner/repo/file.gguf")
+    _add_model_args(r)
     r.add_argument("prompt", nargs="?", help="one prompt to answer (default: read stdin, or chat on a tty)")
-    r.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores "
-                   "allowed by affinity and cgroup quota, here %d)" % pick_threads())
-    r.add_argument("--ctx", type=int, default=4096, help="context length in tokens (default 4096)")
     r.add_argument("--temperature", type=float, default=0.7, help="0 = greedy, deterministic (default 0.7)")
     r.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens (default: "
                    "until the model stops or the context is full)")
@@ -2009,12 +2013,10 @@ def _build_parser() -> argparse.ArgumentParser:
                         description="Serve MODEL at /v1/chat/completions, /v1/completions, /v1/models, "
                                     "/health and /metrics. Keys: --api-key, --api-key-file or REAME_API_KEY.",
                         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sv.add_argument("model", help="alias, path to a .gguf, or hf://owner/repo/file.gguf")
+    _add_model_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     sv.add_argument("--parallel", type=int, default=4, help="sequences decoded together (default 4)")
-    sv.add_argument("--ctx", type=int, default=4096, help="context per sequence in tokens (default 4096)")
-    sv.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores)")
     sv.add_argument("--api-key", action="append", default=[], help="accept this bearer key (repeatable)")
     sv.add_argument("--api-key-file", help="a file with one key per line")
 

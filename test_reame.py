@@ -732,3 +732,22 @@ def test_server_with_openai_client(server):
         bad.models.list()
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="gemma3-270m", prompt="word " * 3000, max_tokens=4)
+
+
+def test_serve_cli_answers_and_exits_0_on_sigterm():
+    import re
+    import signal
+    import urllib.request
+    p = subprocess.Popen([sys.executable, "reame.py", "serve", "gemma3-270m", "--port", "0", "--parallel", "2"],
+                         cwd=HERE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        line = p.stderr.readline()
+        m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        assert m, line
+        with urllib.request.urlopen("http://127.0.0.1:%s/health" % m.group(1), timeout=30) as r:
+            assert json.loads(r.read())["status"] == "ok"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
