@@ -928,10 +928,10 @@ class SamplingParams:
             bad("top_p", "must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be between 0 and 1")
-        if self.top_k < 0:
-            bad("top_k", "must be >= 0")
-        if self.repeat_penalty <= 0:
-            bad("repeat_penalty", "must be > 0")
+        if not 0 <= self.top_k < 2 ** 31:
+            bad("top_k", "must be between 0 and 2^31-1")
+        if not 0 < self.repeat_penalty <= 100:
+            bad("repeat_penalty", "must be in (0, 100]")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", "must be between -2 and 2")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -1805,7 +1805,7 @@ def params_from_body(body: dict, max_tokens_cap: int) -> SamplingParams:
         top_p=float(_field(body, "top_p", num, 1.0, why="a number in (0, 1]")),
         top_k=_field(body, "top_k", int, 40, why="an integer >= 0"),
         min_p=float(_field(body, "min_p", num, 0.0, why="a number in [0, 1]")),
-        repeat_penalty=float(_field(body, "repeat_penalty", num, 1.0, why="a number > 0")),
+        repeat_penalty=float(_field(body, "repeat_penalty", num, 1.0, why="a number in (0, 100]")),
         presence_penalty=float(_field(body, "presence_penalty", num, 0.0, why="a number in [-2, 2]")),
         frequency_penalty=float(_field(body, "frequency_penalty", num, 0.0, why="a number in [-2, 2]")),
         seed=_field(body, "seed", int, None, why="an integer"),

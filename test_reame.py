@@ -727,12 +727,302 @@ def test_server_with_openai_client(server):
     assert "".join(parts) == text
     c = client.completions.create(model="gemma3-270m", prompt="One, two,", temperature=0, max_tokens=4)
     assert c.choices[0].text
+    two = client.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": "Hi"}],
+                                         temperature=0, max_tokens=8, n=2)
+    assert [ch.index for ch in two.choices] == [0, 1]
+    assert [ch.message.content for ch in two.choices] == [text, text]  # greedy: both the same answer
     assert [m.id for m in client.models.list()] == ["gemma3-270m"]
     bad = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % server.port, api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="gemma3-270m", prompt="word " * 3000, max_tokens=4)
+
+
+def _sse(payload: bytes) -> list:
+    events = [line[6:] for line in payload.decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_server_n_choices_share_one_prefill(server, gemma):
+    """n=3 runs one prefill, decodes the choices in shared steps, and seeds them apart."""
+    body = {"prompt": "Write a short poem about the sea.", "max_tokens": 16, "temperature": 1.0, "seed": 7, "n": 3}
+    pre, steps = gemma.stats()["prefills"], gemma.n_steps
+    status, payload = _http(server, "POST", "/v1/completions", body)
+    assert status == 200, payload
+    out = json.loads(payload)
+    assert gemma.stats()["prefills"] == pre + 1
+    assert gemma.n_steps - steps < 2 * 16  # 3 x 16 tokens in shared steps, not 48 steps
+    texts = [c["text"] for c in out["choices"]]
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2] and len(set(texts)) > 1, texts
+    assert 16 < out["usage"]["completion_tokens"] <= 48  # all choices counted...
+    assert out["usage"]["prompt_tokens"] == len(gemma.model.tokenize(body["prompt"]))  # ...the prompt once
+    # streaming: chunks tagged by index reassemble the same three answers (same seeds)
+    status, payload = _http(server, "POST", "/v1/completions", dict(body, stream=True))
+    chunks = _sse(payload)
+    got = ["", "", ""]
+    for c in chunks:
+        for ch in c["choices"]:
+            got[ch["index"]] += ch["text"]
+    assert got == texts
+    assert _http(server, "POST", "/v1/completions", dict(body, n=99))[0] == 400
+
+
+def test_server_sessions(server, gemma):
+    """A second turn sends only the new message, answers with the earlier context and
+    computes only the new tokens; another key cannot see or continue the session."""
+    sys_msg = {"role": "system", "content": "You are a helpful assistant. " * 20}
+    first = {"messages": [sys_msg, {"role": "user", "content": "My name is Ada. Say OK."}],
+             "temperature": 0, "max_tokens": 8, "session_id": "s-ada"}
+    status, payload = _http(server, "POST", "/v1/chat/completions", first)
+    assert status == 200, payload
+    u1 = json.loads(payload)["usage"]
+    new_turn = {"role": "user", "content": "What is my name?"}
+    pre = gemma.stats()["prefill_tokens"]
+    status, payload = _http(server, "POST", "/v1/chat/completions",
+                            {"messages": [new_turn], "temperature": 0, "max_tokens": 8},
+                            headers={"X-Reame-Session": "s-ada"})
+    assert status == 200, payload
+    out = json.loads(payload)
+    u2 = out["usage"]
+    # the prompt held the whole history; only the new tokens were computed
+    assert u2["prompt_tokens"] > u1["prompt_tokens"] + u1["completion_tokens"]
+    assert u2["prompt_tokens_details"]["cached_tokens"] >= u1["prompt_tokens"]
+    computed = gemma.stats()["prefill_tokens"] - pre
+    assert computed == u2["prompt_tokens"] - u2["prompt_tokens_details"]["cached_tokens"] < 40
+    # same answer as sending the whole history without a session
+    status, payload = _http(server, "GET", "/v1/sessions/s-ada")
+    sess = json.loads(payload)
+    assert status == 200 and len(sess["messages"]) == 5 and sess["tokens"] > u2["prompt_tokens"]
+    assert sess["messages"][:2] == first["messages"] and sess["messages"][3] == new_turn
+    assert sess["messages"][4] == out["choices"][0]["message"]
+    status, payload = _http(server, "POST", "/v1/chat/completions",
+                            {"messages": sess["messages"][:4], "temperature": 0, "max_tokens": 8})
+    assert json.loads(payload)["choices"][0]["message"] == out["choices"][0]["message"]
+    # scoped to the key that made it
+    assert _http(server, "GET", "/v1/sessions/s-ada", key="k2")[0] == 404
+    assert _http(server, "POST", "/v1/chat/completions", {"messages": [new_turn], "session_id": "s-ada",
+                                                          "max_tokens": 2}, key="k2")[0] == 404
+    assert _http(server, "DELETE", "/v1/sessions/s-ada", key="k2")[0] == 404
+    assert _http(server, "DELETE", "/v1/sessions/s-ada")[0] == 200
+    assert _http(server, "GET", "/v1/sessions/s-ada")[0] == 404
+    # a deleted session is not silently restarted
+    assert _http(server, "POST", "/v1/chat/completions", {"messages": [new_turn], "session_id": "s-ada",
+                                                          "max_tokens": 2})[0] == 404
+    deadline = time.monotonic() + 10
+    while gemma.stats()["kv_cells_used"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gemma.stats()["kv_cells_used"] == 0  # its resident KV went with it
+
+
+def test_server_sixteen_clients_some_leaving(server, gemma):
+    """16 concurrent streams, 4 of them hang up mid-stream: the other 12 get whole,
+    valid answers; then no slot is active, the KV is back to idle, the server answers."""
+    import socket
+    body = {"max_tokens": 24, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    prompts = ["Tell me about %s." % w for w in ("rivers", "cats", "bread", "stars", "trains", "snow", "glass",
+                                                 "owls", "paper", "bees", "tea", "maps", "salt", "clocks",
+                                                 "moss", "kites")]
+    want = {p: gemma.complete(p, temperature=0, max_tokens=24).text for p in prompts[:3]}
+    idle_kv = gemma.stats()["kv_cells_used"]
+    results, errors = {}, []
+
+    def client(i, p):
+        try:
+            data = json.dumps(dict(body, prompt=p)).encode()
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=120)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+            got = b""
+            while True:
+                c = s.recv(65536)
+                if not c:
+                    break
+                got += c
+                if i % 4 == 3 and got.count(b"data: ") >= 3:
+                    break  # hang up mid-stream
+            s.close()
+            results[p] = got
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    for i, p in enumerate(prompts):
+        if i % 4 == 3:
+            continue
+        head, _, rest = results[p].partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        chunks = _sse(rest)
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        assert chunks[-1]["usage"]["completion_tokens"] > 0
+        if p in want:
+            assert text == want[p]
+    deadline = time.monotonic() + 60
+    while (gemma.stats()["active"] or gemma.stats()["waiting"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)
+    st = gemma.stats()
+    assert st["active"] == 0 and st["waiting"] == 0 and st["kv_cells_used"] == idle_kv
+    assert _http(server, "GET", "/v1/models")[0] == 200
+
+
+def _malformed_requests():
+    """About 200 bad requests: (method, path, raw body, extra headers)."""
+    cases = [("POST", "/v1/completions", raw, {}) for raw in (
+        b"", b"{", b"{not json", b"[1, 2]", b"null", b"42", b'"str"', b"\xff\xfe\x00", b'{"prompt": "\xc3\x28"}',
+        b'{"prompt": "a",}', b"{" * 5000 + b"}" * 5000, b'{"prompt": NaN}', b'\x00\x00')]
+    fields = {
+        "max_tokens": [-1, 0, 10 ** 30, -10 ** 30, 1.5, "10", True, [], {}],
+        "max_completion_tokens": [-5, 0, "x", 2.5],
+        "temperature": [-1, 3, 1e308, -1e308, "hot", True, [], {}],
+        "top_p": [0, -0.5, 1.5, "x", 10 ** 30],
+        "top_k": [-1, 10 ** 30, 1.5, "x", -10 ** 30],
+        "min_p": [-0.1, 1.1, "x"],
+        "repeat_penalty": [0, -1, "x", 10 ** 30],
+        "presence_penalty": [-3, 3, "x"],
+        "frequency_penalty": [-3, 3, "x"],
+        "seed": [-1, 10 ** 30, 1.5, "x", True],
+        "n": [0, -1, 10 ** 9, 1.5, "2"],
+        "stop": [1, [1], ["a"] * 10, [""], {}, [None]],
+        "stream": ["yes", 1, []],
+        "stream_options": ["x", 1, []],
+        "session_id": ["", "a b", "x" * 200, 5, [], "../etc"],
+        "prompt": [None, 5, [], [1, 2], {}, True, ["a", "b"]],
+    }
+    for name, values in fields.items():
+        for v in values:
+            body = {"prompt": "Hi", "max_tokens": 2}
+            body[name] = v
+            if name == "prompt" and v is None:
+                body.pop("prompt")
+            cases.append(("POST", "/v1/completions", json.dumps(body).encode(), {}))
+    chat_bad = [None, [], {}, "hi", [1], [{"role": 1, "content": "x"}], [{"content": "x"}],
+                [{"role": "user", "content": 5}], [{"role": "user", "content": [{"type": "image"}]}],
+                [{"role": "user", "content": [{"type": "text", "text": 5}]}], [{"role": "user"}]]
+    for m in chat_bad:
+        body = {"max_tokens": 2}
+        if m is not None:
+            body["messages"] = m
+        cases.append(("POST", "/v1/chat/completions", json.dumps(body).encode(), {}))
+    for name in ("temperature", "max_tokens", "n", "top_p", "top_k", "seed"):
+        cases.append(("POST", "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "Hi"}], name: "bad"}).encode(), {}))
+    cases += [("POST", "/v1/completions", json.dumps({"prompt": "word " * 3000}).encode(), {}),
+              ("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 5000}).encode(), {})]
+    for path in ("/", "/v1", "/v1/nope", "/v2/completions", "/v1/completions/x", "/%00", "/" + "a" * 5000,
+                 "/v1/sessions/", "/v1/sessions/nope", "/metrics/x", "/v1/models/x"):
+        for method in ("GET", "POST", "DELETE", "PUT", "PATCH"):
+            cases.append((method, path, b"{}" if method in ("POST", "PUT", "PATCH") else None, {}))
+    for path in ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics"):
+        for method in ("PUT", "PATCH", "DELETE", "OPTIONS"):
+            cases.append((method, path, None, {}))
+    cases += [("POST", "/v1/completions", b'{"prompt": "a"}', {"Content-Length": "-5"}),
+              ("POST", "/v1/completions", b'{"prompt": "a"}', {"Content-Length": "abc"}),
+              ("POST", "/v1/completions", b'{"prompt": "a"}', {"Authorization": "Bearer wrong"}),
+              ("POST", "/v1/completions", b'{"prompt": "a"}', {"Authorization": "Basic azE="}),
+              ("GET", "/v1/models", None, {"Authorization": ""})]
+    return cases
+
+
+def test_server_survives_malformed_requests(server):
+    import http.client
+    cases = _malformed_requests()
+    assert len(cases) >= 180
+    for method, path, raw, headers in cases:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        h = {"Authorization": "Bearer k1"}
+        h.update(headers)
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        for k, v in h.items():
+            conn.putheader(k, v)
+        if raw is not None and "Content-Length" not in headers:
+            conn.putheader("Content-Length", str(len(raw)))
+        conn.endheaders(raw if raw else None)
+        resp = conn.getresponse()
+        payload = resp.read()
+        conn.close()
+        case = (method, path[:40], (raw or b"")[:60], headers)
+        assert 400 <= resp.status < 500, (case, resp.status, payload[:200])
+        err = json.loads(payload)["error"]
+        assert err["message"] and err["type"], case
+    assert _http(server, "GET", "/health", key=None)[0] == 200
+    status, payload = _http(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert status == 200, payload
+
+
+def test_server_queue_limit_429(gemma):
+    srv = reame.Server(gemma, "g", host="127.0.0.1", port=0, max_queue=0)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        import http.client
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Hi", "max_tokens": 2}))
+        resp = conn.getresponse()
+        assert resp.status == 429 and int(resp.getheader("Retry-After")) >= 1
+        assert json.loads(resp.read())["error"]["code"] == "queue_full"
+    finally:
+        srv.shutdown()
+
+
+def test_server_slow_clients_are_cut_off(gemma):
+    """Slowloris: a request head or body that does not arrive in time closes the connection."""
+    import socket
+    srv = reame.Server(gemma, "g", host="127.0.0.1", port=0, header_timeout_s=1.0, body_timeout_s=1.0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        for head in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",   # never ends its headers
+                     b"POST /v1/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"pro"):  # short body
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+            t0 = time.monotonic()
+            s.sendall(head)
+            got = b""
+            while True:
+                try:
+                    c = s.recv(4096)
+                except OSError:
+                    break
+                if not c:
+                    break
+                got += c
+            s.close()
+            assert time.monotonic() - t0 < 10
+        assert not srv._reading
+    finally:
+        srv.shutdown()
+
+
+def test_server_metrics_and_loading(server, gemma):
+    status, payload = _http(server, "GET", "/metrics")
+    text = payload.decode()
+    for name in ("reame_requests_total", "reame_time_to_first_token_seconds_bucket",
+                 "reame_time_per_output_token_seconds_count", "reame_active_sequences", "reame_queued_requests",
+                 "reame_kv_cells_used", "reame_kv_cells_free", "reame_prompt_tokens_total"):
+        assert name in text, name
+    loading = reame.Server(None, "g", host="127.0.0.1", port=0)
+    threading.Thread(target=loading.serve_forever, daemon=True).start()
+    try:
+        status, payload = _http(loading, "GET", "/health", key=None)
+        assert status == 503 and json.loads(payload)["status"] == "loading"
+        assert _http(loading, "POST", "/v1/completions", {"prompt": "x"})[0] == 503
+    finally:
+        loading.shutdown()
+
+
+def test_server_logs_one_line_per_request_without_prompt_text(server, caplog):
+    import logging
+    with caplog.at_level(logging.INFO, logger="reame"):
+        _http(server, "POST", "/v1/completions", {"prompt": "secret-words-here", "max_tokens": 3})
+    lines = [r.getMessage() for r in caplog.records if "/v1/completions" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert " 200 " in lines[0] and "prompt=" in lines[0] and "completion=" in lines[0] and "ttft=" in lines[0]
+    assert "secret" not in caplog.text and "k1" not in caplog.text
 
 
 def test_serve_cli_answers_and_exits_0_on_sigterm():
