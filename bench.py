@@ -6,6 +6,10 @@
     python3 bench.py --model PATH --threads 4 --repeats 5 --streams 1,4 --json
     python3 bench.py --no-server          Reame only (no llama-server needed)
     python3 bench.py --variants           also Reame vs itself: KV layout x weight repacking
+    python3 bench.py --http               only the HTTP section: reame.py serve vs llama-server,
+                                          1, 4 and 8 streaming clients (--http-clients)
+    python3 bench.py --quick --http --http-clients 1,4     HTTP smoke test (1-2 minutes)
+    python3 bench.py --with-http          the in-process sections, then the HTTP section
 
 What it measures (every number is client-side wall clock, taken the same way for both):
 
@@ -20,6 +24,23 @@ What it measures (every number is client-side wall clock, taken the same way for
   aggregate tok/s   N streams at once (continuous batching): Reame gets N requests submitted
                     together to one Engine with n_slots >= N; llama-server gets N concurrent
                     HTTP requests, started with ``-np max(N)``. Sum of generated tokens / wall.
+  over HTTP         (--http, --with-http) both as servers: ``reame.py serve --parallel N``
+                    and ``llama-server -np N``, each started fresh for every N in
+                    --http-clients with the same threads, context per slot and batch. N
+                    client threads (http.client) are released together and each sends the
+                    same POST /v1/completions to both: a raw prompt string (the model's chat
+                    template around a long-answer request, so both tokenize the same text),
+                    ``stream``, ``stream_options.include_usage``, temperature 0, max_tokens =
+                    --gen-tokens, ``cache_prompt: false``; every client of every run has its
+                    own tagged prompt, so no prefix cache helps either side. Reported per N:
+                    aggregate tok/s = usage.completion_tokens of all clients / (last client's
+                    end - first client's send), median of runs; TTFT = send to the first
+                    chunk with text, median and p95 (nearest rank) over all clients of all
+                    runs. There every ratio reads "> 1: Reame is better" (tok/s Reame/server,
+                    TTFT server/Reame). No ignore_eos (Reame's API has none): tokens received
+                    per client, prompt tokens per side and whether the greedy texts match are
+                    printed, so unequal work shows. Off in the default run: it costs two
+                    server starts per N and minutes more on a 1.5B model.
 
 Runs alternate (Reame, server, Reame, server, ...) measurement by measurement, so drift on
 a noisy shared vCPU hits both; the table reports medians over ``--repeats`` and the ratio
@@ -46,7 +67,11 @@ Fairness, written down:
   * Reame is driven in-process through its Engine API; llama-server over loopback HTTP.
     That costs the server well under a millisecond per request or streamed token, which
     is why its own ``timings`` are printed next to the client-side numbers.
-  * Both get one untimed warm-up request before anything is timed.
+  * Both get one untimed warm-up request before anything is timed (over HTTP: N short
+    requests at once, once per server start).
+  * Over HTTP both pay for HTTP, JSON and SSE; Reame's HTTP front is Python
+    (ThreadingHTTPServer) in the same process as its scheduler, which is part of what the
+    HTTP section measures. The clients run in bench.py's process, the same for both.
   * Noise: bench.py counts the CPU time other processes (and the hypervisor, as steal)
     took during each run and marks runs where that exceeded 10% of one core with ``*``.
 
@@ -66,9 +91,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import http.client
 import inspect
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -250,55 +277,37 @@ def _set_pdeathsig():
         pass
 
 
-class LlamaServer:
-    """llama-server as a subprocess on a free loopback port; close() always stops it."""
+def help_knows(help_text: str, flag: str) -> bool:
+    """Whether a --help text lists flag (so bench.py passes only flags a build knows)."""
+    return any(tok.strip(",") == flag for line in help_text.splitlines() for tok in line.split())
 
-    def __init__(self, binary: str, model_path: str, *, threads: int, n_parallel: int, ctx_per_slot: int,
-                 n_batch: int, log_path: str, kv_unified: bool = True, repack: bool = True):
-        if not os.access(binary, os.X_OK):
-            raise SystemExit("llama-server not found at %s: build it with ./build_llama.sh --with-server, "
-                             "pass --server PATH, or use --no-server" % binary)
-        self.binary = binary
-        self.log_path = log_path
-        self.help = self._help_text()
-        self.port = free_port()
-        self.base = "http://127.0.0.1:%d" % self.port
-        args = [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(self.port),
-                "-t", str(threads), "-tb", str(threads), "-np", str(n_parallel),
-                "-c", str(ctx_per_slot * n_parallel), "-b", str(n_batch), "-ub", str(n_batch),
-                "-ngl", "0"]
-        self.flags = []
-        # Match Reame, and switch off work Reame does not do; only flags this build knows.
-        for flag, value in (("--kv-unified" if kv_unified else "--no-kv-unified", None),
-                            ("--repack" if repack else "--no-repack", None), ("--swa-full", None), ("-fa", "auto"),
-                            ("--cache-ram", "0"), ("--ctx-checkpoints", "0"), ("--no-cache-idle-slots", None),
-                            ("--fit", "off"), ("--no-webui", None)):
-            if self._knows(flag):
-                self.flags += [flag] + ([value] if value is not None else [])
-        self.args = args + self.flags
-        self._log = open(log_path, "wb")
-        env = dict(os.environ)
-        libdir = os.path.dirname(os.path.abspath(binary))
-        env["LD_LIBRARY_PATH"] = libdir + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None)
 
-    def _help_text(self) -> str:
+class ServerProcess:
+    """A server as a subprocess on a free loopback port, logging to a file; close() always stops it."""
+
+    name = "server"
+
+    @staticmethod
+    def help_text(cmd: list, env: Optional[dict] = None) -> str:
         try:
-            out = subprocess.run([self.binary, "--help"], capture_output=True, timeout=60,
-                                 env=dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(os.path.abspath(self.binary))))
+            out = subprocess.run(cmd, capture_output=True, timeout=60, env=env)
             return (out.stdout + out.stderr).decode("utf-8", "replace")
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
     def _knows(self, flag: str) -> bool:
-        return any(tok.strip(",") == flag for line in self.help.splitlines() for tok in line.split())
+        return help_knows(self.help, flag)
+
+    def _start(self, env: dict) -> None:
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env, preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None)
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError("llama-server exited with %s; log tail:\n%s" % (self.proc.returncode, self.log_tail()))
+                raise RuntimeError("%s exited with %s; log tail:\n%s" % (self.name, self.proc.returncode, self.log_tail()))
             try:
                 with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -306,7 +315,7 @@ class LlamaServer:
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.25)
-        raise RuntimeError("llama-server not ready after %.0f s; log tail:\n%s" % (timeout_s, self.log_tail()))
+        raise RuntimeError("%s not ready after %.0f s; log tail:\n%s" % (self.name, timeout_s, self.log_tail()))
 
     def log_tail(self, n: int = 30) -> str:
         try:
@@ -317,12 +326,9 @@ class LlamaServer:
             return ""
 
     def check_alive(self) -> None:
-        """Raise if llama-server exited or began shutting down (it then may never answer)."""
+        """Raise if the server exited (it then never answers)."""
         if self.proc.poll() is not None:
-            raise RuntimeError("llama-server exited with %s; log tail:\n%s" % (self.proc.returncode, self.log_tail()))
-        if "cleaning up before exit" in self.log_tail(5):
-            raise RuntimeError("llama-server is shutting down (did something send it SIGINT/SIGTERM?); "
-                               "log tail:\n%s" % self.log_tail())
+            raise RuntimeError("%s exited with %s; log tail:\n%s" % (self.name, self.proc.returncode, self.log_tail()))
 
     def guarded(self, fn, *args):
         """Run fn(*args) in a worker thread, so a server that dies mid-request raises here
@@ -341,6 +347,60 @@ class LlamaServer:
         if "err" in box:
             raise box["err"]
         return box["out"]
+
+    def close(self) -> None:
+        """Stop the process this object started (by its own Popen handle, never by name)."""
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+
+
+class LlamaServer(ServerProcess):
+    """llama-server as a subprocess on a free loopback port; close() always stops it."""
+
+    name = "llama-server"
+
+    def __init__(self, binary: str, model_path: str, *, threads: int, n_parallel: int, ctx_per_slot: int,
+                 n_batch: int, log_path: str, kv_unified: bool = True, repack: bool = True):
+        if not os.access(binary, os.X_OK):
+            raise SystemExit("llama-server not found at %s: build it with ./build_llama.sh --with-server, "
+                             "pass --server PATH, or use --no-server" % binary)
+        self.binary = binary
+        self.log_path = log_path
+        libdir = os.path.dirname(os.path.abspath(binary))
+        self.help = self.help_text([binary, "--help"], dict(os.environ, LD_LIBRARY_PATH=libdir))
+        self.port = free_port()
+        self.base = "http://127.0.0.1:%d" % self.port
+        args = [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(self.port),
+                "-t", str(threads), "-tb", str(threads), "-np", str(n_parallel),
+                "-c", str(ctx_per_slot * n_parallel), "-b", str(n_batch), "-ub", str(n_batch),
+                "-ngl", "0"]
+        self.flags = []
+        # Match Reame, and switch off work Reame does not do; only flags this build knows.
+        for flag, value in (("--kv-unified" if kv_unified else "--no-kv-unified", None),
+                            ("--repack" if repack else "--no-repack", None), ("--swa-full", None), ("-fa", "auto"),
+                            ("--cache-ram", "0"), ("--ctx-checkpoints", "0"), ("--no-cache-idle-slots", None),
+                            ("--fit", "off"), ("--no-webui", None)):
+            if self._knows(flag):
+                self.flags += [flag] + ([value] if value is not None else [])
+        self.args = args + self.flags
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = libdir + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+        self._start(env)
+
+    def check_alive(self) -> None:
+        """Raise if llama-server exited or began shutting down (it then may never answer)."""
+        super().check_alive()
+        if "cleaning up before exit" in self.log_tail(5):
+            raise RuntimeError("llama-server is shutting down (did something send it SIGINT/SIGTERM?); "
+                               "log tail:\n%s" % self.log_tail())
 
     def completion(self, body: dict, timeout_s: float = 1800) -> dict:
         return self.guarded(self._completion, body, timeout_s)
@@ -385,19 +445,10 @@ class LlamaServer:
         last["_tokens"] = tokens
         return last
 
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
-def wait_joined(thread: threading.Thread, srv: "LlamaServer", poll_s: float = 0.5) -> None:
-    """join() that checks every poll_s that llama-server is still alive (join returns at once
+def wait_joined(thread: threading.Thread, srv: ServerProcess, poll_s: float = 0.5) -> None:
+    """join() that checks every poll_s that the server is still alive (join returns at once
     when the thread ends, so this adds no latency to what is measured)."""
     while True:
         thread.join(poll_s)
@@ -560,6 +611,307 @@ def server_aggregate(srv, prompts: list, lens: list, sampling: str) -> dict:
     return {"tok_s": sum(n) / wall, "lens": n, "wall_s": wall}
 
 
+# -- over HTTP: both servers, N streaming clients ----------------------------------------
+
+
+REAME_SCRIPT = os.path.join(HERE, "reame.py")
+
+
+class ReameServer(ServerProcess):
+    """``reame.py serve`` as a subprocess on a free loopback port; close() always stops it."""
+
+    name = "reame serve"
+
+    def __init__(self, model_path: str, *, threads: int, n_parallel: int, ctx_per_slot: int, n_batch: int,
+                 log_path: str, help_text: str):
+        self.log_path = log_path
+        self.help = help_text
+        self.port = free_port()
+        self.base = "http://127.0.0.1:%d" % self.port
+        self.args = [sys.executable, REAME_SCRIPT, "serve", model_path, "--host", "127.0.0.1",
+                     "--port", str(self.port), "--parallel", str(n_parallel), "--threads", str(threads),
+                     "--ctx", str(ctx_per_slot)]
+        if self._knows("--batch"):
+            self.args += ["--batch", str(n_batch)]
+        if self._knows("--grace"):  # close() cancels what is left instead of draining for 30 s
+            self.args += ["--grace", "1"]
+        self._start(dict(os.environ))
+
+
+def http_body(prompt: str, max_tokens: int, sampling: str) -> bytes:
+    """The one request body both servers get (each ignores the other's extra fields:
+    Reame ignores cache_prompt and samplers, and is greedy at temperature 0 anyway)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "cache_prompt": False}
+    if sampling == "greedy":
+        body.update({"samplers": ["top_k"], "top_k": 1})
+    return json.dumps(body).encode()
+
+
+def http_stream(port: int, body: bytes, start: threading.Barrier, timeout_s: float = 1800) -> dict:
+    """One streaming client (http.client): POST /v1/completions, read SSE chunks to [DONE].
+
+    ttft_s runs from sending the request to the first chunk with text; completion tokens
+    come from the usage chunk (the count of text chunks is kept as a fallback and a check).
+    """
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        start.wait()
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError("HTTP %d from port %d: %s" % (resp.status, port,
+                                                              resp.read(500).decode("utf-8", "replace")))
+        t_first, n_chunks, usage, finish, text = None, 0, None, None, []
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                break
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                raise RuntimeError("stream error from port %d: %s" % (port, chunk["error"]))
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices") or []:
+                piece = choice.get("text") or (choice.get("delta") or {}).get("content")
+                if piece:
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                    n_chunks += 1
+                    text.append(piece)
+                finish = choice.get("finish_reason") or finish
+        t_end = time.perf_counter()
+    finally:
+        conn.close()
+    usage = usage or {}
+    return {"t0": t0, "t_end": t_end, "ttft_s": (t_first or t_end) - t0, "chunks": n_chunks,
+            "completion_tokens": usage.get("completion_tokens"), "prompt_tokens": usage.get("prompt_tokens"),
+            "finish": finish, "text": "".join(text)}
+
+
+def http_clients(srv: ServerProcess, bodies: list) -> dict:
+    """len(bodies) streaming clients at once, one thread each, released together.
+
+    Aggregate tok/s = sum of completion tokens / (last client's end - first client's send).
+    """
+    outs, errors = [None] * len(bodies), []
+    start = threading.Barrier(len(bodies) + 1)
+
+    def one(i):
+        try:
+            outs[i] = http_stream(srv.port, bodies[i], start)
+        except Exception as e:  # noqa: BLE001 - reported below, in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,), name="bench-client-%d" % i, daemon=True)
+               for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    start.wait()
+    for t in threads:
+        wait_joined(t, srv)
+    if errors:
+        raise errors[0]
+    wall = max(o["t_end"] for o in outs) - min(o["t0"] for o in outs)
+    toks = [o["chunks"] if o["completion_tokens"] is None else o["completion_tokens"] for o in outs]
+    return {"tok_s": sum(toks) / wall if wall > 0 else None, "wall_s": wall, "tokens": toks,
+            "ttft_s": [o["ttft_s"] for o in outs], "chunks": [o["chunks"] for o in outs],
+            "usage_missing": sum(o["completion_tokens"] is None for o in outs),
+            "prompt_tokens": [o["prompt_tokens"] for o in outs], "finish": [o["finish"] for o in outs],
+            "texts": [o["text"] for o in outs]}
+
+
+def nearest_rank(xs, q: float):
+    """The q-quantile by nearest rank (an observed value; fine for a handful of samples)."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    return xs[max(1, math.ceil(q * len(xs))) - 1]
+
+
+def run_http(args, noise: CpuNoise) -> dict:
+    """``reame.py serve --parallel N`` vs ``llama-server -np N`` for N in --http-clients.
+
+    Per N both servers are started fresh with the same threads, context per slot and batch,
+    then get the same requests from N streaming clients, alternating Reame, server, ...
+    """
+    model_path = reame.resolve_model(args.model)
+    clients = sorted(set(args.http_clients))
+    serve_help = ServerProcess.help_text([sys.executable, REAME_SCRIPT, "serve", "--help"])
+    if not help_knows(serve_help, "--parallel"):
+        raise SystemExit("this reame.py has no 'serve --parallel': the HTTP section needs it")
+    # reame.py serve may not take --batch: then both servers use Reame's default here.
+    batch = args.batch if help_knows(serve_help, "--batch") else (
+        _param_default(reame.Engine.__init__, "n_batch") or 512)
+    if batch != args.batch:
+        log("HTTP: reame.py serve has no --batch, so both servers use Reame's n_batch %d here" % batch)
+    # An Engine built the way serve builds it (same defaults): what llama.cpp reports for KV
+    # layout and repacking, so llama-server can be started to match, and the chat template.
+    eng, settings = open_engine(model_path, n_ctx=args.ctx, n_slots=max(clients), n_threads=args.threads,
+                                n_batch=batch)
+    try:
+        def prompt(k: int, tag: str) -> str:
+            # The model's chat template around a long-answer request, sent as a raw completion
+            # prompt, so both servers tokenize the same text (their chat templates may differ).
+            text = long_answer_prompt(TOPICS[k % len(TOPICS)], tag)
+            try:
+                return eng.model.apply_chat_template([{"role": "user", "content": text}])
+            except reame.ReameError:
+                return text
+
+        warm = {n: [prompt(i, "hw%d-%d" % (n, i)) for i in range(n)] for n in clients}
+        # Every client of every run gets its own topic/tag, so no prefix cache can help.
+        prompts = {(n, r): [prompt(r * 5 + ni * 3 + i, "h%d-%d-%d" % (r, n, i)) for i in range(n)]
+                   for ni, n in enumerate(clients) for r in range(args.repeats)}
+    finally:
+        eng.close()
+    kv = settings["kv_unified"] if args.server_kv == "match" else args.server_kv == "unified"
+    rp = settings["repack"] if args.server_repack == "match" else args.server_repack == "on"
+    log_dir = tempfile.mkdtemp(prefix="bench-http-logs-")
+    runs = {n: {"reame": [], "server": []} for n in clients}
+    cmds = {"reame": {}, "server": {}}
+    for n in clients:
+        rsrv = ssrv = None
+        try:
+            # Started from the main thread: prctl(PDEATHSIG) follows the thread that forked.
+            rsrv = ReameServer(model_path, threads=args.threads, n_parallel=n, ctx_per_slot=args.ctx,
+                               n_batch=batch, log_path=os.path.join(log_dir, "reame-serve-np%d.log" % n),
+                               help_text=serve_help)
+            noise.add_pid(rsrv.proc.pid)
+            log("HTTP %d client%s: reame serve pid %d on port %d" % (n, "s" if n > 1 else "", rsrv.proc.pid, rsrv.port))
+            cmds["reame"][n] = " ".join(rsrv.args)
+            if not args.no_server:
+                ssrv = LlamaServer(args.server, model_path, threads=args.threads, n_parallel=n,
+                                   ctx_per_slot=args.ctx, n_batch=batch, kv_unified=kv, repack=rp,
+                                   log_path=os.path.join(log_dir, "llama-server-np%d.log" % n))
+                noise.add_pid(ssrv.proc.pid)
+                log("HTTP %d client%s: llama-server pid %d on port %d" % (n, "s" if n > 1 else "", ssrv.proc.pid, ssrv.port))
+                cmds["server"][n] = " ".join(ssrv.args)
+            sides = [("reame", rsrv)] + ([("server", ssrv)] if ssrv else [])
+            for _, srv in sides:
+                srv.wait_ready()
+            # Untimed warm-up: N short requests at once, so every slot and thread has run.
+            for _, srv in sides:
+                http_clients(srv, [http_body(p, 8, args.server_sampling) for p in warm[n]])
+            for r in range(args.repeats):
+                log("HTTP %d client%s, repeat %d/%d" % (n, "s" if n > 1 else "", r + 1, args.repeats))
+                bodies = [http_body(p, args.gen_tokens, args.server_sampling) for p in prompts[(n, r)]]
+                for side, srv in sides:
+                    m = noise.mark()
+                    out = http_clients(srv, bodies)
+                    out["noise"] = noise.since(m)
+                    runs[n][side].append(out)
+        finally:
+            for srv in (rsrv, ssrv):
+                if srv is not None:
+                    srv.close()
+                    noise.mark_reaped(srv.proc.pid)
+            log("HTTP %d client%s: servers stopped" % (n, "s" if n > 1 else ""))
+    return http_summary(args, clients, runs, cmds, settings, batch, log_dir)
+
+
+def http_summary(args, clients: list, runs: dict, cmds: dict, settings: dict, batch: int, log_dir: str) -> dict:
+    metrics, notes = {}, {"tokens_per_client": {}, "text_chunks_per_client": {}, "prompt_tokens_equal": {},
+                          "text_identical": {},
+                          "finish_reasons": {}, "usage_missing": {}}
+
+    def entry(stat, ratio_is, r_runs, s_runs, r_val, s_val, r_noise, s_noise):
+        if ratio_is == "reame/server":
+            ratio = (r_val / s_val) if r_val is not None and s_val else None
+        else:
+            ratio = (s_val / r_val) if s_val is not None and r_val else None
+        return {"stat": stat, "reame": r_val, "server": s_val, "ratio": ratio, "ratio_is": ratio_is,
+                "reame_runs": r_runs, "server_runs": s_runs, "reame_noise": r_noise, "server_noise": s_noise}
+
+    for n in clients:
+        rr, sr = runs[n]["reame"], runs[n]["server"]
+        rn, sn = [x["noise"] for x in rr], [x["noise"] for x in sr]
+        label = "%d client%s" % (n, "s" if n > 1 else "")
+        rt, st = [x["tok_s"] for x in rr], [x["tok_s"] for x in sr]
+        metrics["aggregate tok/s, %s" % label] = entry(
+            "median of runs", "reame/server", rt, st, median(rt), median(st), rn, sn)
+        r_ttft = [t for x in rr for t in x["ttft_s"]]
+        s_ttft = [t for x in sr for t in x["ttft_s"]]
+        metrics["TTFT median s, %s" % label] = entry(
+            "median over all clients of all runs", "server/reame", [median(x["ttft_s"]) for x in rr],
+            [median(x["ttft_s"]) for x in sr], median(r_ttft), median(s_ttft), rn, sn)
+        metrics["TTFT p95 s, %s" % label] = entry(
+            "p95, nearest rank over all clients of all runs", "server/reame", [max(x["ttft_s"]) for x in rr],
+            [max(x["ttft_s"]) for x in sr], nearest_rank(r_ttft, 0.95), nearest_rank(s_ttft, 0.95), rn, sn)
+        metrics["TTFT p95 s, %s" % label]["runs_are"] = "the largest TTFT of each run"
+        notes["tokens_per_client"][n] = {"reame": [x["tokens"] for x in rr], "server": [x["tokens"] for x in sr]}
+        notes["text_chunks_per_client"][n] = {"reame": [x["chunks"] for x in rr], "server": [x["chunks"] for x in sr]}
+        notes["finish_reasons"][n] = {"reame": sorted(set(f for x in rr for f in x["finish"] if f)),
+                                      "server": sorted(set(f for x in sr for f in x["finish"] if f))}
+        notes["usage_missing"][n] = sum(x["usage_missing"] for x in rr + sr)
+        if sr:
+            pairs = list(zip(rr, sr))
+            notes["prompt_tokens_equal"][n] = all(a["prompt_tokens"] == b["prompt_tokens"] for a, b in pairs)
+            same = sum(ta == tb for a, b in pairs for ta, tb in zip(a["texts"], b["texts"]))
+            notes["text_identical"][n] = "%d/%d" % (same, sum(len(a["texts"]) for a in rr))
+        notes.setdefault("prompt_tokens", {})[n] = rr[0]["prompt_tokens"] if rr else None
+    return {"config": {"clients": clients, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
+                       "threads": args.threads, "ctx_per_slot": args.ctx, "n_batch": batch,
+                       "request": "POST /v1/completions, stream, stream_options.include_usage, temperature 0, "
+                                  "cache_prompt false%s; prompt = the model's chat template around a long-answer "
+                                  "request, as a raw string" % (", samplers [top_k], top_k 1"
+                                                                if args.server_sampling == "greedy" else ""),
+                       "reame_settings": settings, "reame_cmd": cmds["reame"], "server_cmd": cmds["server"],
+                       "logs": log_dir},
+            "metrics": metrics, "notes": notes}
+
+
+def print_http(h: dict, w) -> None:
+    c = h["config"]
+    w("HTTP: N concurrent streaming clients (http.client threads), %s, max_tokens %d, %d alternating repeats\n"
+      % ("POST /v1/completions", c["gen_tokens"], c["repeats"]))
+    w("(reame.py serve --parallel N vs llama-server -np N, each started fresh per N with %d threads, ctx %d per "
+      "slot, batch %d)\n" % (c["threads"], c["ctx_per_slot"], c["n_batch"]))
+    st = c.get("reame_settings") or {}
+    w("(Reame: %s KV, weight repacking %s; llama-server: %s)\n" % (
+        "unified" if st.get("kv_unified") else "per-sequence", "on" if st.get("repack") else "off",
+        "not run" if not c["server_cmd"] else "%s KV, repacking %s" % (
+            "unified" if "--kv-unified" in next(iter(c["server_cmd"].values())).split() else "per-sequence",
+            "off" if "--no-repack" in next(iter(c["server_cmd"].values())).split() else "on")))
+    w("(ratio > 1 means Reame is better on every line: tok/s is Reame / server, TTFT is server / Reame)\n\n")
+    w("%-30s %10s %10s %8s   %s\n" % ("metric", "Reame", "server", "ratio", "runs (Reame | server)"))
+    w("-" * 100 + "\n")
+    for name, m in h["metrics"].items():
+        digits = 3 if name.startswith("TTFT") else 1
+        runs = " | ".join(" ".join(_fmt(x, digits) + ("*" if (z or 0) > NOISY_FRAC else "")
+                                   for x, z in zip(m[side + "_runs"], m[side + "_noise"])) for side in ("reame", "server"))
+        w("%-30s %10s %10s %8s   %s\n" % (name, _fmt(m["reame"], digits), _fmt(m["server"], digits),
+                                          (_fmt(m["ratio"], 2) + "x") if m["ratio"] is not None else "-", runs))
+    w("(aggregate = completion tokens of all clients / first send to last finish, median of runs; TTFT = send to "
+      "first text chunk, median and p95 (nearest rank) over all clients of all runs; runs column: per-run "
+      "median TTFT, and per-run max on the p95 line)\n")
+    w("(* = a run during which other processes or the hypervisor took > %d%% of one core: noisy)\n"
+      % (100 * NOISY_FRAC))
+    n = h["notes"]
+    for k, v in n["tokens_per_client"].items():
+        w("tokens per client, %s client%s: Reame %s | server %s\n" % (k, "s" if int(k) > 1 else "", v["reame"], v["server"]))
+    if n["prompt_tokens_equal"]:
+        w("prompt tokens (usage) equal on both sides: %s; greedy text identical per client: %s\n" % (
+            ", ".join("N=%s %s" % (k, "yes" if v else "NO") for k, v in n["prompt_tokens_equal"].items()),
+            ", ".join("N=%s %s" % (k, v) for k, v in n["text_identical"].items())))
+    w("finish reasons: %s\n" % ", ".join("N=%s Reame %s server %s" % (k, v["reame"], v["server"])
+                                         for k, v in n["finish_reasons"].items()))
+    if any(n["usage_missing"].values()):
+        w("note: some streams had no usage chunk; their tokens were counted as text chunks: %s\n" % n["usage_missing"])
+    for k, cmd in c["server_cmd"].items():
+        w("HTTP server N=%s: %s\n" % (k, cmd))
+    for k, cmd in c["reame_cmd"].items():
+        w("HTTP Reame  N=%s: %s\n" % (k, cmd))
+    w("server logs: %s\n" % c["logs"])
+
+
+
 # -- the run ---------------------------------------------------------------------------
 
 
@@ -711,6 +1063,7 @@ def run(args) -> dict:
             log("llama-server stopped")
     if args.variants:
         variants = run_variants(args, model_path, settings, noise)
+    http = run_http(args, noise) if args.with_http else None
     out = {
         "config": {"model": os.path.basename(model_path), "threads": args.threads, "repeats": args.repeats,
                    "gen_tokens": args.gen_tokens, "prefill_tokens": args.prefill_tokens, "streams": streams,
@@ -724,7 +1077,20 @@ def run(args) -> dict:
     }
     if args.variants:
         out["variants"] = variants
+    if http is not None:
+        out["http"] = http
     return out
+
+
+def run_http_only(args) -> dict:
+    """--http: only the HTTP section."""
+    noise = CpuNoise()
+    http = run_http(args, noise)
+    return {"config": {"model": os.path.basename(reame.resolve_model(args.model)), "threads": args.threads,
+                       "repeats": args.repeats, "gen_tokens": args.gen_tokens,
+                       "server_sampling": None if args.no_server else args.server_sampling,
+                       "reame_version": getattr(reame, "__version__", "?")},
+            "http": http, "noise": noise.report()}
 
 
 VARIANTS = [  # label, Engine keyword arguments (reame.py passes kv_unified on to its Context)
@@ -822,6 +1188,24 @@ def print_table(out: dict, stream=sys.stdout) -> None:
     w = stream.write
     w("Reame vs llama-server: %s, %d threads, median of %d alternating repeats, temperature 0\n"
       % (c["model"], c["threads"], c["repeats"]))
+    if "metrics" in out:
+        print_engine(out, w)
+    if "http" in out:
+        w("\n")
+        print_http(out["http"], w)
+    nz = out["noise"]
+    if "other_cpu_s" in nz:
+        w("\nnoise: other processes used %.1f CPU-s over %.1f s (%.0f%% of one core), steal %.1f s, %s cores%s\n"
+          % (nz["other_cpu_s"], nz["wall_s"], 100 * nz["other_cpu_frac_of_one_core"], nz["steal_s"], nz["cores"],
+             "  <- NOISY: other work ran during the benchmark"
+             if (nz["other_cpu_s"] + nz["steal_s"]) / max(nz["wall_s"], 1e-9) > NOISY_FRAC else ""))
+    if c.get("server_cmd"):
+        w("server: %s\n" % c["server_cmd"])
+
+
+def print_engine(out: dict, w) -> None:
+    """The in-process sections: decode, prefill, aggregate (and --variants)."""
+    c = out["config"]
     st = c.get("reame_settings") or {}
     if st:
         w("Reame: %s KV, weight repacking %s, flash attention %s; llama-server: %s\n" % (
@@ -857,14 +1241,6 @@ def print_table(out: dict, stream=sys.stdout) -> None:
         w("server prefill [prompt_n, cache_n] per repeat: %s (cache_n should be 0)\n" % n["prefill_server_prompt_n"])
     if "variants" in out:
         print_variants(out["variants"], w)
-    nz = out["noise"]
-    if "other_cpu_s" in nz:
-        w("\nnoise: other processes used %.1f CPU-s over %.1f s (%.0f%% of one core), steal %.1f s, %s cores%s\n"
-          % (nz["other_cpu_s"], nz["wall_s"], 100 * nz["other_cpu_frac_of_one_core"], nz["steal_s"], nz["cores"],
-             "  <- NOISY: other work ran during the benchmark"
-             if (nz["other_cpu_s"] + nz["steal_s"]) / max(nz["wall_s"], 1e-9) > NOISY_FRAC else ""))
-    if c.get("server_cmd"):
-        w("server: %s\n" % c["server_cmd"])
 
 
 def parse_args(argv=None):
@@ -889,6 +1265,11 @@ def parse_args(argv=None):
     p.add_argument("--variants", action="store_true",
                    help="also run Reame against itself: unified vs per-sequence KV x repack on/off "
                         "(decode, prefill, aggregate at the largest --streams)")
+    p.add_argument("--http", action="store_true",
+                   help="only the HTTP section: reame.py serve vs llama-server, N streaming clients")
+    p.add_argument("--with-http", action="store_true", help="the in-process sections, then the HTTP section")
+    p.add_argument("--http-clients", default=None,
+                   help="concurrent HTTP clients, comma-separated (default 1,4,8; --quick: 1,4)")
     p.add_argument("--server-log", default=None, help="llama-server log file (default: a temp file)")
     p.add_argument("--no-server", action="store_true", help="Reame only")
     p.add_argument("--quick", action="store_true", help="smoke test: gemma3-270m, few tokens, under a minute")
@@ -905,6 +1286,11 @@ def parse_args(argv=None):
     args.streams = [int(x) for x in (args.streams or ("1,4" if q else "1,2,4,8")).split(",") if x.strip()]
     if not args.streams or min(args.streams) < 1:
         p.error("--streams needs positive integers")
+    args.http_clients = [int(x) for x in (args.http_clients or ("1,4" if q else "1,4,8")).split(",") if x.strip()]
+    if not args.http_clients or min(args.http_clients) < 1:
+        p.error("--http-clients needs positive integers")
+    if args.http and (args.with_http or args.variants):
+        p.error("--http runs only the HTTP section: use --with-http to add it to the full run")
     if args.prefill_tokens + 8 > args.ctx:
         p.error("--prefill-tokens must fit in --ctx")
     if args.server_log is None:
@@ -922,7 +1308,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
     try:
-        out = run(args)
+        out = run_http_only(args) if args.http else run(args)
     except KeyboardInterrupt:
         log("interrupted")
         return 130
