@@ -1473,7 +1473,9 @@ class Engine:
         self.n_steps = 0
         self.n_prefills = 0        # prompts prefilled (a group of n choices counts once)
         self.n_cached_tok = 0      # prompt tokens reused from a resident KV
-        self.kv_used = 0           # KV cells holding active or resident tokens
+        self.n_cache_hits = 0      # prompts that reused some resident KV
+        self.kv_active = 0         # KV cells holding active sequences' tokens
+        self.kv_cached = 0         # KV cells kept by free slots (the memory tier; reclaimable)
         self.n_prefill_tok = 0
         self.n_decode_tok = 0
         self.t_decode_s = 0.0      # inside llama_decode
@@ -1541,11 +1543,12 @@ class Engine:
     def stats(self) -> dict:
         steps = max(self.n_decode_only_steps, 1)
         return {"steps": self.n_steps, "prefill_tokens": self.n_prefill_tok, "decode_tokens": self.n_decode_tok,
-                "prefills": self.n_prefills, "cached_tokens": self.n_cached_tok,
+                "prefills": self.n_prefills, "cached_tokens": self.n_cached_tok, "cache_hits": self.n_cache_hits,
                 "decode_s": self.t_decode_s, "step_s": self.t_step_s,
                 "python_ms_per_decode_step": 1000 * self.t_decode_only_py_s / steps,
                 "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
-                "kv_cells_used": self.kv_used, "kv_cells_total": self.n_ctx * self.n_slots}
+                "kv_cells_active": self.kv_active, "kv_cells_cached": self.kv_cached,
+                "kv_cells_total": self.n_ctx * self.n_slots}
 
     def close(self) -> None:
         """Stop the scheduler (pending requests get an error) and free the context."""
@@ -1575,8 +1578,8 @@ class Engine:
                     break
                 if self._active:
                     self._step()
-                self.kv_used = (sum(s.n_past for s in self._active) +
-                                sum(len(r[1]) for r in self._resident.values()))
+                self.kv_active = sum(s.n_past for s in self._active)
+                self.kv_cached = sum(len(r[1]) for r in self._resident.values())
             except Exception as e:  # noqa: BLE001 - a bug must not hang every client
                 log.exception("scheduler step failed")
                 self._fail_all(e if isinstance(e, ReameError) else EngineError("internal error: %s" % e))
@@ -1609,65 +1612,100 @@ class Engine:
     def _start(self, group: List[Request]) -> None:
         """Give a group its slots. The first choice prefills; the rest wait in .followers."""
         seqs = []
-        for req in group:
-            slot, n_cached = self._take_slot(req)
+        for i, req in enumerate(group):
+            slot, n_cached, n_exact = self._take_slot(req, reuse=i == 0)
             p = req.params
             sampler = Sampler(self.model, p)
             if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 for t in req.prompt[-p.penalty_last_n:]:  # penalties see the prompt, as in llama-server
                     sampler.accept(t)
             room = self.n_ctx - len(req.prompt)
-            seqs.append(_Seq(req, slot, sampler, min(p.max_tokens or room, room), *n_cached))
+            seqs.append(_Seq(req, slot, sampler, min(p.max_tokens or room, room), n_cached, n_exact))
         seqs[0].followers = seqs[1:]
-        self.n_cached_tok += seqs[0].n_cached
+        if seqs[0].n_cached:
+            self.n_cache_hits += 1
+            self.n_cached_tok += seqs[0].n_cached
         self._active.append(seqs[0])
 
-    def _take_slot(self, req: Request) -> tuple:
-        """A free slot for req, and how many prompt tokens its resident KV already holds.
+    def _reusable(self, entry: list, prompt: List[int]) -> tuple:
+        """(n_cached, n_exact): how much of prompt a resident entry's KV can give."""
+        _, tokens, _, exact = entry
+        common = min(common_prefix(tokens, prompt), len(prompt) - 1)  # the last token is computed, for logits
+        n_exact = min(common, exact) // self.chunk * self.chunk
+        n_cached = common if self.cache_reuse == "all" else n_exact
+        if n_cached < len(tokens) and not self.model.can_truncate:
+            return 0, 0  # recurrent state cannot be cut back: only an exact end can be continued
+        return n_cached, n_exact
 
-        A slot resident with req's cache_tag is reused from the common prefix on (the
-        model must recompute at least the prompt's last token, for its logits). Else an
-        empty slot, lowest first (fewer gaps in the decode batch's seq ids), else the
-        least recently used resident slot is evicted.
+    def _take_slot(self, req: Request, reuse: bool = True) -> tuple:
+        """A free slot for req: (slot, prompt tokens already in its KV, of which exact).
+
+        The memory tier: free slots keep their last KV (a finished request's or a
+        session's). The longest reusable prefix wins; a plain entry or req's own session
+        is continued in place, another session's entry is copied (llama_memory_seq_cp)
+        so that session keeps it. Otherwise: req's own entry, an empty slot (lowest
+        first: fewer gaps in the decode batch's seq ids), then the least recently used
+        entry, plain ones before sessions.
         """
-        slot, n_cached, n_exact = None, 0, 0
-        if req.cache_tag is not None:
-            for k in self._free:
-                tag, tokens, _, exact = self._resident.get(k, (None, None, 0, 0))
-                if tag == req.cache_tag:
-                    slot = k
-                    common = min(common_prefix(tokens, req.prompt), len(req.prompt) - 1)
-                    n_exact = min(common, exact) // self.chunk * self.chunk
-                    n_cached = common if self.cache_reuse == "all" else n_exact
-                    if n_cached < len(tokens) and not self.model.can_truncate:
-                        n_cached = n_exact = 0  # recurrent state: only an exact end can be continued
-                    break
-        if slot is None:
-            empty = [k for k in self._free if k not in self._resident]
-            slot = min(empty) if empty else min(self._free, key=lambda k: self._resident[k][2])
+        best, src = (0, 0), None
+        for k in self._free if reuse else ():
+            entry = self._resident.get(k)
+            if entry is not None:
+                got = self._reusable(entry, req.prompt)
+                if got[0] > best[0] or (got[0] == best[0] and got[0] and entry[0] == req.cache_tag):
+                    best, src = got, k
+        own = src is not None and self._resident[src][0] in (None, req.cache_tag)
+        if src is not None and own:
+            slot = src
+        else:
+            slot = self._victim(req, exclude=src)
+            if slot is None:  # src is the only free slot: take it, its session recomputes later
+                slot, src = src, None
+            elif src is not None:
+                self.ctx.seq_cp(src, slot)  # the whole stream (cross-stream copies are whole), cut below
+                self._resident[src][2] = time.monotonic()
+        if src is None:
+            best = (0, 0)
         self._free.remove(slot)
         self._resident.pop(slot, None)
-        self.ctx.seq_rm(slot, n_cached if n_cached else -1, -1)
-        return slot, (n_cached, n_exact)
+        self.ctx.seq_rm(slot, best[0] if best[0] else -1, -1)
+        return slot, best[0], best[1]
+
+    def _victim(self, req: Request, exclude: Optional[int]) -> Optional[int]:
+        """The free slot whose KV matters least (see _take_slot), or None."""
+        free = [k for k in self._free if k != exclude]
+        if not free:
+            return None
+        res = self._resident
+        for k in free:
+            if k in res and res[k][0] is not None and res[k][0] == req.cache_tag:
+                return k
+        empty = [k for k in free if k not in res]
+        if empty:
+            return min(empty)
+        return min(free, key=lambda k: (res[k][0] is not None, res[k][2]))
 
     def _evict(self, slot: int) -> None:
         if self._resident.pop(slot, None) is not None:
             self.ctx.seq_rm(slot)
 
     def _step(self) -> None:
-        """One step: a decode batch for every generating sequence, then one prefill chunk.
+        """One step: a decode batch for every generating sequence, then prefill chunks
+        (up to n_batch prompt tokens, oldest request first).
 
         Greedy output must not depend on who else is in the batch, and llama.cpp's CPU
         kernels pick tiling by batch shape (flash attention tiles 64+ queries). So each
-        prompt is prefilled in its own llama_decode, in chunks ending at multiples of
-        self.chunk (the same chunks as when it runs alone and cold), and decode tokens go
-        in ascending slot order (llama.cpp splits a multi-stream batch at a gap in seq ids).
+        prompt chunk runs in its own llama_decode, ending at a multiple of self.chunk
+        (the same chunks as when it runs alone and cold), and decode tokens go in
+        ascending slot order (llama.cpp splits a multi-stream batch at a gap in seq ids).
+        Several short prompts arriving together are all prefilled in one step, so the
+        last of them does not wait a decode step per earlier one for its first token.
         """
         t0 = time.perf_counter()
         for s in [s for s in self._active if s.req.cancelled]:
             self._finish(s, "cancelled")
         decoding = sorted((s for s in self._active if s.n_done == s.n_prompt), key=lambda s: s.seq_id)
-        prefilling = next((s for s in self._active if s.n_done < s.n_prompt), None)
+        prefilling = [s for s in self._active if s.n_done < s.n_prompt]
         b = self._batch
         if decoding:
             b.clear()
@@ -1682,36 +1720,46 @@ class Engine:
                 self._accept(s, s.sampler.sample(self.ctx, i))
             self.n_decode_tok += len(decoding)
             self.t_decode_s += t2 - t1
-            if prefilling is None:
+            if not prefilling:
                 self.n_decode_only_steps += 1
                 self.t_decode_only_py_s += (time.perf_counter() - t0) - (t2 - t1)
-        if prefilling is not None:
-            s = prefilling
-            start, end = s.n_done, min((s.n_done // self.chunk + 1) * self.chunk, s.n_prompt)
-            b.clear()
-            prompt, seq_id, last = s.req.prompt, s.seq_id, s.n_prompt - 1
-            for pos in range(start, end):
-                b.add(prompt[pos], pos, seq_id, pos == last)
-            t1 = time.perf_counter()
-            if not self._decode(b, [s]):
-                return
-            self.t_decode_s += time.perf_counter() - t1
-            if s.n_exact == start and end - start == self.chunk:
-                s.n_exact = end  # a whole chunk on an exact prefix: what a cold prefill computes
-            s.n_done = s.n_past = end
-            self.n_prefill_tok += end - start
-            if end == s.n_prompt:
-                self.n_prefills += 1
-                group, s.followers = [s] + s.followers, []
-                for f in group[1:]:  # the other choices: copy the prompt's KV, sample the same logits
-                    self.ctx.seq_cp(s.seq_id, f.seq_id)
-                    f.n_done = f.n_past = end
-                    f.n_exact = s.n_exact
-                    self._active.append(f)
-                for f in group:
-                    self._accept(f, f.sampler.sample(self.ctx, b.n - 1))
+        budget = self.ctx.n_batch
+        for s in prefilling:
+            while budget > 0 and s.n_done < s.n_prompt:
+                n = self._prefill_chunk(s)
+                if n < 0:
+                    break
+                budget -= n
         self.n_steps += 1
         self.t_step_s += time.perf_counter() - t0
+
+    def _prefill_chunk(self, s: _Seq) -> int:
+        """Prefill s's next prompt chunk in its own llama_decode; -1 if the sequence failed."""
+        start, end = s.n_done, min((s.n_done // self.chunk + 1) * self.chunk, s.n_prompt)
+        b = self._batch
+        b.clear()
+        prompt, seq_id, last = s.req.prompt, s.seq_id, s.n_prompt - 1
+        for pos in range(start, end):
+            b.add(prompt[pos], pos, seq_id, pos == last)
+        t1 = time.perf_counter()
+        if not self._decode(b, [s]):
+            return -1
+        self.t_decode_s += time.perf_counter() - t1
+        if s.n_exact == start and end - start == self.chunk:
+            s.n_exact = end  # a whole chunk on an exact prefix: what a cold prefill computes
+        s.n_done = s.n_past = end
+        self.n_prefill_tok += end - start
+        if end == s.n_prompt:
+            self.n_prefills += 1
+            group, s.followers = [s] + s.followers, []
+            for f in group[1:]:  # the other choices: copy the prompt's KV, sample the same logits
+                self.ctx.seq_cp(s.seq_id, f.seq_id)
+                f.n_done = f.n_past = end
+                f.n_exact = s.n_exact
+                self._active.append(f)
+            for f in group:
+                self._accept(f, f.sampler.sample(self.ctx, b.n - 1))
+        return end - start
 
     def _decode(self, b: Batch, seqs: List[_Seq]) -> bool:
         """llama_decode; on failure the sequences in the batch end with the error."""
@@ -1752,7 +1800,7 @@ class Engine:
             f.n_past = 0
             self._finish(f, reason, error, flush=False)
         s.followers = []
-        if req.cache_tag is not None and error is None and s.n_past:
+        if error is None and s.n_past:  # the memory tier: the KV stays until the slot is needed
             self._resident[s.seq_id] = [req.cache_tag, (req.prompt + s.tokens)[:s.n_past], time.monotonic(),
                                         s.n_exact]
         else:
@@ -2396,9 +2444,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             lines += srv.h_token.lines("reame_time_per_output_token_seconds")
         lines += ["# TYPE reame_active_sequences gauge", "reame_active_sequences %d" % st["active"],
                   "# TYPE reame_queued_requests gauge", "reame_queued_requests %d" % st["waiting"],
-                  "# TYPE reame_kv_cells_used gauge", "reame_kv_cells_used %d" % st["kv_cells_used"],
-                  "# TYPE reame_kv_cells_free gauge",
-                  "reame_kv_cells_free %d" % (st["kv_cells_total"] - st["kv_cells_used"]),
+                  "# TYPE reame_kv_cells_used gauge", "reame_kv_cells_used %d" % st["kv_cells_active"],
+                  "# TYPE reame_kv_cells_cached gauge", "reame_kv_cells_cached %d" % st["kv_cells_cached"],
+                  "# TYPE reame_kv_cells_free gauge", "reame_kv_cells_free %d" % (
+                      st["kv_cells_total"] - st["kv_cells_active"] - st["kv_cells_cached"]),
+                  "# TYPE reame_cache_hits_total counter", "reame_cache_hits_total %d" % st["cache_hits"],
                   "# TYPE reame_sessions gauge", "reame_sessions %d" % len(srv.sessions),
                   "# TYPE reame_prefills_total counter", "reame_prefills_total %d" % st["prefills"],
                   "# TYPE reame_prefill_tokens_total counter", "reame_prefill_tokens_total %d" % st["prefill_tokens"],
