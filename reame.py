@@ -17,14 +17,16 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
     6. Model, context and batch wrappers
     7. Sampling
     8. Model registry and download
-    9. Engine: the scheduler thread and continuous batching
-   10. HTTP server (OpenAI-compatible)
-   11. Command line
+    9. Prefix KV cache: disk tier
+   10. Engine: the scheduler thread and continuous batching
+   11. HTTP server (OpenAI-compatible)
+   12. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
 
 import argparse
+import array
 import codecs
 import collections
 import ctypes
@@ -45,6 +47,7 @@ import time
 import urllib.error
 import urllib.request
 import zipfile
+import zlib
 from typing import Iterator, List, Optional, Sequence
 
 try:  # optional: faster logits work (used by later features)
@@ -59,7 +62,8 @@ __all__ = [
     "EngineError", "Model", "Context", "Batch", "SamplingParams", "Sampler", "ModelSpec",
     "REGISTRY", "resolve_model", "pull_model", "list_models", "remove_model",
     "pick_threads", "Request", "Result", "Engine", "main", "TextStream", "Progress", "setup_logging",
-    "lib", "Server", "Sessions", "params_from_body", "common_prefix",
+    "lib", "Server", "Sessions", "params_from_body", "common_prefix", "DiskCache", "model_fingerprint",
+    "default_cache_bytes", "parse_size",
 ]
 
 log = logging.getLogger("reame")
@@ -468,6 +472,12 @@ _SIGNATURES = [
     ("llama_memory_seq_cp", None, [_P, _c_i32, _c_i32, _c_i32, _c_i32]),
     # llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
     ("llama_memory_seq_pos_max", _c_i32, [_P, _c_i32]),
+    # size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
+    ("llama_state_seq_get_size", _c_size, [_P, _c_i32]),
+    # size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
+    ("llama_state_seq_get_data", _c_size, [_P, _c_char_p, _c_size, _c_i32]),
+    # size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id);
+    ("llama_state_seq_set_data", _c_size, [_P, _c_char_p, _c_size, _c_i32]),
     # struct llama_batch llama_batch_init(int32_t n_tokens, int32_t embd, int32_t n_seq_max);
     ("llama_batch_init", _llama_batch, [_c_i32, _c_i32, _c_i32]),
     # void llama_batch_free(struct llama_batch batch);
@@ -882,6 +892,18 @@ class Context:
 
     def seq_pos_max(self, seq_id: int) -> int:
         return lib().llama_memory_seq_pos_max(self._mem, seq_id)
+
+    def state_seq_get(self, seq_id: int) -> bytes:
+        """A copy of one sequence's KV state (llama_state_seq_get_data)."""
+        L = lib()
+        size = L.llama_state_seq_get_size(self._ptr, seq_id)
+        buf = ctypes.create_string_buffer(size)
+        n = L.llama_state_seq_get_data(self._ptr, buf, size, seq_id)
+        return buf.raw[:n]
+
+    def state_seq_set(self, seq_id: int, data: bytes) -> bool:
+        """Load a state from state_seq_get into seq_id; False if llama.cpp refused it."""
+        return lib().llama_state_seq_set_data(self._ptr, data, len(data), seq_id) > 0
 
     def clear(self) -> None:
         lib().llama_memory_clear(self._mem, True)
@@ -1302,7 +1324,251 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
     return path
 
 
-# == 9. Engine: the scheduler thread and continuous batching ====================
+# == 9. Prefix KV cache: disk tier ==============================================
+# Snapshots of prompt prefixes' KV (llama_state_seq_get_data), compressed, one file per
+# prefix under $REAME_HOME/kv/<model fingerprint>/, named by a hash of the fingerprint,
+# the KV parameters and the prefix's tokens: another process, or this one after a
+# restart, finds a prefix without an index. The engine snapshots only whole prefill
+# chunks on an exact prefix (section 10), so a restored prefix is what a cold prefill
+# computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
+# tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
+# the least recently used files go first when the directory is over its size bound.
+# Compression and writing run on a writer thread, never the scheduler.
+
+try:  # optional: faster, smaller snapshots (zlib without it)
+    import zstandard as _zstd
+except ImportError:  # pragma: no cover - depends on the machine
+    _zstd = None
+
+_KV_MAGIC = b"REAMEKV\x00"
+_KV_VERSION = 1
+
+
+def model_fingerprint(model: "Model") -> str:
+    """A model's identity from its GGUF bytes (size, first and last MiB) and metadata, not its path."""
+    h = hashlib.sha256()
+    size = os.path.getsize(model.path)
+    h.update(b"%d|" % size)
+    with open(model.path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    h.update(("|%s|%d|%d|%d" % (model.desc, model.n_params, model.n_vocab, model.n_ctx_train)).encode())
+    return h.hexdigest()[:32]
+
+
+def default_cache_bytes(path: str) -> int:
+    """2 GiB or 10% of the free disk under path, whichever is smaller."""
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return 0
+    return min(2 << 30, free // 10)
+
+
+def parse_size(text: str) -> int:
+    """'2G', '500M', '64k' or a byte count -> bytes."""
+    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", str(text).lower())
+    if not m:
+        raise RequestError("not a size: %r (use e.g. 2G, 500M, 1048576)" % text)
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+
+
+class DiskCache:
+    """One model's prefix snapshots on disk. ``find`` and ``load`` run on any thread;
+    ``save`` only queues the state bytes for the writer thread."""
+
+    def __init__(self, root: str, fingerprint: str, params: str, max_bytes: int, block: int):
+        self.dir = os.path.join(root, fingerprint)
+        self.fingerprint, self.params, self.max_bytes, self.block = fingerprint, params, max_bytes, block
+        self._key = hashlib.sha256(("%s|%s|%d" % (fingerprint, params, _KV_VERSION)).encode())
+        self.enabled = True
+        self.n_saved = self.n_loaded = self.n_bad = 0
+        self._warned: set = set()
+        self._pending: "queue.Queue" = queue.Queue(maxsize=2)  # bounded: snapshots are big
+        try:
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+            for d in (root, self.dir):
+                os.chmod(d, 0o700)
+        except OSError as e:
+            self._disable(e)
+        self._thread = threading.Thread(target=self._writer, name="reame-kv-writer", daemon=True)
+        self._thread.start()
+
+    # -- naming and lookup (any thread) --
+    def candidates(self, tokens: Sequence[int], limit: int) -> List[tuple]:
+        """(length, path) for every whole block of tokens[:limit], longest first."""
+        h, out = self._key.copy(), []
+        for end in range(self.block, limit + 1, self.block):
+            h.update(array.array("i", tokens[end - self.block:end]).tobytes())
+            out.append((end, os.path.join(self.dir, h.copy().hexdigest()[:40] + ".kv")))
+        return out[::-1]
+
+    def find(self, tokens: Sequence[int], limit: int) -> Optional[tuple]:
+        """The longest valid snapshot of a prefix of tokens[:limit]: (length, state bytes)."""
+        if not self.enabled:
+            return None
+        for n, path in self.candidates(tokens, limit):
+            if os.path.exists(path):
+                state = self._load(path, tokens[:n])
+                if state is not None:
+                    return n, state
+        return None
+
+    def _load(self, path: str, tokens: Sequence[int]) -> Optional[bytes]:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            if data[:8] != _KV_MAGIC or len(data) < 16:
+                raise ValueError("not a Reame KV snapshot")
+            version, hlen = int.from_bytes(data[8:12], "little"), int.from_bytes(data[12:16], "little")
+            if version != _KV_VERSION:
+                raise ValueError("format version %d, not %d" % (version, _KV_VERSION))
+            head = json.loads(data[16:16 + hlen].decode("utf-8"))
+            payload = data[16 + hlen:]
+            if head.get("fingerprint") != self.fingerprint or head.get("params") != self.params:
+                raise ValueError("made for another model or KV layout")
+            if head.get("tokens") != list(tokens):
+                raise ValueError("its tokens are not this prefix")
+            if len(payload) != head["size"] or hashlib.sha256(payload).hexdigest() != head["sha256"]:
+                raise ValueError("checksum mismatch (truncated or corrupted)")
+            state = (_zstd.ZstdDecompressor().decompress(payload, max_output_size=head["raw_size"])
+                     if head["codec"] == "zstd" else zlib.decompress(payload))
+            if len(state) != head["raw_size"]:
+                raise ValueError("decompressed size mismatch")
+        except (OSError, ValueError, KeyError, TypeError, zlib.error) as e:
+            self.reject(path, str(e))
+            return None
+        except Exception as e:  # noqa: BLE001 - zstandard's own errors
+            self.reject(path, "cannot decompress: %s" % e)
+            return None
+        try:
+            os.utime(path)  # LRU across processes: last use is the mtime
+        except OSError:
+            pass
+        self.n_loaded += 1
+        return state
+
+    def reject(self, path: str, why: str) -> None:
+        """A snapshot that must not be used: delete it (logged once per reason)."""
+        self.n_bad += 1
+        if why not in self._warned:
+            self._warned.add(why)
+            log.warning("KV snapshot %s deleted, will be recomputed: %s", os.path.basename(path), why)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+    # -- writing (the scheduler queues, the writer thread compresses and writes) --
+    def wants(self, tokens: Sequence[int]) -> bool:
+        """Is a snapshot of exactly these tokens worth taking (a whole block, not on disk)?"""
+        if not self.enabled or not tokens or len(tokens) % self.block or self._pending.full():
+            return False
+        path = self.candidates(tokens, len(tokens))[0][1]
+        if os.path.exists(path):
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+            return False
+        return True
+
+    def save(self, tokens: Sequence[int], state: bytes) -> None:
+        try:
+            self._pending.put_nowait((list(tokens), state))
+        except queue.Full:
+            pass  # the writer is behind: skip this one rather than stall the scheduler
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish queued writes (the engine calls this on close)."""
+        self._pending.put((None, None))
+        self._thread.join(timeout)
+
+    def _writer(self) -> None:
+        while True:
+            tokens, state = self._pending.get()
+            if tokens is None:
+                return
+            try:
+                self._write(tokens, state)
+            except OSError as e:
+                self._disable(e)
+
+    def _write(self, tokens: List[int], state: bytes) -> None:
+        path = self.candidates(tokens, len(tokens))[0][1]
+        if _zstd is not None:
+            codec, payload = "zstd", _zstd.ZstdCompressor(level=3).compress(state)
+        else:
+            codec, payload = "zlib", zlib.compress(state, 1)
+        head = json.dumps({"fingerprint": self.fingerprint, "params": self.params, "codec": codec,
+                           "raw_size": len(state), "size": len(payload),
+                           "sha256": hashlib.sha256(payload).hexdigest(), "tokens": tokens}).encode()
+        blob = _KV_MAGIC + _KV_VERSION.to_bytes(4, "little") + len(head).to_bytes(4, "little") + head
+        total = len(blob) + len(payload)
+        if total > self.max_bytes or not self._make_room(total):
+            return
+        tmp = "%s.%d.%d.tmp" % (path, os.getpid(), threading.get_ident())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
+        self.n_saved += 1
+
+    def _make_room(self, need: int) -> bool:
+        """Delete the least recently used files until need more bytes fit under the bound."""
+        files = []
+        for name in os.listdir(self.dir):
+            if not name.endswith(".kv"):  # not another process's file being written
+                continue
+            p = os.path.join(self.dir, name)
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            files.append((st.st_mtime, st.st_size, p))
+        used = sum(f[1] for f in files)
+        for _, size, p in sorted(files):
+            if used + need <= self.max_bytes:
+                break
+            try:
+                os.remove(p)
+                used -= size
+            except OSError:
+                pass
+        return used + need <= self.max_bytes
+
+    def usage(self) -> tuple:
+        """(files, bytes) on disk now."""
+        n = size = 0
+        try:
+            for name in os.listdir(self.dir):
+                if name.endswith(".kv"):
+                    n += 1
+                    size += os.path.getsize(os.path.join(self.dir, name))
+        except OSError:
+            pass
+        return n, size
+
+    def _disable(self, e: Exception) -> None:
+        if self.enabled:
+            log.warning("KV disk cache at %s is not writable (%s): memory only from now on", self.dir, e)
+        self.enabled = False
+
+
+# == 10. Engine: the scheduler thread and continuous batching ===================
 # HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
 # thread owns the llama context: each step it admits waiting requests into free
 # slots, runs ONE llama_decode with the next token of every generating sequence,
@@ -1353,6 +1619,8 @@ class Request:
         self.params = params
         self.index = index
         self.cache_tag = cache_tag
+        self.snap = ()     # prompt lengths to snapshot to the disk tier (whole chunks)
+        self.disk = None   # (length, state) found on the disk tier by submit()
         self.events = events if events is not None else queue.SimpleQueue()
         self.t_submit = time.monotonic()
         self._cancel = threading.Event()
@@ -1445,7 +1713,7 @@ class Engine:
 
     def __init__(self, model, *, n_ctx: int = 4096, n_slots: int = 4, n_threads: Optional[int] = None,
                  n_batch: int = 512, prefill_chunk: int = 128, cache_reuse: str = "exact", repack: bool = False,
-                 **context_kw):
+                 disk_cache: int = 0, disk_dir: Optional[str] = None, **context_kw):
         if cache_reuse not in ("exact", "all"):
             raise RequestError("cache_reuse must be 'exact' or 'all'")
         if _np is None:
@@ -1460,6 +1728,13 @@ class Engine:
         self._batch = Batch(self.ctx.n_batch)
         self.chunk = max(1, min(prefill_chunk, self.ctx.n_batch))  # prompt tokens per prefill decode
         self.cache_reuse = cache_reuse  # read by the scheduler at each admission
+        self.disk: Optional[DiskCache] = None
+        if disk_cache:  # what changes the snapshot bytes or their exactness is in the file name and header
+            params = "kv=f16 swa_full=%s fa=%s chunk=%d ctx_train=%d llama_h=%s" % (
+                context_kw.get("swa_full", True), context_kw.get("flash_attn", -1), self.chunk,
+                self.model.n_ctx_train, _LLAMA_H_SHA256[:16])
+            root = disk_dir or os.path.join(Config.from_env().home, "kv")
+            self.disk = DiskCache(root, model_fingerprint(self.model), params, disk_cache, self.chunk)
         self._incoming: "queue.Queue" = queue.Queue()
         self._ids = iter(range(1, 1 << 62))
         self._ids_lock = threading.Lock()          # guards _ids
@@ -1474,6 +1749,8 @@ class Engine:
         self.n_prefills = 0        # prompts prefilled (a group of n choices counts once)
         self.n_cached_tok = 0      # prompt tokens reused from a resident KV
         self.n_cache_hits = 0      # prompts that reused some resident KV
+        self.n_disk_hits = 0       # prompts that restored a prefix from the disk tier
+        self.n_disk_snaps = 0      # snapshots handed to the disk writer
         self.kv_active = 0         # KV cells holding active sequences' tokens
         self.kv_cached = 0         # KV cells kept by free slots (the memory tier; reclaimable)
         self.n_prefill_tok = 0
@@ -1497,11 +1774,12 @@ class Engine:
         return self.submit_n(prompt, params, 1, cache_tag=cache_tag, **kw)[0]
 
     def submit_n(self, prompt, params: Optional[SamplingParams] = None, n: int = 1, *,
-                 cache_tag: Optional[str] = None, **kw) -> List[Request]:
+                 cache_tag: Optional[str] = None, snap_at: Sequence[int] = (), **kw) -> List[Request]:
         """Queue n choices of one prompt: one prefill, KV copied to n-1 more slots.
 
         They share one events queue (events carry the choice index). With a seed,
-        choice i samples with seed + i.
+        choice i samples with seed + i. ``snap_at``: prompt lengths worth a disk snapshot
+        (the end of a chat's system message); see _disk_plan for the others.
         """
         if self._closing:
             raise EngineError("engine is shut down")
@@ -1525,8 +1803,32 @@ class Engine:
                          dataclasses.replace(params, seed=(params.seed + i) % (2 ** 32 - 1)),
                          index=i, events=events, cache_tag=cache_tag if i == 0 else None)
                  for i in range(n)]
+        if self.disk is not None:
+            self._disk_plan(group[0], snap_at)
         self._incoming.put(group)
         return group
+
+    def _disk_plan(self, req: Request, snap_at: Sequence[int]) -> None:
+        """On the caller's thread: find the longest prefix on disk (read, checked and
+        decompressed here, not on the scheduler), and choose where to snapshot: at
+        256, 512, 1024, ... tokens (a shared prefix of any length finds a snapshot at
+        least half as long, for at most twice the prompt's bytes on disk), at the last
+        whole chunk, and at snap_at; all whole chunks, at least 256 tokens."""
+        n, c = len(req.prompt), self.chunk
+        req.disk = self.disk.find(req.prompt, n - 1)
+        points = {(n - 1) // c * c} | {p // c * c for p in snap_at if p < n}
+        p = 256
+        while p < n:
+            points.add(p // c * c)
+            p *= 2
+        req.snap = frozenset(x for x in points if x >= max(256, c))
+
+    def prefix_boundary(self, messages: Sequence[dict], tokens: Sequence[int]) -> List[int]:
+        """Where a chat's system message ends in its prompt tokens ([] without one)."""
+        if not messages or messages[0].get("role") != "system":
+            return []
+        head = self.model.tokenize(self.model.apply_chat_template(messages[:1], add_assistant=False))
+        return [common_prefix(head, tokens)]
 
     def forget(self, cache_tag: str) -> None:
         """Drop the resident KV kept for ``cache_tag`` (a deleted session)."""
@@ -1544,6 +1846,7 @@ class Engine:
         steps = max(self.n_decode_only_steps, 1)
         return {"steps": self.n_steps, "prefill_tokens": self.n_prefill_tok, "decode_tokens": self.n_decode_tok,
                 "prefills": self.n_prefills, "cached_tokens": self.n_cached_tok, "cache_hits": self.n_cache_hits,
+                "disk_hits": self.n_disk_hits, "disk_snapshots": self.n_disk_snaps,
                 "decode_s": self.t_decode_s, "step_s": self.t_step_s,
                 "python_ms_per_decode_step": 1000 * self.t_decode_only_py_s / steps,
                 "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
@@ -1559,6 +1862,8 @@ class Engine:
         self._thread.join()
         self._fail_all(EngineError("engine is shut down"))  # a submit that raced close()
         self._batch.close()
+        if self.disk is not None:
+            self.disk.close()
         self.ctx.close()
         if self._own_model:
             self.model.close()
@@ -1647,6 +1952,7 @@ class Engine:
         first: fewer gaps in the decode batch's seq ids), then the least recently used
         entry, plain ones before sessions.
         """
+        disk, req.disk = req.disk, None
         best, src = (0, 0), None
         for k in self._free if reuse else ():
             entry = self._resident.get(k)
@@ -1654,6 +1960,17 @@ class Engine:
                 got = self._reusable(entry, req.prompt)
                 if got[0] > best[0] or (got[0] == best[0] and got[0] and entry[0] == req.cache_tag):
                     best, src = got, k
+        if disk is not None and disk[0] > best[0]:  # the disk tier has more of the prompt
+            slot = self._victim(req, exclude=None)
+            self._free.remove(slot)
+            self._resident.pop(slot, None)
+            self.ctx.seq_rm(slot)
+            if self.ctx.state_seq_set(slot, disk[1]) and self.ctx.seq_pos_max(slot) == disk[0] - 1:
+                self.n_disk_hits += 1
+                return slot, disk[0], disk[0]
+            log.warning("llama.cpp refused a KV snapshot of %d tokens; recomputing it", disk[0])
+            self.ctx.seq_rm(slot)
+            return slot, 0, 0
         own = src is not None and self._resident[src][0] in (None, req.cache_tag)
         if src is not None and own:
             slot = src
@@ -1747,6 +2064,9 @@ class Engine:
         self.t_decode_s += time.perf_counter() - t1
         if s.n_exact == start and end - start == self.chunk:
             s.n_exact = end  # a whole chunk on an exact prefix: what a cold prefill computes
+            if end in s.req.snap and self.disk.wants(prompt[:end]):
+                self.disk.save(prompt[:end], self.ctx.state_seq_get(seq_id))  # the writer compresses
+                self.n_disk_snaps += 1
         s.n_done = s.n_past = end
         self.n_prefill_tok += end - start
         if end == s.n_prompt:
@@ -1830,7 +2150,7 @@ class Engine:
                     req._finish(None, error)
 
 
-# == 10. HTTP server ============================================================
+# == 11. HTTP server ============================================================
 # OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
 # thread per connection: it validates, templates, submits to the Engine, and writes
 # JSON or SSE from the Request's events. It never touches the llama context.
@@ -2338,7 +2658,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 raise RequestError("prompt (%d tokens) plus max_tokens (%d) is over the context (%d tokens "
                                    "per sequence)" % (len(tokens), params.max_tokens, eng.n_ctx),
                                    code="context_length_exceeded")
-            reqs = eng.submit_n(tokens, params, n, cache_tag=session.tag if session else None)
+            reqs = eng.submit_n(tokens, params, n, cache_tag=session.tag if session else None,
+                                snap_at=eng.prefix_boundary(history, tokens) if chat else ())
             rid = ("chatcmpl-" if chat else "cmpl-") + reqs[0].id
             if stream:
                 results = self._stream(reqs, rid, chat, bool(opts.get("include_usage")))
@@ -2449,6 +2770,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                   "# TYPE reame_kv_cells_free gauge", "reame_kv_cells_free %d" % (
                       st["kv_cells_total"] - st["kv_cells_active"] - st["kv_cells_cached"]),
                   "# TYPE reame_cache_hits_total counter", "reame_cache_hits_total %d" % st["cache_hits"],
+                  "# TYPE reame_disk_cache_hits_total counter", "reame_disk_cache_hits_total %d" % st["disk_hits"],
+                  "# TYPE reame_disk_cache_snapshots_total counter",
+                  "reame_disk_cache_snapshots_total %d" % st["disk_snapshots"],
                   "# TYPE reame_sessions gauge", "reame_sessions %d" % len(srv.sessions),
                   "# TYPE reame_prefills_total counter", "reame_prefills_total %d" % st["prefills"],
                   "# TYPE reame_prefill_tokens_total counter", "reame_prefill_tokens_total %d" % st["prefill_tokens"],
@@ -2463,7 +2787,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-# == 11. Command line ===========================================================
+# == 12. Command line ===========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
@@ -2481,6 +2805,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: physical cores "
                    "allowed by affinity and cgroup quota, here %d)" % pick_threads())
     p.add_argument("--ctx", type=int, default=4096, help="context length per sequence in tokens (default 4096)")
+    p.add_argument("--cache-size", default=None, metavar="SIZE", help="bound on the prompt-prefix KV snapshots "
+                   "kept on disk in $REAME_HOME/kv, e.g. 2G or 500M (default: 2G or 10%% of free disk, whichever "
+                   "is smaller); least recently used go first")
+    p.add_argument("--no-disk-cache", action="store_true", help="keep prompt-prefix KV in memory only")
+
+
+def _disk_cache_bytes(args) -> int:
+    if args.no_disk_cache:
+        return 0
+    if args.cache_size is not None:
+        return parse_size(args.cache_size)
+    return default_cache_bytes(os.path.join(Config.from_env().home, "kv"))
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -2560,7 +2896,7 @@ def _cmd_run(args) -> int:
     _ensure_library()
     path = resolve_model(args.model)
     params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens).validate()
-    engine = Engine(path, n_ctx=args.ctx, n_slots=1, n_threads=args.threads)
+    engine = Engine(path, n_ctx=args.ctx, n_slots=1, n_threads=args.threads, disk_cache=_disk_cache_bytes(args))
     try:
         prompt = args.prompt
         if prompt is None and not sys.stdin.isatty():
@@ -2583,7 +2919,7 @@ def _answer(engine: Engine, messages: List[dict], params: SamplingParams, raw: b
         tokens = engine.model.tokenize(messages[-1]["content"])
     else:
         tokens = engine.chat_prompt(messages)
-    req = engine.submit(tokens, params)
+    req = engine.submit_n(tokens, params, snap_at=engine.prefix_boundary(messages, tokens))[0]
     out = []
     try:
         for piece in req:
@@ -2663,7 +2999,7 @@ def _cmd_serve(args) -> int:
     http_thread.start()
     try:
         engine = Engine(path, n_ctx=args.ctx, n_slots=args.parallel, n_threads=args.threads,
-                        cache_reuse=args.cache_reuse)
+                        cache_reuse=args.cache_reuse, disk_cache=_disk_cache_bytes(args))
     except BaseException:
         server.shutdown()
         raise
@@ -2716,7 +3052,12 @@ def _cmd_rm(args) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if (extra and args.command == "run" and args.prompt is None and len(extra) == 1
+            and not extra[0].startswith("-")):
+        args.prompt = extra[0]  # `run MODEL --temperature 0 "PROMPT"`: argparse drops a late optional positional
+    elif extra:
+        parser.error("unrecognized arguments: %s" % " ".join(extra))
     setup_logging(Config.from_env().log_level)
     if not args.command:
         parser.print_help()

@@ -9,6 +9,7 @@ import http.server
 import io
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import threading
@@ -585,6 +586,156 @@ def test_memory_tier_reuses_a_shared_prefix(qwen):
     again = qwen.complete(p1 + [198], temperature=0, max_tokens=2, cache_tag="sess")
     assert again.n_cached_tok >= warm.n_cached_tok
     qwen.forget("sess")
+
+
+_SHIP_SYSTEM = "You are a careful assistant for a shipping company. Rules: " + "Be brief. Cite the order id. " * 30
+
+
+def _ship_chat(eng, question):
+    msgs = [{"role": "system", "content": _SHIP_SYSTEM}, {"role": "user", "content": question}]
+    tokens = eng.chat_prompt(msgs)
+    return tokens, eng.prefix_boundary(msgs, tokens)
+
+
+def _disk_answer(model, kv_dir, question, disk=1 << 30):
+    eng = reame.Engine(model, n_ctx=1024, n_slots=1, disk_cache=disk, disk_dir=kv_dir)
+    try:
+        tokens, snap = _ship_chat(eng, question)
+        res = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=10), snap_at=snap)[0].wait()
+        return res, eng.stats()
+    finally:
+        eng.close()  # waits for queued snapshot writes
+
+
+@pytest.fixture(scope="module")
+def qwen_model():
+    m = reame.Model(_model_path("qwen2.5-coder-0.5b"))
+    yield m
+    m.close()
+
+
+def _kv_files(kv_dir):
+    return sorted(p for p in pathlib.Path(kv_dir).rglob("*.kv"))
+
+
+def test_disk_tier_survives_restart_exactly(qwen_model, tmp_path):
+    """A prefix snapshotted by one engine is restored by the next (a restart): same
+    tokens as cold, only the rest computed. Files 0600 in a 0700 directory."""
+    kv = str(tmp_path / "kv")
+    cold, _ = _disk_answer(qwen_model, kv, "Where is order 17?", disk=0)
+    first, st1 = _disk_answer(qwen_model, kv, "Where is order 17?")
+    assert st1["disk_snapshots"] >= 1 and first.tokens == cold.tokens
+    files = _kv_files(kv)
+    assert files and all(f.stat().st_mode & 0o777 == 0o600 for f in files)
+    assert (tmp_path / "kv").stat().st_mode & 0o777 == 0o700
+    again, st2 = _disk_answer(qwen_model, kv, "Where is order 17?")
+    assert st2["disk_hits"] == 1 and again.n_cached_tok >= 256 and again.tokens == cold.tokens
+    other, st3 = _disk_answer(qwen_model, kv, "Cancel order 18.")  # shares the system prompt only
+    cold_other, _ = _disk_answer(qwen_model, kv, "Cancel order 18.", disk=0)
+    assert st3["disk_hits"] == 1 and other.n_cached_tok >= 256 and other.tokens == cold_other.tokens
+
+
+def test_disk_tier_shared_between_processes(qwen_model, tmp_path):
+    """`reame.py run` in another process leaves the system prompt's KV on disk; this
+    process restores it."""
+    env = dict(os.environ, REAME_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, "reame.py", "run", qwen_model.path, "--system", _SHIP_SYSTEM,
+                          "--temperature", "0", "--max-tokens", "4", "--ctx", "1024", "Where is order 17?"],
+                         cwd=HERE, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert _kv_files(tmp_path / "kv")
+    res, st = _disk_answer(qwen_model, str(tmp_path / "kv"), "Cancel order 18.")
+    assert st["disk_hits"] == 1 and res.n_cached_tok >= 256
+
+
+def test_disk_tier_rejects_bad_files(qwen_model, tmp_path, caplog):
+    """A damaged or foreign snapshot is deleted and recomputed, never used."""
+    import logging
+    kv = str(tmp_path / "kv")
+    good, _ = _disk_answer(qwen_model, kv, "Where is order 17?")
+    for damage in ("flip", "truncate", "other_model", "garbage"):
+        files = _kv_files(kv)
+        assert files  # (re)written by the previous run
+        for f in files:
+            data = bytearray(f.read_bytes())
+            if damage == "flip":
+                data[-100] ^= 0xFF
+            elif damage == "truncate":
+                data = data[:len(data) // 2]
+            elif damage == "garbage":
+                data = bytearray(b"not a snapshot at all")
+            else:  # the header says another model made it
+                hlen = int.from_bytes(data[12:16], "little")
+                head = json.loads(data[16:16 + hlen])
+                head["fingerprint"] = "0" * 32
+                raw = json.dumps(head).encode()
+                data = data[:12] + len(raw).to_bytes(4, "little") + raw + data[16 + hlen:]
+            f.write_bytes(bytes(data))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="reame"):
+            res, st = _disk_answer(qwen_model, kv, "Where is order 17?")
+        assert st["disk_hits"] == 0 and res.n_cached_tok == 0 and res.tokens == good.tokens, damage
+        assert "deleted" in caplog.text, damage
+
+
+def test_disk_tier_size_bound_and_lru(tmp_path):
+    """Oldest-used snapshots go first; the directory never exceeds the bound."""
+    import random
+    rng = random.Random(0)
+    cache = reame.DiskCache(str(tmp_path), "f" * 32, "p", max_bytes=3 * 70_000, block=4)
+    def kept():
+        names = {p.name for p in pathlib.Path(cache.dir).iterdir()}
+        return [os.path.basename(cache.candidates([i] * 4, 4)[0][1]) in names for i in range(6)]
+
+    for i in range(6):
+        tokens = [i] * 4
+        assert cache.wants(tokens)
+        cache._write(tokens, bytes(rng.getrandbits(8) for _ in range(60_000)))  # incompressible
+        assert cache.usage()[1] <= cache.max_bytes
+        time.sleep(0.02)
+        if i == 1:  # use the first one: now it is more recent than the second
+            assert cache.find([0] * 4 + [9], 4) is not None
+            time.sleep(0.02)
+        if i == 3:  # three fit: the least recently used (the second) went
+            assert kept() == [True, False, True, True, False, False]
+    assert kept() == [False, False, False, True, True, True]
+    assert not cache.wants([5] * 4)  # already on disk
+    cache.close()
+
+
+def test_disk_tier_codecs_roundtrip(tmp_path, monkeypatch):
+    """zstd when the zstandard package is there (CI installs it), zlib without it."""
+    import zstandard  # the accelerator must be present in CI
+    assert zstandard.__version__
+    state = b"kv state " * 5000
+    for codec in ("zstd", "zlib"):
+        if codec == "zlib":
+            monkeypatch.setattr(reame, "_zstd", None)
+        cache = reame.DiskCache(str(tmp_path / codec), "f" * 32, "p", max_bytes=1 << 20, block=2)
+        cache._write([1, 2], state)
+        path = cache.candidates([1, 2], 2)[0][1]
+        data = open(path, "rb").read()
+        head = json.loads(data[16:16 + int.from_bytes(data[12:16], "little")])
+        assert head["codec"] == codec and head["size"] < len(state) // 10
+        assert cache.find([1, 2, 3], 2) == (2, state)
+        cache.close()
+
+
+def test_disk_tier_unwritable_degrades_to_memory(qwen_model, tmp_path, caplog):
+    import logging
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with caplog.at_level(logging.WARNING, logger="reame"):
+        res, st = _disk_answer(qwen_model, str(blocker / "kv"), "Where is order 17?")
+    assert res.finish_reason in ("stop", "length") and st["disk_snapshots"] == 0
+    assert "memory only" in caplog.text
+
+
+def test_parse_size():
+    assert reame.parse_size("2G") == 2 << 30 and reame.parse_size("500M") == 500 << 20
+    assert reame.parse_size("1048576") == 1 << 20 and reame.parse_size("1.5k") == 1536
+    with pytest.raises(reame.RequestError):
+        reame.parse_size("lots")
 
 
 def test_n_choices_engine(qwen):
