@@ -5,7 +5,9 @@ On a CPU, never compute the same thing twice. One file, standard library only
 (numpy and zstandard are optional accelerators), libllama through ctypes.
 
     python3 reame.py run MODEL ["PROMPT"]     chat or answer one prompt
+    python3 reame.py serve MODEL             OpenAI-compatible HTTP server
     python3 reame.py pull | list | rm MODEL   manage models
+    python3 reame.py cache ls|stats|prune|clear   prompt-prefix KV snapshots on disk
 
 Sections (``grep -n '^# == ' reame.py`` prints the map):
 
@@ -63,7 +65,7 @@ __all__ = [
     "REGISTRY", "resolve_model", "pull_model", "list_models", "remove_model",
     "pick_threads", "Request", "Result", "Engine", "main", "TextStream", "Progress", "setup_logging",
     "lib", "Server", "Sessions", "params_from_body", "common_prefix", "DiskCache", "model_fingerprint",
-    "default_cache_bytes", "parse_size",
+    "default_cache_bytes", "parse_size", "kv_cache_entries", "kv_cache_prune",
 ]
 
 log = logging.getLogger("reame")
@@ -1385,7 +1387,7 @@ class DiskCache:
         self.fingerprint, self.params, self.max_bytes, self.block = fingerprint, params, max_bytes, block
         self._key = hashlib.sha256(("%s|%s|%d" % (fingerprint, params, _KV_VERSION)).encode())
         self.enabled = True
-        self.n_saved = self.n_loaded = self.n_bad = 0
+        self.n_saved = self.n_loaded = self.n_bad = self.n_missed = self.n_evicted = 0
         self._warned: set = set()
         self._pending: "queue.Queue" = queue.Queue(maxsize=2)  # bounded: snapshots are big
         try:
@@ -1394,8 +1396,31 @@ class DiskCache:
                 os.chmod(d, 0o700)
         except OSError as e:
             self._disable(e)
+        self._sweep_temp()
         self._thread = threading.Thread(target=self._writer, name="reame-kv-writer", daemon=True)
         self._thread.start()
+
+    def _sweep_temp(self) -> None:
+        """Remove temp files of writers that died (SIGKILL mid-write): name.kv.<pid>.<tid>.tmp."""
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return
+        for name in names:
+            parts = name.split(".")
+            if name.endswith(".tmp") and len(parts) >= 4 and parts[-3].isdigit():
+                pid = int(parts[-3])
+                try:
+                    os.kill(pid, 0)
+                    continue  # its writer is alive
+                except ProcessLookupError:
+                    pass
+                except OSError:
+                    continue
+                try:
+                    os.remove(os.path.join(self.dir, name))
+                except OSError:
+                    pass
 
     # -- naming and lookup (any thread) --
     def candidates(self, tokens: Sequence[int], limit: int) -> List[tuple]:
@@ -1415,6 +1440,7 @@ class DiskCache:
                 state = self._load(path, tokens[:n])
                 if state is not None:
                     return n, state
+        self.n_missed += 1
         return None
 
     def _load(self, path: str, tokens: Sequence[int]) -> Optional[bytes]:
@@ -1546,6 +1572,7 @@ class DiskCache:
             try:
                 os.remove(p)
                 used -= size
+                self.n_evicted += 1
             except OSError:
                 pass
         return used + need <= self.max_bytes
@@ -1566,6 +1593,58 @@ class DiskCache:
         if self.enabled:
             log.warning("KV disk cache at %s is not writable (%s): memory only from now on", self.dir, e)
         self.enabled = False
+
+
+def kv_cache_entries(root: str) -> List[dict]:
+    """Every snapshot under root (headers only; 'bad' says why a file is unusable)."""
+    out = []
+    for fp in sorted(os.listdir(root)) if os.path.isdir(root) else ():
+        d = os.path.join(root, fp)
+        for name in sorted(os.listdir(d)) if os.path.isdir(d) else ():
+            if not name.endswith(".kv"):
+                continue
+            p = os.path.join(d, name)
+            e = {"path": p, "model": fp, "bytes": 0, "tokens": 0, "raw_bytes": 0, "codec": "?", "bad": ""}
+            try:
+                st = os.stat(p)
+                e["bytes"], e["last_used"] = st.st_size, st.st_mtime
+                with open(p, "rb") as f:
+                    pre = f.read(16)
+                    hlen = int.from_bytes(pre[12:16], "little")
+                    if pre[:8] != _KV_MAGIC or int.from_bytes(pre[8:12], "little") != _KV_VERSION:
+                        raise ValueError("not a Reame KV snapshot of format %d" % _KV_VERSION)
+                    head = json.loads(f.read(hlen).decode("utf-8"))
+                    e.update(tokens=len(head["tokens"]), raw_bytes=head["raw_size"], codec=head["codec"])
+                    if st.st_size != 16 + hlen + head["size"]:
+                        raise ValueError("truncated")
+            except (OSError, ValueError, KeyError, TypeError) as ex:
+                e["bad"] = str(ex) or type(ex).__name__
+            out.append(e)
+    return out
+
+
+def kv_cache_prune(root: str, max_bytes: int) -> tuple:
+    """Delete unusable files, then the least recently used until under max_bytes: (files, bytes) freed."""
+    entries = kv_cache_entries(root)
+    freed = [0, 0]
+
+    def drop(e):
+        try:
+            os.remove(e["path"])
+            freed[0] += 1
+            freed[1] += e["bytes"]
+        except OSError:
+            pass
+    for e in [e for e in entries if e["bad"]]:
+        drop(e)
+    good = sorted((e for e in entries if not e["bad"]), key=lambda e: e["last_used"])
+    used = sum(e["bytes"] for e in good)
+    for e in good:
+        if used <= max_bytes:
+            break
+        drop(e)
+        used -= e["bytes"]
+    return tuple(freed)
 
 
 # == 10. Engine: the scheduler thread and continuous batching ===================
@@ -1749,6 +1828,8 @@ class Engine:
         self.n_prefills = 0        # prompts prefilled (a group of n choices counts once)
         self.n_cached_tok = 0      # prompt tokens reused from a resident KV
         self.n_cache_hits = 0      # prompts that reused some resident KV
+        self.n_cache_misses = 0    # prompts that found nothing to reuse in memory
+        self.n_cache_evictions = 0  # resident entries dropped to make room
         self.n_disk_hits = 0       # prompts that restored a prefix from the disk tier
         self.n_disk_snaps = 0      # snapshots handed to the disk writer
         self.kv_active = 0         # KV cells holding active sequences' tokens
@@ -1846,6 +1927,7 @@ class Engine:
         steps = max(self.n_decode_only_steps, 1)
         return {"steps": self.n_steps, "prefill_tokens": self.n_prefill_tok, "decode_tokens": self.n_decode_tok,
                 "prefills": self.n_prefills, "cached_tokens": self.n_cached_tok, "cache_hits": self.n_cache_hits,
+                "cache_misses": self.n_cache_misses, "cache_evictions": self.n_cache_evictions,
                 "disk_hits": self.n_disk_hits, "disk_snapshots": self.n_disk_snaps,
                 "decode_s": self.t_decode_s, "step_s": self.t_step_s,
                 "python_ms_per_decode_step": 1000 * self.t_decode_only_py_s / steps,
@@ -1928,7 +2010,6 @@ class Engine:
             seqs.append(_Seq(req, slot, sampler, min(p.max_tokens or room, room), n_cached, n_exact))
         seqs[0].followers = seqs[1:]
         if seqs[0].n_cached:
-            self.n_cache_hits += 1
             self.n_cached_tok += seqs[0].n_cached
         self._active.append(seqs[0])
 
@@ -1963,7 +2044,9 @@ class Engine:
         if disk is not None and disk[0] > best[0]:  # the disk tier has more of the prompt
             slot = self._victim(req, exclude=None)
             self._free.remove(slot)
-            self._resident.pop(slot, None)
+            if self._resident.pop(slot, None) is not None:
+                self.n_cache_evictions += 1
+            self.n_cache_misses += not best[0]
             self.ctx.seq_rm(slot)
             if self.ctx.state_seq_set(slot, disk[1]) and self.ctx.seq_pos_max(slot) == disk[0] - 1:
                 self.n_disk_hits += 1
@@ -1983,8 +2066,13 @@ class Engine:
                 self._resident[src][2] = time.monotonic()
         if src is None:
             best = (0, 0)
+        if best[0]:
+            self.n_cache_hits += 1
+        elif reuse:
+            self.n_cache_misses += 1
         self._free.remove(slot)
-        self._resident.pop(slot, None)
+        if self._resident.pop(slot, None) is not None and slot != src:
+            self.n_cache_evictions += 1
         self.ctx.seq_rm(slot, best[0] if best[0] else -1, -1)
         return slot, best[0], best[1]
 
@@ -2763,6 +2851,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                       "reame_completion_tokens_total %d" % srv.n_completion_tok]
             lines += srv.h_ttft.lines("reame_time_to_first_token_seconds")
             lines += srv.h_token.lines("reame_time_per_output_token_seconds")
+        if eng.disk is not None:
+            d = eng.disk
+            files, size = d.usage()
+            lines += ["# TYPE reame_disk_cache_misses_total counter", "reame_disk_cache_misses_total %d" % d.n_missed,
+                      "# TYPE reame_disk_cache_written_total counter", "reame_disk_cache_written_total %d" % d.n_saved,
+                      "# TYPE reame_disk_cache_evictions_total counter",
+                      "reame_disk_cache_evictions_total %d" % d.n_evicted,
+                      "# TYPE reame_disk_cache_rejected_total counter", "reame_disk_cache_rejected_total %d" % d.n_bad,
+                      "# TYPE reame_disk_cache_files gauge", "reame_disk_cache_files %d" % files,
+                      "# TYPE reame_disk_cache_bytes gauge", "reame_disk_cache_bytes %d" % size,
+                      "# TYPE reame_disk_cache_enabled gauge", "reame_disk_cache_enabled %d" % d.enabled]
         lines += ["# TYPE reame_active_sequences gauge", "reame_active_sequences %d" % st["active"],
                   "# TYPE reame_queued_requests gauge", "reame_queued_requests %d" % st["waiting"],
                   "# TYPE reame_kv_cells_used gauge", "reame_kv_cells_used %d" % st["kv_cells_active"],
@@ -2770,6 +2869,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                   "# TYPE reame_kv_cells_free gauge", "reame_kv_cells_free %d" % (
                       st["kv_cells_total"] - st["kv_cells_active"] - st["kv_cells_cached"]),
                   "# TYPE reame_cache_hits_total counter", "reame_cache_hits_total %d" % st["cache_hits"],
+                  "# TYPE reame_cache_misses_total counter", "reame_cache_misses_total %d" % st["cache_misses"],
+                  "# TYPE reame_cache_evictions_total counter",
+                  "reame_cache_evictions_total %d" % st["cache_evictions"],
                   "# TYPE reame_disk_cache_hits_total counter", "reame_disk_cache_hits_total %d" % st["disk_hits"],
                   "# TYPE reame_disk_cache_snapshots_total counter",
                   "reame_disk_cache_snapshots_total %d" % st["disk_snapshots"],
@@ -2869,6 +2971,13 @@ def _build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("list", help="list pulled models (--all: every known alias)")
     ls.add_argument("--all", action="store_true", help="also list the registry's aliases")
+
+    ca = sub.add_parser("cache", help="the prompt-prefix KV snapshots on disk ($REAME_HOME/kv)",
+                        description="ls: every snapshot; stats: totals per model; prune: delete unusable files, "
+                                    "then the least recently used down to --max-size; clear: delete them all.")
+    ca.add_argument("action", choices=("ls", "stats", "prune", "clear"))
+    ca.add_argument("--max-size", default=None, metavar="SIZE", help="prune down to this (default: the "
+                    "serving default, 2G or 10%% of free disk)")
 
     rm = sub.add_parser("rm", help="delete pulled models")
     rm.add_argument("models", nargs="+", metavar="MODEL")
@@ -3044,6 +3153,42 @@ def _cmd_list(args) -> int:
     return 0
 
 
+def _cmd_cache(args) -> int:
+    root = os.path.join(Config.from_env().home, "kv")
+    if args.action == "clear":
+        n = len(kv_cache_entries(root))
+        shutil.rmtree(root, ignore_errors=True)
+        print("deleted %d snapshot(s) in %s" % (n, root))
+        return 0
+    if args.action == "prune":
+        limit = parse_size(args.max_size) if args.max_size else default_cache_bytes(root)
+        files, size = kv_cache_prune(root, limit)
+        print("deleted %d file(s), %.1f MB; %s now holds %.1f MB (bound %.1f MB)" % (
+            files, size / 1e6, root, sum(e["bytes"] for e in kv_cache_entries(root)) / 1e6, limit / 1e6))
+        return 0
+    entries = kv_cache_entries(root)
+    if args.action == "ls":
+        for e in entries:
+            print("%s  %-12s %6d tokens %9.1f MB  %s%s" % (
+                time.strftime("%Y-%m-%d %H:%M", time.localtime(e.get("last_used", 0))), e["model"][:12],
+                e["tokens"], e["bytes"] / 1e6, os.path.basename(e["path"]), "  BAD: " + e["bad"] if e["bad"] else ""))
+        return 0
+    models: dict = {}
+    for e in entries:
+        m = models.setdefault(e["model"], [0, 0, 0, 0, 0])
+        m[0] += 1
+        m[1] += e["bytes"]
+        m[2] += e["raw_bytes"]
+        m[3] += e["tokens"]
+        m[4] += bool(e["bad"])
+    print("%s: %d snapshot(s), %.1f MB" % (root, len(entries), sum(e["bytes"] for e in entries) / 1e6))
+    for fp, (n, size, raw, toks, bad) in sorted(models.items()):
+        print("  model %s: %d file(s), %.1f MB on disk (%.1f MB raw, %.0f%%), %.2f MB per 1k tokens%s" % (
+            fp[:12], n, size / 1e6, raw / 1e6, 100.0 * size / max(raw, 1), size / 1e3 / max(toks, 1),
+            ", %d unusable" % bad if bad else ""))
+    return 0
+
+
 def _cmd_rm(args) -> int:
     for ref in args.models:
         print("removed %s" % remove_model(ref))
@@ -3063,7 +3208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     handler = {"run": _cmd_run, "serve": _cmd_serve, "pull": _cmd_pull, "list": _cmd_list,
-               "rm": _cmd_rm}[args.command]
+               "rm": _cmd_rm, "cache": _cmd_cache}[args.command]
     try:
         return handler(args)
     except ReameError as e:

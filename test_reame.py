@@ -653,7 +653,7 @@ def test_disk_tier_rejects_bad_files(qwen_model, tmp_path, caplog):
     import logging
     kv = str(tmp_path / "kv")
     good, _ = _disk_answer(qwen_model, kv, "Where is order 17?")
-    for damage in ("flip", "truncate", "other_model", "garbage"):
+    for damage in ("flip", "truncate", "other_model", "future_version", "empty", "garbage"):
         files = _kv_files(kv)
         assert files  # (re)written by the previous run
         for f in files:
@@ -664,6 +664,10 @@ def test_disk_tier_rejects_bad_files(qwen_model, tmp_path, caplog):
                 data = data[:len(data) // 2]
             elif damage == "garbage":
                 data = bytearray(b"not a snapshot at all")
+            elif damage == "empty":
+                data = bytearray()
+            elif damage == "future_version":
+                data[8:12] = (99).to_bytes(4, "little")
             else:  # the header says another model made it
                 hlen = int.from_bytes(data[12:16], "little")
                 head = json.loads(data[16:16 + hlen])
@@ -729,6 +733,55 @@ def test_disk_tier_unwritable_degrades_to_memory(qwen_model, tmp_path, caplog):
         res, st = _disk_answer(qwen_model, str(blocker / "kv"), "Where is order 17?")
     assert res.finish_reason in ("stop", "length") and st["disk_snapshots"] == 0
     assert "memory only" in caplog.text
+
+
+def test_disk_tier_sigkill_mid_write_leaves_no_file(tmp_path):
+    """A writer killed in the middle of a snapshot leaves only a temp file, which the
+    next start removes; nothing under a real name."""
+    import signal
+    script = (
+        "import os, sys, time\n"
+        "sys.path.insert(0, %r)\n"
+        "import reame\n"
+        "os.fsync = lambda fd: time.sleep(60)\n"
+        "c = reame.DiskCache(%r, 'f' * 32, 'p', max_bytes=1 << 30, block=2)\n"
+        "c._write([1, 2], os.urandom(1 << 20))\n" % (HERE, str(tmp_path)))
+    p = subprocess.Popen([sys.executable, "-c", script])
+    d = tmp_path / ("f" * 32)
+    deadline = time.monotonic() + 60
+    while not list(d.glob("*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(d.glob("*.tmp")), "the writer never started"
+    p.send_signal(signal.SIGKILL)
+    p.wait(30)
+    assert not list(d.glob("*.kv"))
+    cache = reame.DiskCache(str(tmp_path), "f" * 32, "p", max_bytes=1 << 30, block=2)
+    assert not list(d.iterdir()) and cache.find([1, 2, 3], 2) is None
+    cache.close()
+
+
+def test_cache_cli(qwen_model, tmp_path):
+    """`reame.py cache ls|stats|prune|clear` over a real snapshot and a bad file."""
+    kv = tmp_path / "kv"
+    _disk_answer(qwen_model, str(kv), "Where is order 17?")
+    bad = next(kv.iterdir()) / "junk.kv"
+    bad.write_bytes(b"junk")
+    env = dict(os.environ, REAME_HOME=str(tmp_path))
+
+    def cli(*a):
+        out = subprocess.run([sys.executable, "reame.py", "cache"] + list(a), cwd=HERE, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+    ls = cli("ls")
+    assert "tokens" in ls and "BAD" in ls and len(ls.strip().splitlines()) == len(list(kv.rglob("*.kv")))
+    assert "per 1k tokens" in cli("stats") and "1 unusable" in cli("stats")
+    cli("prune")
+    assert not bad.exists() and list(kv.rglob("*.kv"))  # the bad one went, the good ones stayed
+    cli("prune", "--max-size", "1")
+    assert not list(kv.rglob("*.kv"))
+    _disk_answer(qwen_model, str(kv), "Where is order 17?")
+    assert "deleted" in cli("clear") and not kv.exists()
 
 
 def test_parse_size():
