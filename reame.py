@@ -2361,11 +2361,14 @@ class _Session:
 class Sessions:
     """Conversations the server keeps: history by id, scoped to the API key that made
     them (a key sees only its own), bounded in count and idle time. A session's KV
-    stays resident in the engine (cache tag) until a slot is needed for someone else."""
+    stays resident in the engine (cache tag) until a slot is needed for someone else;
+    its prompts' whole chunks are on the disk tier. With a ``store`` directory the
+    histories are also written there (one 0600 JSON file per session, under a
+    directory per key), so a conversation continues after a restart."""
 
-    def __init__(self, engine_fn, max_count: int = 256, idle_s: float = 3600.0):
+    def __init__(self, engine_fn, max_count: int = 256, idle_s: float = 3600.0, store: Optional[str] = None):
         self._engine_fn = engine_fn
-        self.max_count, self.idle_s = max_count, idle_s
+        self.max_count, self.idle_s, self.store = max_count, idle_s, store
         self._lock = threading.Lock()
         self._by_id: dict = {}
         self._gone = collections.OrderedDict()  # ids that expired or were deleted: 404, not a new session
@@ -2379,12 +2382,13 @@ class Sessions:
             raise RequestError("'session_id' must be 1-128 characters of A-Z a-z 0-9 . _ : -", code="invalid_value")
         with self._lock:
             self._sweep()
-            s = self._by_id.get(sid)
+            s = self._by_id.get(sid) or self._load(sid, owner)
             if s is None or s.owner != owner:
                 if s is not None or (owner, sid) in self._gone:
                     raise RequestError("session %s not found (expired, deleted or another key's)" % sid,
                                        status=404, code="session_not_found")
-                s = self._by_id[sid] = _Session(sid, owner, chat)
+                s = _Session(sid, owner, chat)
+            self._by_id[sid] = s
             if s.chat != chat:
                 raise RequestError("session %s belongs to /v1/%s" % (sid, "chat/completions" if s.chat else
                                                                     "completions"), code="session_mismatch")
@@ -2397,10 +2401,49 @@ class Sessions:
     def end(self, s: _Session) -> None:
         with self._lock:
             s.busy, s.last_used = False, time.time()
+            if self.store and (s.messages or s.text):
+                self._save(s)
+
+    def _file(self, sid: str, owner: str) -> str:
+        return os.path.join(self.store, owner or "open", sid + ".json")
+
+    def _save(self, s: _Session) -> None:
+        path = self._file(s.id, s.owner)
+        tmp = path + ".%d.tmp" % os.getpid()
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            for d in (self.store, os.path.dirname(path)):
+                os.chmod(d, 0o700)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"id": s.id, "chat": s.chat, "messages": s.messages, "text": s.text,
+                           "tokens": s.n_tokens, "created": s.created}, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("cannot save session %s (%s): it lives in memory only", s.id, e)
+
+    def _load(self, sid: str, owner: str) -> Optional[_Session]:
+        """A session saved by an earlier run of the server (same key), if still fresh."""
+        if not self.store or (owner, sid) in self._gone:
+            return None
+        path = self._file(sid, owner)
+        try:
+            if time.time() - os.path.getmtime(path) > self.idle_s:
+                os.remove(path)
+                self._gone[(owner, sid)] = True
+                return None
+            with open(path) as f:
+                d = json.load(f)
+            s = _Session(sid, owner, bool(d["chat"]))
+            s.messages, s.text, s.n_tokens, s.created = list(d["messages"]), str(d["text"]), int(d["tokens"]), \
+                float(d["created"])
+            return s
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def get(self, sid: str, owner: str) -> dict:
         with self._lock:
-            s = self._by_id.get(sid)
+            s = self._by_id.get(sid) or self._load(sid, owner)
             if s is None or s.owner != owner:
                 raise RequestError("session %s not found" % sid, status=404, code="session_not_found")
             out = {"id": s.id, "object": "session", "created": int(s.created), "last_used": int(s.last_used),
@@ -2410,13 +2453,20 @@ class Sessions:
 
     def delete(self, sid: str, owner: str) -> None:
         with self._lock:
-            s = self._by_id.get(sid)
+            s = self._by_id.get(sid) or self._load(sid, owner)
+            if s is not None and s.owner == owner:
+                self._by_id[sid] = s
             if s is None or s.owner != owner:
                 raise RequestError("session %s not found" % sid, status=404, code="session_not_found")
             self._drop(s)
 
     def _drop(self, s: _Session) -> None:
         del self._by_id[s.id]
+        if self.store:
+            try:
+                os.remove(self._file(s.id, s.owner))
+            except OSError:
+                pass
         self._gone[(s.owner, s.id)] = True
         while len(self._gone) > 100000:
             self._gone.popitem(last=False)
@@ -2444,14 +2494,14 @@ class Server:
 
     def __init__(self, engine: Optional[Engine], model_name: str, *, host: str = "127.0.0.1", port: int = 8080,
                  api_keys: Sequence[str] = (), max_tokens_cap: Optional[int] = None, max_queue: int = 64,
-                 max_sessions: int = 256, session_idle_s: float = 3600.0, header_timeout_s: float = 30.0,
-                 body_timeout_s: float = 60.0):
+                 max_sessions: int = 256, session_idle_s: float = 3600.0, session_dir: Optional[str] = None,
+                 header_timeout_s: float = 30.0, body_timeout_s: float = 60.0):
         self.engine, self.model_name = engine, model_name
         self.api_keys = tuple(k.encode() for k in api_keys if k)
         self._max_tokens_cap = max_tokens_cap
         self.max_queue = max_queue
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
-        self.sessions = Sessions(lambda: self.engine, max_sessions, session_idle_s)
+        self.sessions = Sessions(lambda: self.engine, max_sessions, session_idle_s, session_dir)
         self.created = int(time.time())
         handler = type("_BoundHandler", (_Handler,), {"server_ref": self})
         self.httpd = http.server.ThreadingHTTPServer((host, port), handler)
@@ -3095,7 +3145,8 @@ def _cmd_serve(args) -> int:
     name = _spec_for(args.model).alias if _spec_for(args.model) else os.path.basename(path)
     # The port opens first (/health says "loading"), then the model loads.
     server = Server(None, name, host=args.host, port=args.port, api_keys=keys, max_tokens_cap=args.max_tokens,
-                    max_queue=args.max_queue, max_sessions=args.sessions, session_idle_s=args.session_idle)
+                    max_queue=args.max_queue, max_sessions=args.sessions, session_idle_s=args.session_idle,
+                    session_dir=None if args.no_disk_cache else os.path.join(Config.from_env().home, "sessions"))
     stop = threading.Event()
 
     def on_signal(signum, frame):

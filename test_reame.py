@@ -1098,6 +1098,40 @@ def test_server_sessions(server, gemma):
     assert not any(r[0] for r in list(gemma._resident.values()))  # their resident KV went with them
 
 
+def test_server_sessions_survive_a_restart(gemma, tmp_path):
+    """With a session directory, a conversation continues on a new server (a restart),
+    still scoped to its key; the files are 0600."""
+    store = str(tmp_path / "sessions")
+
+    def start():
+        srv = reame.Server(gemma, "g", host="127.0.0.1", port=0, api_keys=["k1", "k2"], session_dir=store)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return srv
+    a = start()
+    try:
+        first = {"messages": [{"role": "user", "content": "My name is Ada."}], "max_tokens": 4,
+                 "temperature": 0, "session_id": "persist"}
+        assert _http(a, "POST", "/v1/chat/completions", first)[0] == 200
+    finally:
+        a.shutdown()
+    files = list(pathlib.Path(store).rglob("*.json"))
+    assert len(files) == 1 and files[0].stat().st_mode & 0o777 == 0o600
+    b = start()
+    try:
+        status, payload = _http(b, "POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "What is my name?"}], "max_tokens": 4, "temperature": 0,
+            "session_id": "persist"})
+        assert status == 200, payload
+        status, payload = _http(b, "GET", "/v1/sessions/persist")
+        msgs = json.loads(payload)["messages"]
+        assert len(msgs) == 4 and msgs[0] == first["messages"][0]
+        assert _http(b, "GET", "/v1/sessions/persist", key="k2")[0] == 404
+        assert _http(b, "DELETE", "/v1/sessions/persist")[0] == 200
+        assert not list(pathlib.Path(store).rglob("*.json"))
+    finally:
+        b.shutdown()
+
+
 def test_server_sixteen_clients_some_leaving(server, gemma):
     """16 concurrent streams, 4 of them hang up mid-stream: the other 12 get whole,
     valid answers; then no slot is active, the KV is back to idle, the server answers."""
