@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import zipfile
 
 import pytest
@@ -646,6 +647,72 @@ def test_disk_tier_shared_between_processes(qwen_model, tmp_path):
     assert _kv_files(tmp_path / "kv")
     res, st = _disk_answer(qwen_model, str(tmp_path / "kv"), "Cancel order 18.")
     assert st["disk_hits"] == 1 and res.n_cached_tok >= 256
+
+
+def test_disk_tier_two_servers_share_one_directory(qwen_model, tmp_path):
+    """Two server processes on one cache directory at the same time: each restores the
+    prefix the other snapshotted, with the tokens of a cold run, and nothing breaks."""
+    import re
+    import signal
+    env = dict(os.environ, REAME_HOME=str(tmp_path))
+    procs, ports = [], []
+    try:
+        for _ in range(2):
+            p = subprocess.Popen([sys.executable, "reame.py", "serve", qwen_model.path, "--port", "0",
+                                  "--parallel", "1", "--ctx", "1024", "--grace", "5"],
+                                 cwd=HERE, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+            procs.append(p)
+        for p in procs:
+            line = ""
+            while "serving" not in line:
+                line = p.stderr.readline()
+                assert line, "server exited"
+            ports.append(int(re.search(r":(\d+) ", line).group(1)))
+        servers = [types.SimpleNamespace(port=port) for port in ports]
+        systems = [_SHIP_SYSTEM, _SHIP_SYSTEM.replace("shipping", "shoe")]
+
+        def ask(srv, system, question):
+            status, payload = _http(srv, "POST", "/v1/chat/completions", {"messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": question}],
+                "temperature": 0, "max_tokens": 8}, key=None)
+            assert status == 200, payload
+            return json.loads(payload)
+
+        def written(srv):
+            text = _http(srv, "GET", "/metrics", key=None)[1].decode()
+            return int(re.search(r"reame_disk_cache_written_total (\d+)", text).group(1))
+        threads = [threading.Thread(target=ask, args=(servers[i], systems[i], "Where is order 17?"))
+                   for i in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(300)
+        deadline = time.monotonic() + 60
+        while min(written(s) for s in servers) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # each asks about the other's system prompt
+        got = [ask(servers[0], systems[1], "Cancel order 18."), ask(servers[1], systems[0], "Cancel order 18.")]
+        for out in got:
+            assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256, out["usage"]
+        for srv in servers:
+            assert "reame_disk_cache_hits_total 1" in _http(srv, "GET", "/metrics", key=None)[1].decode()
+        eng = reame.Engine(qwen_model, n_ctx=1024, n_slots=1)
+        try:
+            msgs = [{"role": "system", "content": systems[1]}, {"role": "user", "content": "Cancel order 18."}]
+            cold = eng.complete(eng.chat_prompt(msgs), temperature=0, max_tokens=8)
+        finally:
+            eng.close()
+        assert got[0]["choices"][0]["message"]["content"] == cold.text
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                assert p.wait(60) == 0
+            except subprocess.TimeoutExpired:
+                p.kill()
+    assert not list((tmp_path / "kv").rglob("*.tmp"))
+    assert all(e["bad"] == "" for e in reame.kv_cache_entries(str(tmp_path / "kv")))
 
 
 def test_disk_tier_rejects_bad_files(qwen_model, tmp_path, caplog):
