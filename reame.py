@@ -169,6 +169,8 @@ def setup_logging(level: str) -> None:
     handler.setFormatter(logging.Formatter("[reame] %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(getattr(logging, level.upper(), logging.WARNING))
+    if level.lower() != "debug":  # llama.cpp's own info lines (model loading) only when debugging
+        logging.getLogger("reame.llama").setLevel(logging.WARNING)
     log.propagate = False
 
 
@@ -1423,19 +1425,24 @@ class DiskCache:
                     pass
 
     # -- naming and lookup (any thread) --
-    def candidates(self, tokens: Sequence[int], limit: int) -> List[tuple]:
-        """(length, path) for every whole block of tokens[:limit], longest first."""
-        h, out = self._key.copy(), []
-        for end in range(self.block, limit + 1, self.block):
-            h.update(array.array("i", tokens[end - self.block:end]).tobytes())
+    def candidates(self, tokens: Sequence[int], limit: int, cuts: Sequence[int] = ()) -> List[tuple]:
+        """(length, path) for every chunk end of tokens[:limit], longest first. Chunks end
+        at multiples of block and at the extra cuts; the name covers both, because
+        KV computed in other chunks is not the same bits."""
+        h, out, prev = self._key.copy(), [], 0
+        for end in sorted(set(range(self.block, limit + 1, self.block)) | {c for c in cuts if 0 < c <= limit}):
+            h.update(array.array("i", tokens[prev:end]).tobytes())
+            if end % self.block:
+                h.update(b"|cut %d" % end)
+            prev = end
             out.append((end, os.path.join(self.dir, h.copy().hexdigest()[:40] + ".kv")))
         return out[::-1]
 
-    def find(self, tokens: Sequence[int], limit: int) -> Optional[tuple]:
+    def find(self, tokens: Sequence[int], limit: int, cuts: Sequence[int] = ()) -> Optional[tuple]:
         """The longest valid snapshot of a prefix of tokens[:limit]: (length, state bytes)."""
         if not self.enabled:
             return None
-        for n, path in self.candidates(tokens, limit):
+        for n, path in self.candidates(tokens, limit, cuts):
             if os.path.exists(path):
                 state = self._load(path, tokens[:n])
                 if state is not None:
@@ -1489,11 +1496,13 @@ class DiskCache:
             pass
 
     # -- writing (the scheduler queues, the writer thread compresses and writes) --
-    def wants(self, tokens: Sequence[int]) -> bool:
-        """Is a snapshot of exactly these tokens worth taking (a whole block, not on disk)?"""
-        if not self.enabled or not tokens or len(tokens) % self.block or self._pending.full():
+    def wants(self, tokens: Sequence[int], cuts: Sequence[int] = ()) -> bool:
+        """Is a snapshot of exactly these tokens (a chunk end) worth taking: not on disk yet?"""
+        if not self.enabled or not tokens or self._pending.full():
             return False
-        path = self.candidates(tokens, len(tokens))[0][1]
+        if len(tokens) % self.block and len(tokens) not in cuts:
+            return False
+        path = self.candidates(tokens, len(tokens), cuts)[0][1]
         if os.path.exists(path):
             try:
                 os.utime(path)
@@ -1502,29 +1511,29 @@ class DiskCache:
             return False
         return True
 
-    def save(self, tokens: Sequence[int], state: bytes) -> None:
+    def save(self, tokens: Sequence[int], cuts: Sequence[int], state: bytes) -> None:
         try:
-            self._pending.put_nowait((list(tokens), state))
+            self._pending.put_nowait((list(tokens), tuple(c for c in cuts if c <= len(tokens)), state))
         except queue.Full:
             pass  # the writer is behind: skip this one rather than stall the scheduler
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued writes (the engine calls this on close)."""
-        self._pending.put((None, None))
+        self._pending.put((None, None, None))
         self._thread.join(timeout)
 
     def _writer(self) -> None:
         while True:
-            tokens, state = self._pending.get()
+            tokens, cuts, state = self._pending.get()
             if tokens is None:
                 return
             try:
-                self._write(tokens, state)
+                self._write(tokens, state, cuts)
             except OSError as e:
                 self._disable(e)
 
-    def _write(self, tokens: List[int], state: bytes) -> None:
-        path = self.candidates(tokens, len(tokens))[0][1]
+    def _write(self, tokens: List[int], state: bytes, cuts: Sequence[int] = ()) -> None:
+        path = self.candidates(tokens, len(tokens), cuts)[0][1]
         if _zstd is not None:
             codec, payload = "zstd", _zstd.ZstdCompressor(level=3).compress(state)
         else:
@@ -1698,7 +1707,8 @@ class Request:
         self.params = params
         self.index = index
         self.cache_tag = cache_tag
-        self.snap = ()     # prompt lengths to snapshot to the disk tier (whole chunks)
+        self.cuts = ()     # extra prefill chunk ends (the end of a chat's system message)
+        self.snap = ()     # chunk ends worth a snapshot on the disk tier
         self.disk = None   # (length, state) found on the disk tier by submit()
         self.events = events if events is not None else queue.SimpleQueue()
         self.t_submit = time.monotonic()
@@ -1751,8 +1761,8 @@ class Request:
 class _Seq:
     """Scheduler-private state of one active sequence (one slot)."""
 
-    __slots__ = ("req", "seq_id", "n_prompt", "n_done", "n_past", "n_cached", "n_exact", "sampler", "stream",
-                 "last", "tokens", "max_tokens", "t_first", "followers")
+    __slots__ = ("req", "seq_id", "n_prompt", "n_done", "n_past", "n_cached", "n_exact", "cuts", "sampler",
+                 "stream", "last", "tokens", "max_tokens", "t_first", "followers")
 
     def __init__(self, req: Request, seq_id: int, sampler: Sampler, max_tokens: int, n_cached: int = 0,
                  n_exact: int = 0):
@@ -1762,6 +1772,7 @@ class _Seq:
         self.n_past = n_cached   # tokens in the KV memory for this sequence
         self.n_cached = n_cached  # of those, reused from a resident KV (not computed)
         self.n_exact = n_exact    # KV positions bit-identical to a cold prefill's (whole chunks)
+        self.cuts = req.cuts      # extra chunk ends of this prompt (the group's, for a follower)
         self.stream = TextStream(req.params.stop)
         self.last = -1           # the last sampled token, fed next step
         self.tokens: List[int] = []
@@ -1859,8 +1870,9 @@ class Engine:
         """Queue n choices of one prompt: one prefill, KV copied to n-1 more slots.
 
         They share one events queue (events carry the choice index). With a seed,
-        choice i samples with seed + i. ``snap_at``: prompt lengths worth a disk snapshot
-        (the end of a chat's system message); see _disk_plan for the others.
+        choice i samples with seed + i. ``snap_at``: prompt lengths where a prefill chunk
+        also ends, worth reusing and snapshotting (the end of a chat's system message:
+        then a request with the same system prompt reuses all of it, exactly).
         """
         if self._closing:
             raise EngineError("engine is shut down")
@@ -1884,20 +1896,22 @@ class Engine:
                          dataclasses.replace(params, seed=(params.seed + i) % (2 ** 32 - 1)),
                          index=i, events=events, cache_tag=cache_tag if i == 0 else None)
                  for i in range(n)]
+        group[0].cuts = tuple(sorted({p for p in snap_at if 0 < p < len(tokens) and p % self.chunk}))
         if self.disk is not None:
-            self._disk_plan(group[0], snap_at)
+            self._disk_plan(group[0])
         self._incoming.put(group)
         return group
 
-    def _disk_plan(self, req: Request, snap_at: Sequence[int]) -> None:
+    def _disk_plan(self, req: Request) -> None:
         """On the caller's thread: find the longest prefix on disk (read, checked and
         decompressed here, not on the scheduler), and choose where to snapshot: at
         256, 512, 1024, ... tokens (a shared prefix of any length finds a snapshot at
         least half as long, for at most twice the prompt's bytes on disk), at the last
-        whole chunk, and at snap_at; all whole chunks, at least 256 tokens."""
+        chunk end before the prompt's end, and at the extra cuts; at least 256 tokens."""
         n, c = len(req.prompt), self.chunk
-        req.disk = self.disk.find(req.prompt, n - 1)
-        points = {(n - 1) // c * c} | {p // c * c for p in snap_at if p < n}
+        req.disk = self.disk.find(req.prompt, n - 1, req.cuts)
+        ends = set(range(c, n, c)) | set(req.cuts)
+        points = {max(ends, default=0)} | set(req.cuts)
         p = 256
         while p < n:
             points.add(p // c * c)
@@ -2013,11 +2027,21 @@ class Engine:
             self.n_cached_tok += seqs[0].n_cached
         self._active.append(seqs[0])
 
-    def _reusable(self, entry: list, prompt: List[int]) -> tuple:
-        """(n_cached, n_exact): how much of prompt a resident entry's KV can give."""
-        _, tokens, _, exact = entry
+    def _reusable(self, entry: list, req: Request) -> tuple:
+        """(n_cached, n_exact): how much of req's prompt a resident entry's KV can give.
+
+        Exact reuse ends at a chunk end both prompts share, below the first extra cut
+        where their chunkings differ (then every chunk before it was cut the same way)."""
+        _, tokens, _, exact, cuts = entry
+        prompt = req.prompt
         common = min(common_prefix(tokens, prompt), len(prompt) - 1)  # the last token is computed, for logits
-        n_exact = min(common, exact) // self.chunk * self.chunk
+        limit = min(common, exact)
+        mine, theirs = set(req.cuts), set(cuts)
+        differ = [c for c in mine ^ theirs if c < limit]
+        if differ:
+            limit = min(differ)
+        shared = [c for c in mine & theirs if c <= limit]
+        n_exact = max([limit // self.chunk * self.chunk] + shared)
         n_cached = common if self.cache_reuse == "all" else n_exact
         if n_cached < len(tokens) and not self.model.can_truncate:
             return 0, 0  # recurrent state cannot be cut back: only an exact end can be continued
@@ -2038,7 +2062,7 @@ class Engine:
         for k in self._free if reuse else ():
             entry = self._resident.get(k)
             if entry is not None:
-                got = self._reusable(entry, req.prompt)
+                got = self._reusable(entry, req)
                 if got[0] > best[0] or (got[0] == best[0] and got[0] and entry[0] == req.cache_tag):
                     best, src = got, k
         if disk is not None and disk[0] > best[0]:  # the disk tier has more of the prompt
@@ -2140,7 +2164,8 @@ class Engine:
 
     def _prefill_chunk(self, s: _Seq) -> int:
         """Prefill s's next prompt chunk in its own llama_decode; -1 if the sequence failed."""
-        start, end = s.n_done, min((s.n_done // self.chunk + 1) * self.chunk, s.n_prompt)
+        start = s.n_done
+        end = min([(start // self.chunk + 1) * self.chunk, s.n_prompt] + [c for c in s.cuts if c > start])
         b = self._batch
         b.clear()
         prompt, seq_id, last = s.req.prompt, s.seq_id, s.n_prompt - 1
@@ -2150,10 +2175,10 @@ class Engine:
         if not self._decode(b, [s]):
             return -1
         self.t_decode_s += time.perf_counter() - t1
-        if s.n_exact == start and end - start == self.chunk:
+        if s.n_exact == start and (end % self.chunk == 0 or end in s.cuts):
             s.n_exact = end  # a whole chunk on an exact prefix: what a cold prefill computes
-            if end in s.req.snap and self.disk.wants(prompt[:end]):
-                self.disk.save(prompt[:end], self.ctx.state_seq_get(seq_id))  # the writer compresses
+            if end in s.req.snap and self.disk.wants(prompt[:end], s.cuts):
+                self.disk.save(prompt[:end], s.cuts, self.ctx.state_seq_get(seq_id))  # the writer compresses
                 self.n_disk_snaps += 1
         s.n_done = s.n_past = end
         self.n_prefill_tok += end - start
@@ -2163,7 +2188,7 @@ class Engine:
             for f in group[1:]:  # the other choices: copy the prompt's KV, sample the same logits
                 self.ctx.seq_cp(s.seq_id, f.seq_id)
                 f.n_done = f.n_past = end
-                f.n_exact = s.n_exact
+                f.n_exact, f.cuts = s.n_exact, s.cuts
                 self._active.append(f)
             for f in group:
                 self._accept(f, f.sampler.sample(self.ctx, b.n - 1))
@@ -2210,7 +2235,7 @@ class Engine:
         s.followers = []
         if error is None and s.n_past:  # the memory tier: the KV stays until the slot is needed
             self._resident[s.seq_id] = [req.cache_tag, (req.prompt + s.tokens)[:s.n_past], time.monotonic(),
-                                        s.n_exact]
+                                        s.n_exact, tuple(c for c in s.cuts if c <= s.n_exact)]
         else:
             self.ctx.seq_rm(s.seq_id)
         s.sampler.close()
@@ -3254,7 +3279,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.prompt = extra[0]  # `run MODEL --temperature 0 "PROMPT"`: argparse drops a late optional positional
     elif extra:
         parser.error("unrecognized arguments: %s" % " ".join(extra))
-    setup_logging(Config.from_env().log_level)
+    level = Config.from_env().log_level
+    if args.command == "serve" and not os.environ.get("REAME_LOG"):
+        level = "info"  # a server logs one line per request by default
+    setup_logging(level)
     if not args.command:
         parser.print_help()
         return 2
