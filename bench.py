@@ -10,6 +10,9 @@
                                           1, 4 and 8 streaming clients (--http-clients)
     python3 bench.py --quick --http --http-clients 1,4     HTTP smoke test (1-2 minutes)
     python3 bench.py --with-http          the in-process sections, then the HTTP section
+    python3 bench.py --prefix-cache       only the prefix-cache section: a ~2,400-token system prompt,
+                                          TTFT cold / warm / after a restart / second process
+    python3 bench.py --quick --prefix-cache                 prefix-cache smoke test (1-2 minutes)
 
 What it measures (every number is client-side wall clock, taken the same way for both):
 
@@ -41,6 +44,43 @@ What it measures (every number is client-side wall clock, taken the same way for
                     per client, prompt tokens per side and whether the greedy texts match are
                     printed, so unequal work shows. Off in the default run: it costs two
                     server starts per N and minutes more on a 1.5B model.
+  prefix cache      (--prefix-cache, only this section) both as servers with one slot
+                    (``reame.py serve --parallel 1``, ``llama-server -np 1``), the same
+                    threads, batch and context. Workload "handbook": a deterministic employee
+                    handbook (numbered policy sections) as the system message, sized so the
+                    questions share ~2,400 prompt tokens (--handbook-tokens; --quick:
+                    gemma3-270m and ~1,200), then short user questions A, B, C, D. Each is one
+                    POST /v1/chat/completions, [system, user], ``stream``,
+                    ``stream_options.include_usage``, temperature 0, max_tokens 8
+                    (--prefix-gen-tokens), ``cache_prompt: true``; TTFT = send to the first
+                    chunk with content. Per repeat (default 1; each cold run of the 1.5B
+                    model prefills ~2,400 tokens), alternating Reame, server:
+                      cold     A, fresh processes; Reame on a fresh temporary REAME_HOME (the
+                               model passed as an absolute .gguf path, so that home holds only
+                               kv/) with an empty kv/;
+                      warm     B, the same processes (Reame: a free slot's KV; llama-server: its
+                               slot's common prefix, which works with --cache-ram 0 at -np 1);
+                      restart  C, after Reame's snapshot files are on disk (no temp file, the
+                               files unchanged, /metrics: every snapshot handed to the writer
+                               written) both are stopped (Reame with SIGTERM, which also
+                               flushes its writer) and started again; Reame on the same
+                               REAME_HOME. llama-server keeps no prefix across processes;
+                      second   D, Reame only: a second ``reame.py serve`` on the same
+                               REAME_HOME (another port) while the restarted one still runs.
+                    After each Reame request bench.py waits for Reame's writer thread the same
+                    way, so its compression never runs inside llama-server's measurement.
+                    Every new process gets one untimed short request first (no handbook,
+                    under one 128-token chunk), as elsewhere; llama-server's slot may then
+                    reuse its first few template tokens in the cold case (cache_n shows it).
+                    Reported: TTFT per case with usage.prompt_tokens_details.cached_tokens
+                    (llama-server: timings.cache_n) and prompt tokens, Reame cold/restart
+                    (goal >= 20x), server warm / Reame warm (goal >= 1: no worse), the
+                    snapshot files' sizes per 1k tokens raw vs compressed (read from their
+                    headers), Reame's /metrics deltas per request, and in --json
+                    "prefix_cache". When the GGUF has no chat template (gemma3-270m), Reame
+                    uses its family's built-in template and llama-server is given the same
+                    one (--chat-template NAME), so both prefill the same tokens. Restart
+                    reads snapshots just written, so they are in the OS page cache.
 
 Runs alternate (Reame, server, Reame, server, ...) measurement by measurement, so drift on
 a noisy shared vCPU hits both; the table reports medians over ``--repeats`` and the ratio
@@ -99,6 +139,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -368,7 +409,8 @@ class LlamaServer(ServerProcess):
     name = "llama-server"
 
     def __init__(self, binary: str, model_path: str, *, threads: int, n_parallel: int, ctx_per_slot: int,
-                 n_batch: int, log_path: str, kv_unified: bool = True, repack: bool = True):
+                 n_batch: int, log_path: str, kv_unified: bool = True, repack: bool = True, cache_ram: str = "0",
+                 chat_template: Optional[str] = None):
         if not os.access(binary, os.X_OK):
             raise SystemExit("llama-server not found at %s: build it with ./build_llama.sh --with-server, "
                              "pass --server PATH, or use --no-server" % binary)
@@ -386,10 +428,13 @@ class LlamaServer(ServerProcess):
         # Match Reame, and switch off work Reame does not do; only flags this build knows.
         for flag, value in (("--kv-unified" if kv_unified else "--no-kv-unified", None),
                             ("--repack" if repack else "--no-repack", None), ("--swa-full", None), ("-fa", "auto"),
-                            ("--cache-ram", "0"), ("--ctx-checkpoints", "0"), ("--no-cache-idle-slots", None),
+                            ("--cache-ram", cache_ram), ("--ctx-checkpoints", "0"), ("--no-cache-idle-slots", None),
                             ("--fit", "off"), ("--no-webui", None)):
             if self._knows(flag):
                 self.flags += [flag] + ([value] if value is not None else [])
+        if chat_template and self._knows("--chat-template"):
+            # A built-in template by name (the GGUF has none): llama.cpp's legacy templates, not Jinja.
+            self.flags += (["--no-jinja"] if self._knows("--no-jinja") else []) + ["--chat-template", chat_template]
         self.args = args + self.flags
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = libdir + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
@@ -623,7 +668,7 @@ class ReameServer(ServerProcess):
     name = "reame serve"
 
     def __init__(self, model_path: str, *, threads: int, n_parallel: int, ctx_per_slot: int, n_batch: int,
-                 log_path: str, help_text: str):
+                 log_path: str, help_text: str, env: Optional[dict] = None):
         self.log_path = log_path
         self.help = help_text
         self.port = free_port()
@@ -635,7 +680,7 @@ class ReameServer(ServerProcess):
             self.args += ["--batch", str(n_batch)]
         if self._knows("--grace"):  # close() cancels what is left instead of draining for 30 s
             self.args += ["--grace", "1"]
-        self._start(dict(os.environ))
+        self._start(dict(os.environ) if env is None else env)
 
 
 def http_body(prompt: str, max_tokens: int, sampling: str) -> bytes:
@@ -910,6 +955,660 @@ def print_http(h: dict, w) -> None:
         w("HTTP Reame  N=%s: %s\n" % (k, cmd))
     w("server logs: %s\n" % c["logs"])
 
+
+
+# -- prefix cache: a long shared system prompt, cold / warm / after restart ---------------
+
+
+# An employee handbook as a chat's system message: (title, clauses). "{x|y|z}" picks x in the
+# handbook itself and y, z, ... in the regional supplements that follow it when a longer text
+# is asked for, so the text is deterministic and every section reads differently.
+HANDBOOK_SECTIONS = [
+    ("Working hours", [
+        "Core hours are {10:00 to 16:00|09:30 to 15:30|10:00 to 15:00} local time, Monday to Friday; outside "
+        "core hours employees arrange their day with their manager.",
+        "Full-time employees work {40|38|39} hours per week on average, measured over a {four|six|twelve}-week "
+        "period.",
+        "Overtime must be approved in advance in the time-tracking system and is compensated as time off "
+        "or at {125|130|150}% of the hourly rate."]),
+    ("Annual leave", [
+        "Employees receive {28|26|30} days of paid annual leave per calendar year, rising by one day for every "
+        "{three|two|five} years of service up to a maximum of {32|30|33} days.",
+        "Leave requests of more than five consecutive days must be submitted at least {four|three|six} weeks "
+        "in advance.",
+        "Up to five unused days may be carried over to the next year and expire on {31 March|30 April|30 June}."]),
+    ("Sick leave", [
+        "Employees who are ill notify their manager before {09:30|09:00|10:00} on the first day of absence.",
+        "A medical certificate is required from the {third|fourth|second} calendar day of absence onwards.",
+        "Sick days during approved annual leave are converted back to leave days when a certificate is "
+        "provided."]),
+    ("Remote work", [
+        "Employees may work remotely up to {three|two|four} days per week if their role allows it and their "
+        "manager agrees.",
+        "Remote work from another country is limited to {20|15|30} working days per calendar year and must be "
+        "registered with HR at least two weeks before travel, because of tax and social security rules.",
+        "The company reimburses up to {500|400|600} EUR per year for home office equipment against receipts."]),
+    ("Travel", [
+        "Business travel is booked through the travel portal; economy class is standard for flights "
+        "under {six|five|eight} hours.",
+        "Hotel costs are reimbursed up to {180|160|200} EUR per night in major cities and {120|110|130} EUR "
+        "elsewhere.",
+        "Per diem rates follow the national tax tables; receipts for meals are not required."]),
+    ("Expenses", [
+        "Expense claims are submitted within {30|45|60} days of the expense with an itemised receipt.",
+        "Taxis are reimbursed when public transport is unavailable, after {22:00|21:00|23:00}, or when "
+        "carrying company equipment.",
+        "Alcohol, fines, personal entertainment and upgrades are never reimbursed.",
+        "Claims above {1,000|750|1,500} EUR require the approval of the budget owner in addition to the "
+        "manager."]),
+    ("Company equipment", [
+        "Laptops and phones remain company property and are returned on the last working day.",
+        "Loss or theft of equipment is reported to the IT service desk within {24|12|48} hours.",
+        "Personal software may not be installed without approval from IT security."]),
+    ("Information security", [
+        "Passwords are at least {14|12|16} characters long and are never shared or reused across services.",
+        "Multi-factor authentication is mandatory for email, source code and customer systems.",
+        "Confidential documents are stored only in approved company systems, never on personal devices "
+        "or private cloud accounts.",
+        "Suspected phishing emails are reported with the report button and not forwarded."]),
+    ("Data protection", [
+        "Personal data of customers and colleagues is processed only for the purpose it was collected for.",
+        "Data subject requests are forwarded to the data protection officer within {two|three|five} working "
+        "days.",
+        "Personal data breaches are reported to the security team immediately, at the latest within "
+        "{24|12|48} hours of discovery."]),
+    ("Code of conduct", [
+        "Employees treat colleagues, customers and partners with respect regardless of origin, gender, "
+        "religion, age, disability or sexual orientation.",
+        "Harassment, bullying and discrimination are not tolerated and lead to disciplinary action.",
+        "Concerns can be raised with a manager, HR or anonymously through the ethics hotline."]),
+    ("Conflicts of interest", [
+        "Employees disclose any financial interest in suppliers, customers or competitors to HR.",
+        "Secondary employment requires written approval and may not exceed {ten|eight|twelve} hours per week.",
+        "Family members may not report to each other directly or indirectly."]),
+    ("Gifts and hospitality", [
+        "Gifts with a value above {50|40|35} EUR from business partners are declined or handed to compliance.",
+        "Invitations to events are accepted only with a clear business purpose and manager approval.",
+        "Cash or cash equivalents are never accepted, whatever the amount."]),
+    ("On-call duty", [
+        "Teams that run production systems maintain an on-call rotation of at least {four|five|six} people.",
+        "On-call weeks are compensated with a flat allowance of {350|300|400} EUR plus time off for "
+        "incidents handled outside working hours.",
+        "Exceptions to the rotation are approved by the head of engineering."]),
+    ("Parental leave", [
+        "Parents are entitled to parental leave under national law; the company tops up statutory "
+        "parental pay to {90|85|100}% of net salary for the first {three|two|four} months.",
+        "Parental leave is announced to HR at least {seven|eight|ten} weeks before it starts.",
+        "Returning parents may work part-time for up to two years with a right to return to full time."]),
+    ("Training and development", [
+        "Each employee has a training budget of {1,500|1,200|2,000} EUR and {five|four|six} days per year.",
+        "Courses longer than five days or costing more than {3,000|2,500|4,000} EUR require a repayment "
+        "agreement if the employee leaves within twelve months.",
+        "Conference talks by employees are encouraged and count as working time."]),
+    ("Performance reviews", [
+        "Performance reviews take place twice a year, in {spring|March|May} and in the autumn.",
+        "Goals are agreed between employee and manager and documented in the HR system.",
+        "Salary reviews happen once a year and take the review results and market data into account."]),
+    ("Compensation and payroll", [
+        "Salaries are paid on the last working day of each month by bank transfer.",
+        "Payroll questions go to the payroll team; changes of bank details must reach it by the "
+        "{15th|10th|20th} of the month.",
+        "Bonuses, where applicable, are paid with the {March|April|February} salary of the following year."]),
+    ("Benefits", [
+        "The company contributes {100|80|120} EUR per month to the company pension plan for every employee.",
+        "A public transport ticket or a bicycle lease is offered as a tax-free benefit.",
+        "Employees may use the sports partnership at a reduced monthly fee of {25|20|30} EUR."]),
+    ("Health and safety", [
+        "Accidents at work, including near misses, are reported to the safety officer the same day.",
+        "First aid kits and defibrillators are located next to every kitchen.",
+        "Employees working at screens are entitled to an eye examination every {three|two|five} years."]),
+    ("Office access", [
+        "Badges are personal and must be visible inside the office.",
+        "Visitors are registered at reception and accompanied at all times.",
+        "The office is open from {06:00 to 22:00|07:00 to 21:00|06:30 to 20:00}; access outside these hours "
+        "requires approval from facilities."]),
+    ("Communication", [
+        "Internal announcements are published on the intranet and in the {weekly|monthly|fortnightly} "
+        "newsletter.",
+        "Only the communications team speaks to the press on behalf of the company.",
+        "Employees may mention their employer on social media but do not share confidential "
+        "information."]),
+    ("Probation and notice periods", [
+        "The probation period is {six|three|four} months, during which either side may end the contract "
+        "with two weeks' notice.",
+        "After probation the notice period is {three|two|one} months to the end of a calendar month unless "
+        "the contract says otherwise.",
+        "Resignations are submitted in writing to HR."]),
+    ("Disciplinary procedure", [
+        "Minor misconduct leads to an informal conversation, repeated misconduct to a written warning.",
+        "Serious misconduct such as theft, fraud or violence can lead to immediate dismissal.",
+        "Employees may be accompanied by a colleague or works council member in disciplinary meetings."]),
+    ("Whistleblowing", [
+        "Reports of illegal conduct can be made through the whistleblowing platform, also anonymously.",
+        "Reports are acknowledged within {seven|five|ten} days and answered within {three|two|three} months.",
+        "Retaliation against anyone who reports in good faith is itself a disciplinary offence."]),
+    ("Environment", [
+        "Trains are preferred over flights for journeys under {six|five|seven} hours.",
+        "Printers print double-sided by default; colour printing requires a reason.",
+        "Waste is separated into paper, packaging, organic and residual waste in every kitchen."]),
+    ("Use of AI tools", [
+        "Only AI tools approved by IT security may be used with company data.",
+        "Customer data, personal data and source code may not be pasted into public AI services.",
+        "Employees remain responsible for checking any AI-generated content before they use it."]),
+    ("Leaving the company", [
+        "Departing employees return all equipment, badges and documents on their last day.",
+        "Access to systems ends at {18:00|17:00|20:00} on the last working day.",
+        "A reference letter is issued within {two|three|four} weeks of the request."]),
+]
+_HANDBOOK_REGIONS = ("Hamburg", "Rotterdam", "Gdansk", "Lyon", "Milan", "Vienna")
+
+HANDBOOK_QUESTIONS = [  # A (cold), B (warm), C (after restart), D (second process), more for repeats
+    "How many vacation days do I get in my first year?",
+    "Can I expense a taxi home after working late?",
+    "How long may I work remotely from another country?",
+    "Who approves exceptions to the on-call rotation?",
+]
+
+
+def handbook_text(n_sections: int) -> str:
+    """An employee handbook of n_sections numbered sections (past the list: regional supplements)."""
+    out = ["You are the HR assistant of Northwind Logistics GmbH. Answer employees' questions about company "
+           "policy using only the handbook below. Quote the section number you rely on. If the handbook does "
+           "not cover a question, say so and refer the employee to hr@northwind.example. Be brief and "
+           "friendly.", "", "NORTHWIND LOGISTICS EMPLOYEE HANDBOOK, version 7.3, valid from 1 January", ""]
+    depts = ("HR", "Finance", "IT", "Legal", "Facilities", "Payroll", "Compliance")
+    for i in range(n_sections):
+        title, clauses = HANDBOOK_SECTIONS[i % len(HANDBOOK_SECTIONS)]
+        k = i // len(HANDBOOK_SECTIONS)
+        if k:
+            title += " (supplement for the %s site)" % _HANDBOOK_REGIONS[(k - 1) % len(_HANDBOOK_REGIONS)]
+        n = i + 1
+        out.append("Section %d. %s" % (n, title))
+        for j, c in enumerate(clauses):
+            text = re.sub(r"\{([^{}]*)\}", lambda m: m.group(1).split("|")[k % len(m.group(1).split("|"))], c)
+            out.append("%d.%d %s" % (n, j + 1, text))
+        out.append("%d.%d Questions about this section go to %s; exceptions need written approval and are "
+                   "reviewed every %d months." % (n, len(clauses) + 1, depts[i % len(depts)], (6, 12, 3)[i % 3]))
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def shared_prefix_tokens(model, system: str) -> int:
+    """Prompt tokens two chats with this system message and different questions share: what a
+    prefix cache can reuse (the template may fold the system message into the user turn)."""
+    try:
+        a, b = (model.tokenize(model.apply_chat_template([{"role": "system", "content": system},
+                                                          {"role": "user", "content": q}]))
+                for q in HANDBOOK_QUESTIONS[:2])
+    except reame.ReameError:
+        a, b = (model.tokenize(system + "\n\n" + q) for q in HANDBOOK_QUESTIONS[:2])
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def fit_handbook(model, target: int) -> tuple:
+    """The handbook whose shared chat prefix (system message and template) is closest to
+    target tokens (within half a section, ~50 tokens). Returns (text, shared prefix tokens)."""
+    best, n = None, 1
+    while True:
+        text = handbook_text(n)
+        n_tok = shared_prefix_tokens(model, text)
+        if best is None or abs(n_tok - target) < abs(best[1] - target):
+            best = (text, n_tok)
+        if n_tok >= target or n >= 1000:
+            return best
+        n += 1
+
+
+def chat_body(system: str, question: str, max_tokens: int, sampling: str, cache_prompt: bool) -> bytes:
+    """POST /v1/chat/completions body, the same for both servers (Reame ignores cache_prompt
+    and samplers and is greedy at temperature 0 anyway)."""
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+            "max_tokens": max_tokens, "temperature": 0, "seed": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "cache_prompt": cache_prompt}
+    if sampling == "greedy":
+        body.update({"samplers": ["top_k"], "top_k": 1})
+    return json.dumps(body).encode()
+
+
+def chat_stream(port: int, body: bytes, timeout_s: float = 900) -> dict:
+    """One streaming chat request: TTFT = send to the first chunk with content; usage and (from
+    llama-server) timings from the last chunks. timeout_s bounds the whole request (a server
+    whose scheduler died may keep the stream open with keep-alive pings)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        t0 = time.perf_counter()
+        deadline = t0 + timeout_s
+        conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError("HTTP %d from port %d: %s" % (resp.status, port,
+                                                              resp.read(500).decode("utf-8", "replace")))
+        t_first, usage, timings, text = None, None, None, []
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            if time.perf_counter() > deadline:
+                raise RuntimeError("no answer from port %d within %.0f s" % (port, timeout_s))
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                break
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                raise RuntimeError("stream error from port %d: %s" % (port, chunk["error"]))
+            usage = chunk.get("usage") or usage
+            timings = chunk.get("timings") or timings
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    if t_first is None:
+                        t_first = time.perf_counter()
+                    text.append(piece)
+        t_end = time.perf_counter()
+    finally:
+        conn.close()
+    usage = usage or {}
+    return {"ttft_s": (t_first or t_end) - t0, "total_s": t_end - t0, "text": "".join(text),
+            "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "timings": timings}
+
+
+def reame_metrics(srv: ServerProcess) -> dict:
+    """Reame's /metrics as {name: value} (unlabelled counters and gauges only)."""
+    out = {}
+    try:
+        with urllib.request.urlopen(srv.base + "/metrics", timeout=10) as r:
+            for line in r.read().decode("utf-8", "replace").splitlines():
+                parts = line.split()
+                if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
+                    try:
+                        out[parts[0]] = float(parts[1])
+                    except ValueError:
+                        pass
+    except (urllib.error.URLError, OSError):
+        pass
+    return out
+
+
+PREFIX_METRICS = ("reame_cache_hits_total", "reame_disk_cache_hits_total", "reame_cached_prompt_tokens_total",
+                  "reame_disk_cache_snapshots_total", "reame_disk_cache_written_total")
+
+
+def kv_files(kv_dir: str) -> list:
+    """(path, size) of every finished snapshot (*.kv) and of temp files being written (*.tmp)."""
+    out = []
+    for root, _dirs, names in os.walk(kv_dir):
+        for name in names:
+            if name.endswith(".kv") or name.endswith(".tmp"):
+                p = os.path.join(root, name)
+                try:
+                    out.append((p, os.path.getsize(p)))
+                except OSError:
+                    pass
+    return sorted(out)
+
+
+def wait_snapshots(kv_dir: str, srv: Optional[ServerProcess] = None, quiet_s: float = 1.0,
+                   timeout_s: float = 180.0) -> list:
+    """Wait until Reame's writer thread is idle: no temp file, the files unchanged for quiet_s, and
+    (from /metrics) every snapshot handed to the writer written; without those counters, or if
+    some were skipped (size bound), the files unchanged for 10 s. Returns the files."""
+    deadline = time.monotonic() + timeout_s
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        files = kv_files(kv_dir)
+        if files != last:
+            last, since = files, time.monotonic()
+        quiet = time.monotonic() - since
+        if not any(p.endswith(".tmp") for p, _ in files) and quiet >= quiet_s:
+            m = reame_metrics(srv) if srv is not None else {}
+            handed, written = m.get("reame_disk_cache_snapshots_total"), m.get("reame_disk_cache_written_total")
+            if (handed is not None and written is not None and written >= handed) or quiet >= 10.0:
+                return files
+        time.sleep(0.2)
+    log("prefix cache: snapshots still being written after %.0f s; going on (SIGTERM flushes them)" % timeout_s)
+    return last or []
+
+
+def read_snapshot_header(path: str) -> Optional[dict]:
+    """A Reame KV snapshot's header: magic (8 bytes), version and header length (little-endian
+    uint32 each), then a JSON header (raw_size, size, codec, tokens, ...), then the payload."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+            if len(head) < 16 or not head.startswith(b"REAMEKV"):
+                return None
+            version, hlen = int.from_bytes(head[8:12], "little"), int.from_bytes(head[12:16], "little")
+            meta = json.loads(f.read(hlen).decode("utf-8"))
+        return {"file": os.path.basename(path), "version": version, "header_bytes": 16 + hlen,
+                "file_bytes": os.path.getsize(path), "tokens": len(meta.get("tokens") or []),
+                "raw_size": meta.get("raw_size"), "size": meta.get("size"), "codec": meta.get("codec")}
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def stop_graceful(srv: ServerProcess, noise: CpuNoise, timeout_s: float = 90.0) -> Optional[int]:
+    """SIGTERM (Reame then finishes its snapshot writes), wait, and only then kill. Returns the exit code."""
+    proc = srv.proc
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log("%s pid %d did not stop within %.0f s of SIGTERM: killed" % (srv.name, proc.pid, timeout_s))
+    srv.close()
+    noise.mark_reaped(proc.pid)
+    return proc.returncode
+
+
+def run_prefix_cache(args, noise: CpuNoise) -> dict:
+    """--prefix-cache: a long shared system prompt (an employee handbook) and short questions.
+
+    Reame: cold (fresh REAME_HOME), warm (same process, another question), after a restart
+    (new process on the same REAME_HOME: the disk tier), and a second process running next
+    to the first. llama-server: cold, warm (same slot, cache_prompt), after a restart.
+    """
+    model_path = reame.resolve_model(args.model, pull=False)
+    serve_help = ServerProcess.help_text([sys.executable, REAME_SCRIPT, "serve", "--help"])
+    if not help_knows(serve_help, "--no-disk-cache"):
+        raise SystemExit("this reame.py has no disk prefix cache ('serve --no-disk-cache' unknown): "
+                         "the prefix-cache section needs it")
+    batch = args.batch if help_knows(serve_help, "--batch") else (
+        _param_default(reame.Engine.__init__, "n_batch") or 512)
+    eng, settings = open_engine(model_path, n_ctx=256, n_slots=1, n_threads=args.threads, n_batch=batch)
+    try:
+        system, sys_tokens = fit_handbook(eng.model, args.handbook_tokens)
+        # The same four questions every repeat: each repeat starts from fresh processes and a fresh
+        # REAME_HOME, so nothing carries over, and the prompts (and chunk alignment) stay equal.
+        questions = list(HANDBOOK_QUESTIONS[:4])
+        try:
+            prompt_tokens = [len(eng.chat_prompt([{"role": "system", "content": system},
+                                                  {"role": "user", "content": q}])) for q in questions]
+        except reame.ReameError:
+            prompt_tokens = []
+        chunk = eng.chunk if hasattr(eng, "chunk") else 128
+        # A GGUF without a chat template (gemma3-270m): Reame falls back to its family's built-in
+        # template by name; llama-server would fall back to chatml, so it gets the same name.
+        tmpl = getattr(eng.model, "chat_template", None)
+        builtin_template = tmpl if tmpl and "{" not in tmpl and len(tmpl) < 40 else None
+    finally:
+        eng.close()
+    ctx = max(args.ctx, 1 << max(sys_tokens + 256, 1).bit_length())
+    log("prefix cache: handbook system prompt of %d tokens (chat prompts %s), ctx %d, %d threads"
+        % (sys_tokens, prompt_tokens, ctx, args.threads))
+    kv = settings["kv_unified"] if args.server_kv == "match" else args.server_kv == "unified"
+    rp = settings["repack"] if args.server_repack == "match" else args.server_repack == "on"
+    log_dir = tempfile.mkdtemp(prefix="bench-prefix-logs-")
+    warm_prompt = "Reply with one word: ready?"
+    cases = ("cold", "warm", "restart", "second")
+    runs = {side: {c: [] for c in cases} for side in ("reame", "server")}
+    snapshots, cmds, exit_codes = [], {}, []
+    homes = []
+    seq = [0]
+
+    def start_reame(home: str, tag: str) -> ReameServer:
+        env = dict(os.environ, REAME_HOME=home)
+        srv = ReameServer(model_path, threads=args.threads, n_parallel=1, ctx_per_slot=ctx, n_batch=batch,
+                          log_path=os.path.join(log_dir, "reame-%s.log" % tag), help_text=serve_help, env=env)
+        noise.add_pid(srv.proc.pid)
+        cmds.setdefault("reame", "REAME_HOME=%s %s" % (home, " ".join(srv.args)))
+        log("prefix cache: reame serve (%s) pid %d on port %d" % (tag, srv.proc.pid, srv.port))
+        return srv
+
+    def start_server(tag: str) -> LlamaServer:
+        srv = LlamaServer(args.server, model_path, threads=args.threads, n_parallel=1, ctx_per_slot=ctx,
+                          n_batch=batch, kv_unified=kv, repack=rp, cache_ram=args.server_cache_ram,
+                          chat_template=builtin_template,
+                          log_path=os.path.join(log_dir, "llama-server-%s.log" % tag))
+        noise.add_pid(srv.proc.pid)
+        cmds.setdefault("server", " ".join(srv.args))
+        log("prefix cache: llama-server (%s) pid %d on port %d" % (tag, srv.proc.pid, srv.port))
+        return srv
+
+    def ready_and_warm(srv: ServerProcess) -> None:
+        srv.wait_ready()
+        # Untimed: pages the weights in and starts the threads. A short prompt without the
+        # handbook: under one 128-token chunk, so it leaves nothing either side could reuse.
+        srv.guarded(chat_stream, srv.port, json.dumps(
+            {"messages": [{"role": "user", "content": warm_prompt}], "max_tokens": 2, "temperature": 0,
+             "stream": True, "cache_prompt": False}).encode())
+
+    def measure(side: str, case: str, srv: ServerProcess, question: str) -> None:
+        before = reame_metrics(srv) if side == "reame" else {}
+        m = noise.mark()
+        out = srv.guarded(chat_stream, srv.port, chat_body(system, question, args.prefix_gen_tokens,
+                                                           args.server_sampling, True))
+        out["noise"] = noise.since(m)
+        if side == "reame":
+            after = reame_metrics(srv)
+            out["metrics_delta"] = {k: after[k] - before.get(k, 0.0) for k in PREFIX_METRICS if k in after}
+        t = out.get("timings") or {}
+        if side == "server" and out["cached_tokens"] is None and "cache_n" in t:
+            out["cached_tokens"] = t["cache_n"]
+        out["question"] = question
+        out["order"] = seq[0]
+        seq[0] += 1
+        runs[side][case].append(out)
+        log("prefix cache: %-6s %-7s TTFT %.3f s, %s of %s prompt tokens cached%s" % (
+            side, case, out["ttft_s"], out["cached_tokens"], out["prompt_tokens"],
+            (", server prompt_n %s cache_n %s" % (t.get("prompt_n"), t.get("cache_n"))) if t else ""))
+
+    try:
+        for r in range(args.repeats):
+            log("prefix cache: repeat %d/%d" % (r + 1, args.repeats))
+            qa, qb, qc, qd = questions
+            home = tempfile.mkdtemp(prefix="bench-reame-home-")
+            homes.append(home)
+            kv_dir = os.path.join(home, "kv")
+            r1 = s1 = r2 = s2 = r3 = None
+            try:
+                # 1. first processes: cold, then warm in the same process.
+                r1 = start_reame(home, "r%d-first" % r)
+                if not args.no_server:
+                    s1 = start_server("r%d-first" % r)
+                for srv in (r1, s1):
+                    if srv is not None:
+                        ready_and_warm(srv)
+                if kv_files(kv_dir):
+                    raise RuntimeError("the fresh REAME_HOME %s already holds KV snapshots" % home)
+                # After each Reame request its writer thread compresses and writes snapshots:
+                # wait for it, so that work does not land in llama-server's measurement.
+                measure("reame", "cold", r1, qa)
+                wait_snapshots(kv_dir, r1)
+                if s1:
+                    measure("server", "cold", s1, qa)
+                measure("reame", "warm", r1, qb)
+                # 2. restart: Reame's snapshots must be on disk first (the writer is a thread).
+                files = wait_snapshots(kv_dir, r1)
+                if s1:
+                    measure("server", "warm", s1, qb)
+                log("prefix cache: %d snapshot file(s) on disk, %.1f MiB; stopping the first servers"
+                    % (len(files), sum(s for _, s in files) / 2 ** 20))
+                exit_codes.append(stop_graceful(r1, noise))
+                r1 = None
+                if s1:
+                    s1.close()
+                    noise.mark_reaped(s1.proc.pid)
+                    s1 = None
+                snaps = [h for h in (read_snapshot_header(p) for p, _ in kv_files(kv_dir) if p.endswith(".kv"))
+                         if h]
+                snapshots.append(sorted(snaps, key=lambda h: h["tokens"]))
+                r2 = start_reame(home, "r%d-restart" % r)
+                if not args.no_server:
+                    s2 = start_server("r%d-restart" % r)
+                for srv in (r2, s2):
+                    if srv is not None:
+                        ready_and_warm(srv)
+                measure("reame", "restart", r2, qc)
+                wait_snapshots(kv_dir, r2)
+                if s2:
+                    measure("server", "restart", s2, qc)
+                    s2.close()
+                    noise.mark_reaped(s2.proc.pid)
+                    s2 = None
+                # 3. a second Reame process on the same REAME_HOME, while the first still runs.
+                r3 = start_reame(home, "r%d-second" % r)
+                ready_and_warm(r3)
+                if r2.proc.poll() is not None:
+                    raise RuntimeError("the restarted reame serve exited before the second process ran")
+                measure("reame", "second", r3, qd)
+            finally:
+                for srv in (r3, r2, r1):
+                    if srv is not None:
+                        exit_codes.append(stop_graceful(srv, noise))
+                for srv in (s1, s2):
+                    if srv is not None:
+                        srv.close()
+                        noise.mark_reaped(srv.proc.pid)
+                log("prefix cache: repeat %d servers stopped" % (r + 1))
+    finally:
+        for home in homes:
+            shutil.rmtree(home, ignore_errors=True)
+    return prefix_summary(args, runs, snapshots, cmds, exit_codes, settings, {
+        "system_tokens": sys_tokens, "prompt_tokens_reame": prompt_tokens, "system_chars": len(system),
+        "questions": questions, "ctx_per_slot": ctx, "n_batch": batch, "chunk": chunk, "logs": log_dir})
+
+
+def prefix_summary(args, runs: dict, snapshots: list, cmds: dict, exit_codes: list, settings: dict,
+                   info: dict) -> dict:
+    def med(side, case, key="ttft_s"):
+        return median([x[key] for x in runs[side][case]])
+
+    table = {}
+    for case in ("cold", "warm", "restart", "second"):
+        row = {}
+        for side in ("reame", "server"):
+            xs = runs[side][case]
+            if not xs:
+                continue
+            row[side] = {"ttft_s": med(side, case), "ttft_runs": [x["ttft_s"] for x in xs],
+                         "cached_tokens": [x["cached_tokens"] for x in xs],
+                         "prompt_tokens": [x["prompt_tokens"] for x in xs],
+                         "noise": [x["noise"] for x in xs]}
+        r, s = row.get("reame", {}).get("ttft_s"), row.get("server", {}).get("ttft_s")
+        row["server_over_reame"] = (s / r) if r and s is not None else None
+        table[case] = row
+    rc, rw, rr, rs = (med("reame", c) for c in ("cold", "warm", "restart", "second"))
+    sw = med("server", "warm")
+    ratios = {"reame_cold_over_restart": (rc / rr) if rc and rr else None,
+              "reame_cold_over_warm": (rc / rw) if rc and rw else None,
+              "reame_cold_over_second": (rc / rs) if rc and rs else None,
+              "server_warm_over_reame_warm": (sw / rw) if sw and rw else None}
+    goals = {"restart_at_most_1_20_of_cold": (rr * 20 <= rc) if rc and rr else None,
+             "reame_warm_no_worse_than_server_warm": (rw <= sw) if rw and sw else None}
+    # Snapshot size per 1k tokens, compressed vs raw. Headline: the largest snapshot (the one a
+    # restart restores); sizes need not grow linearly (sliding-window layers keep only their window).
+    flat = [h for rep in snapshots for h in rep if h.get("tokens") and h.get("raw_size") and h.get("size")]
+    for h in flat:
+        h["raw_bytes_per_1k_tokens"] = 1000 * h["raw_size"] / h["tokens"]
+        h["compressed_bytes_per_1k_tokens"] = 1000 * h["size"] / h["tokens"]
+        h["compression_ratio"] = h["raw_size"] / h["size"]
+    size = {"files": len(flat), "codec": sorted(set(h["codec"] for h in flat if h.get("codec")))}
+    if flat:
+        big = max(flat, key=lambda h: h["tokens"])
+        size.update({"largest_tokens": big["tokens"], "raw_bytes_per_1k_tokens": big["raw_bytes_per_1k_tokens"],
+                     "compressed_bytes_per_1k_tokens": big["compressed_bytes_per_1k_tokens"],
+                     "compression_ratio": big["compression_ratio"],
+                     "all_files_compression_ratio": sum(h["raw_size"] for h in flat) / sum(h["size"] for h in flat),
+                     "disk_bytes_first_repeat": sum(h["file_bytes"] for h in snapshots[0])})
+    texts = {}
+    for case in ("cold", "warm", "restart"):
+        pairs = list(zip(runs["reame"][case], runs["server"][case]))
+        if pairs:
+            texts[case] = "%d/%d" % (sum(a["text"] == b["text"] for a, b in pairs), len(pairs))
+    return {"config": dict(info, model=os.path.basename(reame.resolve_model(args.model, pull=False)),
+                           repeats=args.repeats, threads=args.threads, max_tokens=args.prefix_gen_tokens,
+                           parallel=1, server_cache_ram=args.server_cache_ram,
+                           request="POST /v1/chat/completions, messages [system handbook, user question], "
+                                   "stream, stream_options.include_usage, temperature 0, cache_prompt true%s"
+                                   % (", samplers [top_k], top_k 1" if args.server_sampling == "greedy" else ""),
+                           reame_settings=settings, reame_cmd=cmds.get("reame"), server_cmd=cmds.get("server"),
+                           reame_exit_codes=exit_codes),
+            "table": table, "ratios": ratios, "goals": goals, "snapshot_size": size, "snapshots": snapshots,
+            "text_identical": texts,
+            "runs": runs}
+
+
+def print_prefix(p: dict, w) -> None:
+    c = p["config"]
+    w("Prefix cache: a %d-token system prompt (an employee handbook) + short questions, %s, max_tokens %d, "
+      "%d repeat%s\n" % (c["system_tokens"], c["model"], c["max_tokens"], c["repeats"],
+                         "" if c["repeats"] == 1 else "s (medians)"))
+    w("(reame.py serve --parallel 1 on a fresh temporary REAME_HOME vs llama-server -np 1 --cache-ram %s, "
+      "%d threads, ctx %d; TTFT = send to first content chunk, client side)\n"
+      % (c["server_cache_ram"], c["threads"], c["ctx_per_slot"]))
+    w("\n%-34s %10s %16s %10s %16s %9s\n" % ("case (question)", "Reame s", "cached/prompt", "server s",
+                                            "cached/prompt", "srv/Reame"))
+    w("-" * 100 + "\n")
+    labels = {"cold": "cold: fresh process + cache (A)", "warm": "warm: same process (B)",
+              "restart": "after restart: new process (C)", "second": "second process, same home (D)"}
+
+    def cell(row, side):
+        d = row.get(side)
+        if not d:
+            return "-", "-"
+        ttft = _fmt(d["ttft_s"], 3) + ("*" if any((z or 0) > NOISY_FRAC for z in d["noise"]) else "")
+        cached = "/".join(["%s" % (d["cached_tokens"][0] if d["cached_tokens"] else "-"),
+                           "%s" % (d["prompt_tokens"][0] if d["prompt_tokens"] else "-")])
+        return ttft, cached
+
+    for case, row in p["table"].items():
+        rt, rcache = cell(row, "reame")
+        st, scache = cell(row, "server")
+        ratio = row.get("server_over_reame")
+        w("%-34s %10s %16s %10s %16s %9s\n" % (labels[case], rt, rcache, st, scache,
+                                                (_fmt(ratio, 2) + "x") if ratio is not None else "-"))
+    w("(cached/prompt: usage.prompt_tokens_details.cached_tokens / usage.prompt_tokens of the first repeat; "
+      "llama-server: timings.cache_n where usage has none. llama-server has no disk tier: its 'after restart' "
+      "is a cold start. srv/Reame > 1 means Reame is faster. * = noisy run)\n")
+    if c["repeats"] > 1:
+        for case, row in p["table"].items():
+            w("  runs %-8s Reame %s | server %s\n" % (case, " ".join(_fmt(x, 3) for x in row.get("reame", {}).get(
+                "ttft_runs", [])), " ".join(_fmt(x, 3) for x in row.get("server", {}).get("ttft_runs", []))))
+    r, g = p["ratios"], p["goals"]
+
+    def verdict(v):
+        return "-" if v is None else ("met" if v else "NOT MET")
+
+    w("\nReame cold / after-restart TTFT: %sx   (goal >= 20x: %s)\n"
+      % (_fmt(r["reame_cold_over_restart"], 1), verdict(g["restart_at_most_1_20_of_cold"])))
+    w("Reame cold / warm TTFT: %sx; cold / second process: %sx\n"
+      % (_fmt(r["reame_cold_over_warm"], 1), _fmt(r["reame_cold_over_second"], 1)))
+    w("Reame warm vs llama-server warm: server/Reame %sx   (goal >= 1, no worse: %s)\n"
+      % (_fmt(r["server_warm_over_reame_warm"], 2), verdict(g["reame_warm_no_worse_than_server_warm"])))
+    s = p["snapshot_size"]
+    if s["files"]:
+        w("snapshot size per 1k tokens (largest snapshot, %d tokens): %.2f MiB raw, %.2f MiB compressed "
+          "(%s, %.2fx smaller); all %d files: %.2fx, %.1f MiB on disk after the first process\n"
+          % (s["largest_tokens"], s["raw_bytes_per_1k_tokens"] / 2 ** 20, s["compressed_bytes_per_1k_tokens"] / 2 ** 20,
+             "/".join(s["codec"]), s["compression_ratio"], s["files"], s["all_files_compression_ratio"],
+             s["disk_bytes_first_repeat"] / 2 ** 20))
+        for h in p["snapshots"][0]:
+            w("  %5d tokens: %7.1f MiB raw -> %7.1f MiB %s (%.2f -> %.2f MiB per 1k tokens)\n"
+              % (h["tokens"], h["raw_size"] / 2 ** 20, h["size"] / 2 ** 20, h["codec"],
+                 h["raw_bytes_per_1k_tokens"] / 2 ** 20, h["compressed_bytes_per_1k_tokens"] / 2 ** 20))
+    else:
+        w("no snapshot files were written\n")
+    if p["text_identical"]:
+        w("greedy text identical Reame vs server: %s\n" % ", ".join("%s %s" % kv for kv in p["text_identical"].items()))
+    w("Reame exit codes after SIGTERM: %s\n" % c["reame_exit_codes"])
+    w("prefix cache Reame:  %s\n" % c["reame_cmd"])
+    if c["server_cmd"]:
+        w("prefix cache server: %s\n" % c["server_cmd"])
+    w("server logs: %s\n" % c["logs"])
+
+
+def run_prefix_only(args) -> dict:
+    """--prefix-cache: only the prefix-cache section."""
+    noise = CpuNoise()
+    pc = run_prefix_cache(args, noise)
+    return {"config": {"model": pc["config"]["model"], "threads": args.threads, "repeats": args.repeats,
+                       "server_sampling": None if args.no_server else args.server_sampling,
+                       "reame_version": getattr(reame, "__version__", "?")},
+            "prefix_cache": pc, "noise": noise.report()}
 
 
 # -- the run ---------------------------------------------------------------------------
@@ -1193,6 +1892,9 @@ def print_table(out: dict, stream=sys.stdout) -> None:
     if "http" in out:
         w("\n")
         print_http(out["http"], w)
+    if "prefix_cache" in out:
+        w("\n")
+        print_prefix(out["prefix_cache"], w)
     nz = out["noise"]
     if "other_cpu_s" in nz:
         w("\nnoise: other processes used %.1f CPU-s over %.1f s (%.0f%% of one core), steal %.1f s, %s cores%s\n"
@@ -1270,6 +1972,18 @@ def parse_args(argv=None):
     p.add_argument("--with-http", action="store_true", help="the in-process sections, then the HTTP section")
     p.add_argument("--http-clients", default=None,
                    help="concurrent HTTP clients, comma-separated (default 1,4,8; --quick: 1,4)")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="only the prefix-cache section: a long shared system prompt (an employee handbook) and "
+                        "short chat questions; TTFT cold, warm, after a server restart (Reame's disk tier) and "
+                        "from a second Reame process, vs llama-server cold, warm and restarted (repeats default 1)")
+    p.add_argument("--handbook-tokens", type=int, default=None,
+                   help="--prefix-cache: tokens the questions share (system prompt + chat template), to the "
+                        "nearest handbook section (default 2400; --quick: 1200)")
+    p.add_argument("--prefix-gen-tokens", type=int, default=8,
+                   help="--prefix-cache: max_tokens per question (default 8)")
+    p.add_argument("--server-cache-ram", default="0", metavar="MIB",
+                   help="--prefix-cache: llama-server --cache-ram (default 0, as in the other sections: its "
+                        "slot keeps the prefix with -np 1 anyway; -1 or 8192 enable its RAM prompt cache)")
     p.add_argument("--server-log", default=None, help="llama-server log file (default: a temp file)")
     p.add_argument("--no-server", action="store_true", help="Reame only")
     p.add_argument("--quick", action="store_true", help="smoke test: gemma3-270m, few tokens, under a minute")
@@ -1280,7 +1994,12 @@ def parse_args(argv=None):
     q = args.quick
     args.model = args.model or ("gemma3-270m" if q else "qwen2.5-coder-1.5b")
     args.threads = args.threads or reame.pick_threads()
+    if args.prefix_cache:  # cold runs of a 1.5B model take ~40 s each
+        args.repeats = args.repeats or 1
     args.repeats = args.repeats or (2 if q else 3)
+    args.handbook_tokens = args.handbook_tokens or (1200 if q else 2400)
+    if args.repeats < 1 or args.handbook_tokens < 1 or args.prefix_gen_tokens < 1:
+        p.error("--repeats, --handbook-tokens and --prefix-gen-tokens need positive integers")
     args.gen_tokens = args.gen_tokens or (32 if q else 128)
     args.prefill_tokens = args.prefill_tokens or (256 if q else 768)
     args.streams = [int(x) for x in (args.streams or ("1,4" if q else "1,2,4,8")).split(",") if x.strip()]
@@ -1291,6 +2010,8 @@ def parse_args(argv=None):
         p.error("--http-clients needs positive integers")
     if args.http and (args.with_http or args.variants):
         p.error("--http runs only the HTTP section: use --with-http to add it to the full run")
+    if args.prefix_cache and (args.http or args.with_http or args.variants):
+        p.error("--prefix-cache runs only the prefix-cache section: not with --http, --with-http or --variants")
     if args.prefill_tokens + 8 > args.ctx:
         p.error("--prefill-tokens must fit in --ctx")
     if args.server_log is None:
@@ -1308,7 +2029,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
     try:
-        out = run_http_only(args) if args.http else run(args)
+        out = run_prefix_only(args) if args.prefix_cache else run_http_only(args) if args.http else run(args)
     except KeyboardInterrupt:
         log("interrupted")
         return 130
