@@ -2985,7 +2985,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-size", default=None, metavar="SIZE", help="bound on the prompt-prefix KV snapshots "
                    "kept on disk in $REAME_HOME/kv, e.g. 2G or 500M (default: 2G or 10%% of free disk, whichever "
                    "is smaller); least recently used go first")
-    p.add_argument("--no-disk-cache", action="store_true", help="keep prompt-prefix KV in memory only")
+    p.add_argument("--no-disk-cache", action="store_true", help="keep prompt-prefix KV (and serve's session "
+                   "histories) in memory only: nothing prompt-derived is written to disk")
 
 
 def _disk_cache_bytes(args) -> int:
@@ -3018,7 +3019,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="serve MODEL over an OpenAI-compatible HTTP API",
                         description="Serve MODEL at /v1/chat/completions, /v1/completions, /v1/models, "
-                                    "/health and /metrics. Keys: --api-key, --api-key-file or REAME_API_KEY.",
+                                    "/health, /metrics and /v1/sessions/{id}. Keys: --api-key, --api-key-file or "
+                                    "REAME_API_KEY. Logs one line per request (REAME_LOG=warning: none).",
                         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
