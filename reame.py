@@ -1438,11 +1438,15 @@ class DiskCache:
             out.append((end, os.path.join(self.dir, h.copy().hexdigest()[:40] + ".kv")))
         return out[::-1]
 
-    def find(self, tokens: Sequence[int], limit: int, cuts: Sequence[int] = ()) -> Optional[tuple]:
-        """The longest valid snapshot of a prefix of tokens[:limit]: (length, state bytes)."""
+    def find(self, tokens: Sequence[int], limit: int, cuts: Sequence[int] = (),
+             more_than: int = 0) -> Optional[tuple]:
+        """The longest valid snapshot of a prefix of tokens[:limit] longer than more_than:
+        (length, state bytes)."""
         if not self.enabled:
             return None
         for n, path in self.candidates(tokens, limit, cuts):
+            if n <= more_than:
+                break
             if os.path.exists(path):
                 state = self._load(path, tokens[:n])
                 if state is not None:
@@ -1818,6 +1822,7 @@ class Engine:
         self._batch = Batch(self.ctx.n_batch)
         self.chunk = max(1, min(prefill_chunk, self.ctx.n_batch))  # prompt tokens per prefill decode
         self.cache_reuse = cache_reuse  # read by the scheduler at each admission
+        self._heads: dict = {}  # system message -> its prompt head (prefix_boundary); any thread
         self.disk: Optional[DiskCache] = None
         if disk_cache:  # what changes the snapshot bytes or their exactness is in the file name and header
             params = "kv=f16 swa_full=%s fa=%s chunk=%d ctx_train=%d llama_h=%s" % (
@@ -1909,7 +1914,10 @@ class Engine:
         least half as long, for at most twice the prompt's bytes on disk), at the last
         chunk end before the prompt's end, and at the extra cuts; at least 256 tokens."""
         n, c = len(req.prompt), self.chunk
-        req.disk = self.disk.find(req.prompt, n - 1, req.cuts)
+        # A hint from the memory tier (read without the scheduler: a stale answer only
+        # costs a needless disk read or a recompute): no disk read for what memory holds.
+        in_memory = max((common_prefix(e[1], req.prompt) for e in list(self._resident.values())), default=0)
+        req.disk = self.disk.find(req.prompt, n - 1, req.cuts, more_than=in_memory)
         ends = set(range(c, n, c)) | set(req.cuts)
         points = {max(ends, default=0)} | set(req.cuts)
         p = 256
@@ -1919,11 +1927,24 @@ class Engine:
         req.snap = frozenset(x for x in points if x >= max(256, c))
 
     def prefix_boundary(self, messages: Sequence[dict], tokens: Sequence[int]) -> List[int]:
-        """Where a chat's system message ends in its prompt tokens ([] without one)."""
-        if not messages or messages[0].get("role") != "system":
+        """Where the part of a chat prompt shared by every question after the same system
+        message ends ([] without one). Found by templating the system message with two
+        different user turns, so it works whatever the template does with a system
+        message (gemma folds it into the first user turn)."""
+        if not messages or messages[0].get("role") != "system" or not self.model.chat_template:
             return []
-        head = self.model.tokenize(self.model.apply_chat_template(messages[:1], add_assistant=False))
-        return [common_prefix(head, tokens)]
+        system = messages[0]
+        key = (system.get("content"),)
+        head = self._heads.get(key)
+        if head is None:
+            a, b = (self.model.tokenize(self.model.apply_chat_template([system, {"role": "user", "content": q}]))
+                    for q in ("A", "B"))
+            head = a[:common_prefix(a, b)]
+            if len(self._heads) > 64:
+                self._heads.clear()
+            self._heads[key] = head
+        n = common_prefix(head, tokens)
+        return [n] if n > 1 else []
 
     def forget(self, cache_tag: str) -> None:
         """Drop the resident KV kept for ``cache_tag`` (a deleted session)."""
