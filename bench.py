@@ -686,11 +686,41 @@ class ReameServer(ServerProcess):
 def http_body(prompt: str, max_tokens: int, sampling: str) -> bytes:
     """The one request body both servers get (each ignores the other's extra fields:
     Reame ignores cache_prompt and samplers, and is greedy at temperature 0 anyway)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "seed": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "cache_prompt": False}
+    return stream_body({"prompt": prompt}, max_tokens, sampling, cache_prompt=False)
+
+
+def stream_body(fields: dict, max_tokens: int, sampling: str, cache_prompt: bool) -> bytes:
+    """A streaming, greedy request body with usage, plus ``fields`` (prompt or messages)."""
+    body = dict(fields, max_tokens=max_tokens, temperature=0, seed=0, stream=True,
+                stream_options={"include_usage": True}, cache_prompt=cache_prompt)
     if sampling == "greedy":
         body.update({"samplers": ["top_k"], "top_k": 1})
     return json.dumps(body).encode()
+
+
+def sse_chunks(conn, path: str, body: bytes, port: int, deadline: Optional[float] = None):
+    """POST body to path and yield the parsed SSE chunks up to [DONE] (both servers'
+    format); an HTTP error, an error event or passing ``deadline`` raises."""
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError("HTTP %d from port %d: %s" % (resp.status, port,
+                                                          resp.read(500).decode("utf-8", "replace")))
+    while True:
+        line = resp.readline()
+        if not line:
+            return
+        if deadline is not None and time.perf_counter() > deadline:
+            raise RuntimeError("no answer from port %d within the time limit" % port)
+        if not line.startswith(b"data: "):
+            continue
+        payload = line[6:].strip()
+        if payload == b"[DONE]":
+            return
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            raise RuntimeError("stream error from port %d: %s" % (port, chunk["error"]))
+        yield chunk
 
 
 def http_stream(port: int, body: bytes, start: threading.Barrier, timeout_s: float = 1800) -> dict:
@@ -703,24 +733,8 @@ def http_stream(port: int, body: bytes, start: threading.Barrier, timeout_s: flo
     try:
         start.wait()
         t0 = time.perf_counter()
-        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError("HTTP %d from port %d: %s" % (resp.status, port,
-                                                              resp.read(500).decode("utf-8", "replace")))
         t_first, n_chunks, usage, finish, text = None, 0, None, None, []
-        while True:
-            line = resp.readline()
-            if not line:
-                break
-            if not line.startswith(b"data: "):
-                continue
-            payload = line[6:].strip()
-            if payload == b"[DONE]":
-                break
-            chunk = json.loads(payload)
-            if "error" in chunk:
-                raise RuntimeError("stream error from port %d: %s" % (port, chunk["error"]))
+        for chunk in sse_chunks(conn, "/v1/completions", body, port):
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk.get("choices") or []:
@@ -1162,12 +1176,8 @@ def fit_handbook(model, target: int) -> tuple:
 def chat_body(system: str, question: str, max_tokens: int, sampling: str, cache_prompt: bool) -> bytes:
     """POST /v1/chat/completions body, the same for both servers (Reame ignores cache_prompt
     and samplers and is greedy at temperature 0 anyway)."""
-    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
-            "max_tokens": max_tokens, "temperature": 0, "seed": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "cache_prompt": cache_prompt}
-    if sampling == "greedy":
-        body.update({"samplers": ["top_k"], "top_k": 1})
-    return json.dumps(body).encode()
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return stream_body({"messages": messages}, max_tokens, sampling, cache_prompt)
 
 
 def chat_stream(port: int, body: bytes, timeout_s: float = 900) -> dict:
@@ -1177,27 +1187,8 @@ def chat_stream(port: int, body: bytes, timeout_s: float = 900) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
         t0 = time.perf_counter()
-        deadline = t0 + timeout_s
-        conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError("HTTP %d from port %d: %s" % (resp.status, port,
-                                                              resp.read(500).decode("utf-8", "replace")))
         t_first, usage, timings, text = None, None, None, []
-        while True:
-            line = resp.readline()
-            if not line:
-                break
-            if time.perf_counter() > deadline:
-                raise RuntimeError("no answer from port %d within %.0f s" % (port, timeout_s))
-            if not line.startswith(b"data: "):
-                continue
-            payload = line[6:].strip()
-            if payload == b"[DONE]":
-                break
-            chunk = json.loads(payload)
-            if "error" in chunk:
-                raise RuntimeError("stream error from port %d: %s" % (port, chunk["error"]))
+        for chunk in sse_chunks(conn, "/v1/chat/completions", body, port, deadline=t0 + timeout_s):
             usage = chunk.get("usage") or usage
             timings = chunk.get("timings") or timings
             for choice in chunk.get("choices") or []:
