@@ -2088,9 +2088,7 @@ class Engine:
                     best, src = got, k
         if disk is not None and disk[0] > best[0]:  # the disk tier has more of the prompt
             slot = self._victim(req, exclude=None)
-            self._free.remove(slot)
-            if self._resident.pop(slot, None) is not None:
-                self.n_cache_evictions += 1
+            self._claim(slot, keep=None)
             self.n_cache_misses += not best[0]
             self.ctx.seq_rm(slot)
             if self.ctx.state_seq_set(slot, disk[1]) and self.ctx.seq_pos_max(slot) == disk[0] - 1:
@@ -2115,11 +2113,15 @@ class Engine:
             self.n_cache_hits += 1
         elif reuse:
             self.n_cache_misses += 1
-        self._free.remove(slot)
-        if self._resident.pop(slot, None) is not None and slot != src:
-            self.n_cache_evictions += 1
+        self._claim(slot, keep=src)
         self.ctx.seq_rm(slot, best[0] if best[0] else -1, -1)
         return slot, best[0], best[1]
+
+    def _claim(self, slot: int, keep: Optional[int]) -> None:
+        """Take a free slot; its memory-tier entry goes (an eviction, unless it is the one reused)."""
+        self._free.remove(slot)
+        if self._resident.pop(slot, None) is not None and slot != keep:
+            self.n_cache_evictions += 1
 
     def _victim(self, req: Request, exclude: Optional[int]) -> Optional[int]:
         """The free slot whose KV matters least (see _take_slot), or None."""
@@ -3195,10 +3197,8 @@ def _cmd_serve(args) -> int:
     server = Server(None, name, host=args.host, port=args.port, api_keys=keys, max_tokens_cap=args.max_tokens,
                     max_queue=args.max_queue, max_sessions=args.sessions, session_idle_s=args.session_idle,
                     session_dir=None if args.no_disk_cache else os.path.join(Config.from_env().home, "sessions"))
-    stop = threading.Event()
 
     def on_signal(signum, frame):
-        stop.set()
         threading.Thread(target=server.shutdown, name="reame-shutdown", daemon=True).start()
 
     signal.signal(signal.SIGINT, on_signal)
