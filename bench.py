@@ -13,6 +13,9 @@
     python3 bench.py --prefix-cache       only the prefix-cache section: a ~2,400-token system prompt,
                                           TTFT cold / warm / after a restart / second process
     python3 bench.py --quick --prefix-cache                 prefix-cache smoke test (1-2 minutes)
+    python3 bench.py --spec               only the speculation section: tok/s with speculation off,
+                                          prompt lookup on, the draft model on, and auto, on three
+                                          workloads, idle and with a CPU burner on one core
 
 What it measures (every number is client-side wall clock, taken the same way for both):
 
@@ -1602,6 +1605,170 @@ def run_prefix_only(args) -> dict:
             "prefix_cache": pc, "noise": noise.report()}
 
 
+# -- speculation (--spec) ----------------------------------------------------------------
+
+SPEC_REPORT = "\n\n".join(
+    "%d. %s" % (i + 1, p) for i, p in enumerate([
+        "The Harbour Board met on the third of March to review the winter season. Forty-two vessels used "
+        "the north basin between November and February, eleven more than the year before, and the new "
+        "fuel pontoon handled just over nine hundred thousand litres without a single reported spill.",
+        "Dredging of the approach channel was delayed by six weeks because the contractor's barge was held "
+        "at Rotterdam for repairs. The channel depth at low water fell to 7.4 metres in January, and two "
+        "deep-draught tankers had to wait for the tide before entering.",
+        "The board approved a budget of 1.2 million euros for replacing the timber fenders on the east quay. "
+        "Work will start in May, when traffic is lighter, and the quay will stay open to small craft during "
+        "the works, with a speed limit of four knots inside the basin.",
+        "Complaints about noise from the container crane rose to nineteen this winter. The harbour master "
+        "proposed limiting night operations to essential cargo between midnight and five in the morning, "
+        "and the board asked for a trial of three months starting in April.",
+        "Finally, the board thanked the pilots' association for forty years of service without a serious "
+        "accident, and agreed to name the new pilot boat after Captain Ilse Varga, who retired in December "
+        "after twenty-six years on the station."])
+)
+
+SPEC_CODE = '''def summarize_orders(orders, min_total=0.0):
+    """Group orders by customer and return totals, counts and the largest order."""
+    by_customer = {}
+    for order in orders:
+        customer = order["customer"]
+        total = float(order["total"])
+        if total < min_total:
+            continue
+        entry = by_customer.setdefault(customer, {"count": 0, "sum": 0.0, "largest": None})
+        entry["count"] += 1
+        entry["sum"] += total
+        if entry["largest"] is None or total > entry["largest"]["total"]:
+            entry["largest"] = order
+    result = []
+    for customer, entry in sorted(by_customer.items()):
+        average = entry["sum"] / entry["count"]
+        result.append({
+            "customer": customer,
+            "orders": entry["count"],
+            "total": round(entry["sum"], 2),
+            "average": round(average, 2),
+            "largest_id": entry["largest"]["id"],
+        })
+    return result
+'''
+
+SPEC_WORKLOADS = [
+    ("input-grounded", "Here is the board's report:\n\n" + SPEC_REPORT +
+     "\n\nQuote paragraphs 2, 3 and 4 of the report exactly, word for word, with their numbers."),
+    ("code edit", "Here is a Python function:\n\n```python\n" + SPEC_CODE + "```\n\nReturn the whole function "
+     "with one change: rename the parameter `min_total` to `minimum`. Reply with only the code."),
+    ("free prose", "Write a short story (about 300 words) about a lighthouse keeper who finds a message in a "
+     "bottle. Do not use any lists."),
+]
+
+
+class CpuBurner:
+    """A busy process pinned to one core: an oversubscribed vCPU."""
+
+    def __init__(self, core: int = 0):
+        code = "import os\nos.sched_setaffinity(0, {%d})\nwhile True:\n    pass\n" % core
+        self.proc = subprocess.Popen([sys.executable, "-c", code], preexec_fn=_set_pdeathsig)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def spec_decode(eng, tokens: list, max_tokens: int, opts) -> dict:
+    before = eng.stats()["spec"]
+    r = eng.submit(tokens, reame.SamplingParams(temperature=0, max_tokens=max_tokens), spec=opts).wait()
+    after = eng.stats()["spec"]
+    span = r.total_s - r.ttft_s
+    acc = {name: (after[name]["accepted"] - before[name]["accepted"],
+                  after[name]["proposed"] - before[name]["proposed"]) for name in after}
+    return {"tok_s": (r.n_gen_tok - 1) / span if span > 0 and r.n_gen_tok > 1 else None,
+            "tokens": r.tokens, "n": r.n_gen_tok, "accepted": acc}
+
+
+def run_spec(args) -> dict:
+    """Speculation on vs off on three workloads, without and with a CPU burner on one core."""
+    target = reame.resolve_model(args.model)
+    draft = reame.resolve_model(args.spec_draft)
+    configs = [("off", reame.SpecOptions("off")),
+               ("lookup on", reame.SpecOptions("on", args.spec_max, ("lookup",))),
+               ("draft on", reame.SpecOptions("on", args.spec_draft_k, ("draft",))),
+               ("auto", reame.SpecOptions("auto", args.spec_max))]
+    noise = CpuNoise()
+    eng = reame.Engine(target, n_ctx=args.ctx, n_slots=len(SPEC_WORKLOADS), n_threads=args.threads, draft=draft)
+    out = {"config": {"model": args.model, "draft": args.spec_draft, "threads": args.threads,
+                      "repeats": args.repeats, "gen_tokens": args.gen_tokens, "spec_max": args.spec_max,
+                      "draft_k": args.spec_draft_k}, "conditions": {}}
+    try:
+        prompts = [(name, chat_tokens(eng, text)) for name, text in SPEC_WORKLOADS]
+        for name, toks in prompts:  # prefill once: later runs reuse the prompt's KV (target and draft)
+            log("spec: warming %s (%d prompt tokens)" % (name, len(toks)))
+            spec_decode(eng, toks, 2, configs[0][1])
+        for cond in ("idle", "burner on core 0"):
+            burner = CpuBurner(0) if cond != "idle" else None
+            runs = {name: {c: [] for c, _ in configs} for name, _ in prompts}
+            accepted = {name: {c: {} for c, _ in configs} for name, _ in prompts}
+            equal = {name: True for name, _ in prompts}
+            try:
+                for rep in range(args.repeats):
+                    order = configs if rep % 2 == 0 else configs[::-1]
+                    for name, toks in prompts:
+                        ref = None
+                        for cname, opts in order:
+                            r = spec_decode(eng, toks, args.gen_tokens, opts)
+                            runs[name][cname].append(r["tok_s"])
+                            for src, (a, p) in r["accepted"].items():
+                                tot = accepted[name][cname].setdefault(src, [0, 0])
+                                tot[0] += a
+                                tot[1] += p
+                            if ref is None:
+                                ref = r["tokens"]
+                            elif r["tokens"] != ref:
+                                equal[name] = False
+                            log("spec [%s] %s / %s: %.2f tok/s (%d tokens)" % (cond, name, cname, r["tok_s"] or 0,
+                                                                             r["n"]))
+            finally:
+                if burner is not None:
+                    burner.stop()
+            table = {}
+            for name, _ in prompts:
+                base = median(runs[name]["off"])
+                table[name] = {c: {"tok_s": runs[name][c], "median": median(runs[name][c]),
+                                   "ratio": median(runs[name][c]) / base if base else None,
+                                   "accepted": accepted[name][c]} for c, _ in configs}
+                table[name]["greedy_equal"] = equal[name]
+            out["conditions"][cond] = table
+        out["controller"] = eng.stats()["spec"]
+        out["cost_model_s"] = {str(k): v for k, v in sorted(eng.spec.cost.known().items())}
+    finally:
+        eng.close()
+    out["noise"] = noise.report()
+    return out
+
+
+def print_spec(sp: dict, w) -> None:
+    c = sp["config"]
+    w("Speculation: %s, draft %s (k=%d when forced), lookup up to %d, %d threads, %d tokens, %d repeats\n"
+      % (c["model"], c["draft"], c["draft_k"], c["spec_max"], c["threads"], c["gen_tokens"], c["repeats"]))
+    for cond, table in sp["conditions"].items():
+        w("\n  [%s] decode tok/s (ratio to off); accepted/proposed drafts\n" % cond)
+        for name, row in table.items():
+            cells = []
+            for cname in ("off", "lookup on", "draft on", "auto"):
+                r = row[cname]
+                acc = ", ".join("%s %d/%d" % (s, a, p) for s, (a, p) in sorted(r["accepted"].items()) if p)
+                cells.append("%s %s (x%s)%s" % (cname, _fmt(r["median"], 2), _fmt(r["ratio"], 2),
+                                                " [%s]" % acc if acc else ""))
+            w("  %-15s %s%s\n" % (name, " | ".join(cells), "" if row["greedy_equal"] else "  GREEDY MISMATCH"))
+    w("\n  cost model (s per target step by tokens): %s\n" % ", ".join(
+        "%s: %.3f" % (k, v) for k, v in list(sp["cost_model_s"].items())[:12]))
+
+
+def run_spec_only(args) -> dict:
+    """--spec: only the speculation section."""
+    return {"spec": run_spec(args), "config": {"model": args.model, "threads": args.threads,
+                                               "reame_version": getattr(reame, "__version__", "?")}}
+
+
 # -- the run ---------------------------------------------------------------------------
 
 
@@ -1876,6 +2043,9 @@ def _fmt(x, digits=1):
 def print_table(out: dict, stream=sys.stdout) -> None:
     c = out["config"]
     w = stream.write
+    if "spec" in out:  # Reame against itself; the burner's CPU time is the point, not noise
+        print_spec(out["spec"], w)
+        return
     w("Reame vs llama-server: %s, %d threads, median of %d alternating repeats, temperature 0\n"
       % (c["model"], c["threads"], c["repeats"]))
     if "metrics" in out:
@@ -1975,6 +2145,13 @@ def parse_args(argv=None):
     p.add_argument("--server-cache-ram", default="0", metavar="MIB",
                    help="--prefix-cache: llama-server --cache-ram (default 0, as in the other sections: its "
                         "slot keeps the prefix with -np 1 anyway; -1 or 8192 enable its RAM prompt cache)")
+    p.add_argument("--spec", action="store_true",
+                   help="only the speculation section: input-grounded, code-edit and prose workloads with "
+                        "speculation off, prompt lookup forced on, the draft model forced on, and auto; then "
+                        "again with a CPU burner pinned to core 0 (repeats default 2, gen-tokens 96)")
+    p.add_argument("--spec-draft", default="qwen2.5-coder-0.5b", help="--spec: the draft model")
+    p.add_argument("--spec-max", type=int, default=16, help="--spec: most drafts per step for lookup and auto")
+    p.add_argument("--spec-draft-k", type=int, default=4, help="--spec: drafts per step, draft model forced on")
     p.add_argument("--server-log", default=None, help="llama-server log file (default: a temp file)")
     p.add_argument("--no-server", action="store_true", help="Reame only")
     p.add_argument("--quick", action="store_true", help="smoke test: gemma3-270m, few tokens, under a minute")
@@ -1987,6 +2164,9 @@ def parse_args(argv=None):
     args.threads = args.threads or reame.pick_threads()
     if args.prefix_cache:  # cold runs of a 1.5B model take ~40 s each
         args.repeats = args.repeats or 1
+    if args.spec:
+        args.repeats = args.repeats or 2
+        args.gen_tokens = args.gen_tokens or (48 if q else 96)
     args.repeats = args.repeats or (2 if q else 3)
     args.handbook_tokens = args.handbook_tokens or (1200 if q else 2400)
     if args.repeats < 1 or args.handbook_tokens < 1 or args.prefix_gen_tokens < 1:
@@ -2020,7 +2200,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
     try:
-        out = run_prefix_only(args) if args.prefix_cache else run_http_only(args) if args.http else run(args)
+        out = (run_prefix_only(args) if args.prefix_cache else run_http_only(args) if args.http else
+               run_spec_only(args) if args.spec else run(args))
     except KeyboardInterrupt:
         log("interrupted")
         return 130

@@ -104,6 +104,65 @@ else
   fi
 fi
 
+# -- two patches, so that a token's logits never depend on who shares its batch (the
+# greedy contract: plain, batched and speculative output are the same tokens).
+# 1. ggml's CPU flash attention splits the KV of a lone one-token query (one sequence,
+#    512+ cells) across threads and merges partial softmaxes: a different rounding from
+#    the same query batched with another sequence or verified with draft tokens
+#    (measured: qwen2.5-coder-0.5b, 700-token prompt, logits off by 0.47). Turned off.
+# 2. ggml's tiled K-quant matmul takes over at 8+ rows and rounds differently from the
+#    row-by-row kernel (logits off by 0.45 with 8 tokens verified at once). It is 3x
+#    faster for prompt chunks, so it stays, behind a switch: reame_set_tiled_min_rows(n),
+#    which Reame sets to 64 for decode steps and back to 8 for prompt chunks.
+PATCH_ID="reame-p2"
+patch_tree() {  # $1: a llama.cpp tree we own; 0 if both patches are in
+  python3 - "$1" <<'PYEOF'
+import sys
+root = sys.argv[1] + "/ggml/src/ggml-cpu/"
+def patch(name, old, new, marker):
+    path = root + name
+    text = open(path).read()
+    if marker in text:
+        return True
+    if text.count(old) != 1:
+        return False
+    open(path, "w").write(text.replace(old, new))
+    return True
+ok = patch("ops.cpp", "&& nek1 >= 512;", "&& nek1 >= 512 && false; // reame: no split-KV (batch-invariant)",
+           "reame: no split-KV")
+ok = patch("tiled/tiled.cpp", "    return rows >= 8 || ggml_tiled_matmul_forced();",
+           "    return rows >= reame_tiled_min_rows.load(std::memory_order_relaxed) || ggml_tiled_matmul_forced();",
+           "reame_tiled_min_rows.load") and ok
+ok = patch("tiled/tiled.cpp", "static bool ggml_tiled_min_batch(int64_t rows) {",
+           "#include <atomic>\n"
+           "// reame: the smallest batch the tiled kernel takes (reame.py switches it per llama_decode)\n"
+           "static std::atomic<int> reame_tiled_min_rows{8};\n"
+           "extern \"C\" __attribute__((visibility(\"default\"))) void reame_set_tiled_min_rows(int n) {\n"
+           "    reame_tiled_min_rows.store(n, std::memory_order_relaxed);\n"
+           "}\n\n"
+           "static bool ggml_tiled_min_batch(int64_t rows) {", "reame_set_tiled_min_rows") and ok
+sys.exit(0 if ok else 1)
+PYEOF
+}
+if [ "$SRC_KIND" = dir ]; then  # never edit a user's checkout: patch a copy
+  COPY="$REAME_HOME/src/${SRC_ID}-${PATCH_ID}"
+  if [ ! -f "$COPY/include/llama.h" ]; then
+    say "copying $SRC to $COPY (patched there)"
+    rm -rf "$COPY.tmp"; mkdir -p "$COPY.tmp"
+    (cd "$SRC" && tar --exclude=./.git --exclude='./build*' -cf - .) | (cd "$COPY.tmp" && tar -xf -)
+    rm -rf "$COPY"; mv "$COPY.tmp" "$COPY"
+  fi
+  SRC="$COPY"
+fi
+PATCHES=""
+if patch_tree "$SRC"; then
+  SRC_ID="$SRC_ID-$PATCH_ID"; PATCHES="\"$PATCH_ID\""
+else
+  [ "$SRC_KIND" = sdist ] && die "the batch-invariance patches no longer apply to $SRC"
+  say "WARNING: the batch-invariance patches do not apply to this llama.cpp: greedy output may"
+  say "         differ between a sequence alone, batched with others, and speculated"
+fi
+
 # -- configure flags (the cache key hashes them)
 BUILD_NUMBER="${PIN_VERSION%%.*}"
 FLAGS=(
@@ -188,7 +247,7 @@ json.dump({
     "source_dir": "$SRC", "llama_h_sha256": "$LLAMA_H_SHA256",
     "build_number": $BUILD_NUMBER, "arch": "$ARCH", "os": "$OS",
     "flags": sys.argv[2:], "ggml_native": "$NATIVE", "cxx": "$CXX_BIN",
-    "with_server": bool($WITH_SERVER), "cache_dir": "$BDIR",
+    "with_server": bool($WITH_SERVER), "cache_dir": "$BDIR", "patches": [$PATCHES],
     "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
 }, open(sys.argv[1], "w"), indent=2)
 EOF

@@ -20,9 +20,10 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
     7. Sampling
     8. Model registry and download
     9. Prefix KV cache: disk tier
-   10. Engine: the scheduler thread and continuous batching
-   11. HTTP server (OpenAI-compatible)
-   12. Command line
+   10. Speculation: draft sources and the controller
+   11. Engine: the scheduler thread and continuous batching
+   12. HTTP server (OpenAI-compatible)
+   13. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -62,10 +63,13 @@ __version__ = "0.1.0"
 __all__ = [
     "Config", "ReameError", "LibraryError", "ModelError", "DownloadError", "RequestError",
     "EngineError", "Model", "Context", "Batch", "SamplingParams", "Sampler", "ModelSpec",
-    "REGISTRY", "resolve_model", "pull_model", "list_models", "remove_model",
+    "REGISTRY", "DRAFT_PAIRS", "resolve_model", "pull_model", "list_models", "remove_model",
     "pick_threads", "Request", "Result", "Engine", "main", "TextStream", "Progress", "setup_logging",
-    "lib", "Server", "Sessions", "params_from_body", "common_prefix", "DiskCache", "model_fingerprint",
+    "lib", "Server", "Sessions", "params_from_body", "spec_from_body", "common_prefix", "DiskCache", "model_fingerprint",
     "default_cache_bytes", "parse_size", "kv_cache_entries", "kv_cache_prune",
+    "SPEC_MODES", "SpecOptions", "expected_tokens", "spec_gain", "choose_k", "worth_it", "CostModel", "Acceptance",
+    "lookup_draft", "NgramIndex", "SpecState", "DraftSource", "PromptLookup", "check_draft_pair", "DraftModel",
+    "SpecController",
 ]
 
 log = logging.getLogger("reame")
@@ -564,6 +568,25 @@ class _Library:
         self._log_cb = _log_callback_t(self._on_log)
         self.llama_log_set(self._log_cb, None)
         self.llama_backend_init()
+        # build_llama.sh's switch for ggml's tiled matmul (see set_tiled_min_rows).
+        self._tiled_min_rows = None
+        for dll in cdlls:
+            fn = getattr(dll, "reame_set_tiled_min_rows", None)
+            if fn is not None:
+                fn.restype, fn.argtypes = None, [ctypes.c_int]
+                self._tiled_min_rows = fn
+        self.tiled_rows = 8
+        if self._tiled_min_rows is None:
+            log.warning("%s lacks build_llama.sh's batch-invariance patches: greedy output may differ "
+                        "between a sequence alone, batched, and speculated. Rebuild with ./build_llama.sh", path)
+
+    def set_tiled_min_rows(self, n: int) -> None:
+        """ggml's tiled K-quant matmul (3x faster for prompt chunks) rounds differently
+        from its row-by-row kernel; decode steps use the row-by-row one at any batch
+        size, so a token's logits do not depend on its batch. Scheduler thread only."""
+        if n != self.tiled_rows and self._tiled_min_rows is not None:
+            self._tiled_min_rows(n)
+            self.tiled_rows = n
 
     def _on_log(self, level: int, text: bytes, _user) -> None:
         msg = (text or b"").decode("utf-8", "replace").rstrip()
@@ -880,8 +903,14 @@ class Context:
     def ptr(self):
         return self._ptr
 
-    def decode(self, batch: Batch) -> None:
-        """Run the batch. ctypes releases the GIL for the call, so HTTP threads keep running."""
+    def decode(self, batch: Batch, rowwise: bool = False) -> None:
+        """Run the batch. ctypes releases the GIL for the call, so HTTP threads keep running.
+
+        rowwise: compute every row as if alone (decode steps: verified drafts and batched
+        sequences then get the logits of a one-token step); otherwise larger batches
+        take ggml's faster tiled kernels (prompt chunks, which are always cut the same way).
+        """
+        lib().set_tiled_min_rows(1 << 30 if rowwise else 8)
         batch._b.n_tokens = batch.n
         rc = self._decode(self._ptr, batch._b)
         if rc != 0:
@@ -1083,6 +1112,7 @@ _SPECS = [
               note="OLMoE 1B-active/7B MoE Instruct, Q4_K_M"),
 ]
 REGISTRY = {s.alias: s for s in _SPECS}
+DRAFT_PAIRS = {"qwen2.5-coder-1.5b": "qwen2.5-coder-0.5b"}  # model -> a smaller one of its vocabulary
 _ALIAS_SYNONYMS = {"qwen2.5-0.5b": "qwen2.5-0.5b-instruct", "qwen2.5-1.5b": "qwen2.5-1.5b-instruct",
                    "qwen2.5-3b": "qwen2.5-3b-instruct", "qwen2.5-7b": "qwen2.5-7b-instruct",
                    "llama3.2-1b": "llama3.2-1b-instruct", "llama3.2-3b": "llama3.2-3b-instruct"}
@@ -1660,7 +1690,462 @@ def kv_cache_prune(root: str, max_bytes: int) -> tuple:
     return tuple(freed)
 
 
-# == 10. Engine: the scheduler thread and continuous batching ===================
+# == 10. Speculation: draft sources and the controller ==========================
+# Draft sources propose tokens; the target verifies them in the scheduler's batch
+# step (section 11) and keeps the longest run it would have produced itself. The
+# controller measures, live, what a verify step of k+1 tokens costs against one
+# token, and how often each source is right by draft position, and speculates only
+# where that pays. Everything that decides is a pure function, tested without a model.
+
+SPEC_MODES = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecOptions:
+    """Per request: speculate or not. ``mode``: auto (the controller decides), on (every
+    step, max_k drafts, or as many as a lookup finds), off. ``max_k``: drafts per step at most.
+    ``sources``: the allowed source names (empty: all the engine has)."""
+
+    mode: str = "auto"
+    max_k: int = 16
+    sources: tuple = ()
+
+    def validate(self) -> "SpecOptions":
+        if self.mode not in SPEC_MODES:
+            raise RequestError("'spec' must be one of %s" % ", ".join(SPEC_MODES), code="invalid_value")
+        if not 1 <= self.max_k <= 32:  # 33 rows a sequence: below flash attention's tiled kernel (64)
+            raise RequestError("'spec_max' must be between 1 and 32", code="invalid_value")
+        return self
+
+
+# -- pure decision logic
+
+
+def expected_tokens(alphas: Sequence[float], k: int) -> float:
+    """Tokens one verify step yields with k drafts, where alphas[j] is the chance draft
+    j+1 is right given the ones before it were: 1 (the target's own token) + the
+    expected length of the accepted run."""
+    total, run = 1.0, 1.0
+    for j in range(k):
+        run *= alphas[j] if j < len(alphas) else (alphas[-1] if alphas else 0.0)
+        total += run
+    return total
+
+
+def spec_gain(alphas: Sequence[float], k: int, cost, n_batch: int, draft_s_per_tok: float = 0.0) -> float:
+    """Tokens per second with one sequence verifying k drafts in a batch of n_batch
+    one-token sequences (itself included), over the same batch without drafts.
+    cost(n): seconds of a target step of n tokens."""
+    plain = n_batch / cost(n_batch)
+    spec = (n_batch - 1 + expected_tokens(alphas, k)) / (cost(n_batch + k) + k * draft_s_per_tok)
+    return spec / plain
+
+
+def choose_k(alphas: Sequence[float], cost, n_batch: int, k_max: int, draft_s_per_tok: float = 0.0) -> tuple:
+    """(k, gain): the draft length with the best expected speedup (spec_gain); (0, 1.0)
+    when no k gains."""
+    plain = n_batch / cost(n_batch)
+    best_k, best = 0, 1.0
+    tokens, run = 1.0, 1.0
+    for k in range(1, k_max + 1):
+        run *= alphas[k - 1] if k - 1 < len(alphas) else (alphas[-1] if alphas else 0.0)
+        tokens += run
+        g = (n_batch - 1 + tokens) / (cost(n_batch + k) + k * draft_s_per_tok) / plain
+        if g > best:
+            best_k, best = k, g
+    return best_k, best
+
+
+def worth_it(gain: float, margin: float) -> bool:
+    """Speculate only when the expected gain clears the margin (noise, estimate error)."""
+    return gain >= 1.0 + margin
+
+
+class CostModel:
+    """Seconds of a target llama_decode by tokens in the batch, measured live.
+
+    An EMA per batch size; sizes not seen yet come from a line through the sizes seen
+    (least squares, recent sizes weighted by how often they were seen), and before
+    two sizes are known, from a prior slope (a fraction of one token's cost per extra
+    token). A scheduler-thread object; pure given its observations.
+    """
+
+    def __init__(self, prior_slope: float = 0.5, alpha: float = 0.1, max_n: int = 512):
+        self.prior_slope = prior_slope
+        self.alpha = alpha
+        self._ema: dict = {}    # n -> EMA seconds
+        self._seen: dict = {}   # n -> observations (capped)
+        self._fit = None        # (a, b): cost(n) = a + b * n, None until two sizes are seen
+        self.max_n = max_n
+
+    def observe(self, n: int, seconds: float) -> None:
+        if n < 1 or seconds <= 0:
+            return
+        old = self._ema.get(n)
+        self._ema[n] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._seen[n] = min(self._seen.get(n, 0) + 1, 20)
+        self._fit = self._line()
+
+    def _line(self):
+        if len(self._ema) < 2:
+            return None
+        w = self._seen
+        sw = sum(w[n] for n in self._ema)
+        mx = sum(w[n] * n for n in self._ema) / sw
+        my = sum(w[n] * t for n, t in self._ema.items()) / sw
+        var = sum(w[n] * (n - mx) ** 2 for n in self._ema)
+        b = sum(w[n] * (n - mx) * (t - my) for n, t in self._ema.items()) / var
+        b = max(b, 0.0)
+        return my - b * mx, b
+
+    def cost(self, n: int) -> float:
+        if n in self._ema and self._seen[n] >= 3:
+            return self._ema[n]
+        if self._fit is not None:
+            a, b = self._fit
+            return max(a + b * n, 1e-6)
+        if self._ema:
+            n0, t0 = min(self._ema.items())
+            return t0 * (1 + self.prior_slope * (n - n0)) / (1 + self.prior_slope * 0)
+        return 1.0 + self.prior_slope * (n - 1)
+
+    def known(self) -> dict:
+        return dict(self._ema)
+
+
+class Acceptance:
+    """Per draft position j, an EMA of P(draft j right | drafts before it right)."""
+
+    def __init__(self, k_max: int, prior: float = 0.5, alpha: float = 0.2, parent: "Acceptance" = None):
+        self.alpha = alpha
+        self.p = list(parent.p) if parent is not None else [prior] * k_max
+
+    def observe(self, k: int, n_accepted: int) -> None:
+        """k drafts verified, the first n_accepted right: positions 1..n_accepted were
+        right, n_accepted+1 was wrong, the rest were not tested."""
+        for j in range(min(n_accepted + 1, k)):
+            hit = 1.0 if j < n_accepted else 0.0
+            self.p[j] += self.alpha * (hit - self.p[j])
+
+
+# -- draft sources
+
+
+def lookup_draft(tokens: Sequence[int], k: int, n_min: int = 2, n_max: int = 5) -> List[int]:
+    """Prompt lookup, the plain way (the reference for NgramIndex): the longest n-gram
+    ending ``tokens`` that occurred before; propose up to k tokens that followed its
+    latest earlier occurrence."""
+    L = len(tokens)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        tail = list(tokens[L - n:])
+        for start in range(L - n - 1, -1, -1):
+            if list(tokens[start:start + n]) == tail:
+                return list(tokens[start + n:start + n + k])
+    return []
+
+
+class NgramIndex:
+    """n-grams (n_min..n_max tokens) of a growing token list -> where the tokens after
+    their latest occurrence start. ``extend`` indexes what was appended since;
+    ``draft`` is lookup_draft in O(n_max) instead of a scan."""
+
+    def __init__(self, tokens: List[int], n_min: int = 2, n_max: int = 5):
+        self.tokens = tokens        # shared with the owner, which appends to it
+        self.n_min, self.n_max = n_min, n_max
+        self._next: dict = {}       # tuple(n-gram) -> index of the token after it
+        self._done = 0              # tokens[:_done] are indexed
+
+    def extend(self) -> None:
+        toks, nxt = self.tokens, self._next
+        for i in range(max(self._done, 1), len(toks)):
+            for n in range(self.n_min, min(self.n_max, i) + 1):
+                nxt[tuple(toks[i - n:i])] = i
+        self._done = len(toks)
+
+    def draft(self, k: int) -> List[int]:
+        self.extend()
+        toks, L = self.tokens, len(self.tokens)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            i = self._next.get(tuple(toks[L - n:]))
+            if i is not None:
+                return toks[i:i + k]
+        return []
+
+
+class SpecState:
+    """One sequence's speculation state (scheduler thread only): its whole token
+    history (prompt + output, appended by the engine), the sources' per-sequence
+    state, and its own acceptance estimates (seeded from the source's global ones)."""
+
+    __slots__ = ("slot", "history", "opts", "state", "acc", "probe_at", "probe_gap")
+
+    def __init__(self, slot: int, history: List[int], opts: SpecOptions):
+        self.slot, self.history, self.opts = slot, history, opts
+        self.state: dict = {}      # source name -> that source's state for this sequence
+        self.acc: dict = {}        # source name -> Acceptance
+        self.probe_at: dict = {}   # source name -> len(history) at which to try it again
+        self.probe_gap: dict = {}  # source name -> tokens between probes (doubles while it loses)
+
+
+class DraftSource:
+    """Proposes tokens that may come next; the target verifies them, so a wrong draft
+    costs time, never correctness. One object serves every sequence of an engine;
+    per-sequence state lives in SpecState.state[name]. Runs on the scheduler thread.
+
+    ``cost_s_per_tok``: seconds of drafting per proposed token (0 for a lookup).
+    """
+
+    name = ""
+    cost_s_per_tok = 0.0
+
+    def propose(self, seqs: List[SpecState], ks: List[int]) -> List[List[int]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class PromptLookup(DraftSource):
+    """The request's own prompt and output as the archive: the longest n-gram ending
+    the sequence that occurred before proposes what followed it (copying, quoting,
+    editing code all repeat the input)."""
+
+    name = "lookup"
+
+    def propose(self, seqs, ks):
+        out = []
+        for seq, k in zip(seqs, ks):
+            index = seq.state.get(self.name)
+            if index is None:
+                index = seq.state[self.name] = NgramIndex(seq.history)
+            out.append(index.draft(k))
+        return out
+
+
+def check_draft_pair(target: Model, draft: Model) -> None:
+    """Refuse a draft model whose tokens mean something else to the target."""
+    why = None
+    if target.n_vocab != draft.n_vocab:
+        why = "vocabulary sizes differ (%d vs %d)" % (target.n_vocab, draft.n_vocab)
+    else:
+        probe = "Reame drafts: def f(x):\n    return {'a': [1, 2.5]}  # ünïcode 東京 🙂"
+        if target.tokenize(probe) != draft.tokenize(probe):
+            why = "they tokenize text differently"
+        else:
+            ids = list(range(0, target.n_vocab, 509)) + [target.n_vocab - 1]
+            bad = next((i for i in ids if target.piece(i) != draft.piece(i)), None)
+            if bad is not None:
+                why = "token %d is %r for the target, %r for the draft" % (bad, target.piece(bad), draft.piece(bad))
+    if why:
+        raise ModelError("the draft model cannot draft for this model: %s. Use a model of the same "
+                         "family (same tokenizer), or --draft none" % why)
+
+
+class DraftModel(DraftSource):
+    """A small model of the same vocabulary drafting greedily, in its own context (one
+    sequence per slot, as the target). Its KV follows each sequence lazily: before
+    drafting, what differs from the sequence's history (rejected drafts, or another
+    request in the slot) is removed with seq_rm and the missing tokens are fed; a new
+    request in a slot reuses whatever prefix the draft KV already has."""
+
+    name = "draft"
+
+    def __init__(self, model: Model, n_ctx: int, n_slots: int, n_threads: Optional[int] = None):
+        self.model = model
+        self.ctx = Context(model, n_ctx=n_ctx * n_slots, n_seq_max=n_slots, n_threads=n_threads)
+        self._batch = Batch(self.ctx.n_batch)
+        self._greedy = Sampler(model, SamplingParams(temperature=0.0))
+        self._kv: dict = {}            # slot -> the tokens in that slot's draft KV
+        self.step_s = 0.02             # EMA: seconds of one drafting step (one token per sequence)
+        self.catchup_s_per_tok = 0.002  # EMA: seconds per token fed to catch up
+        self.n_catchup_tok = 0
+
+    @property
+    def cost_s_per_tok(self) -> float:
+        return self.step_s
+
+    def propose(self, seqs, ks):
+        b, ctx = self._batch, self.ctx
+        # 1. catch up: make each slot's KV the sequence's history but its last token
+        feed = []
+        for seq in seqs:
+            kv, hist = self._kv.setdefault(seq.slot, []), seq.history
+            keep = seq.state.get(self.name)
+            if keep is None or keep > len(kv):  # a new sequence in this slot: reuse what matches
+                keep = 0
+            keep = min(keep + common_prefix(kv[keep:], hist[keep:len(hist) - 1]), len(hist) - 1)
+            if keep < len(kv):
+                ctx.seq_rm(seq.slot, keep, -1)
+                del kv[keep:]
+            feed.append(hist[keep:len(hist) - 1])
+        t0 = time.perf_counter()
+        n_fed = sum(map(len, feed))
+        pending = [(seq, toks) for seq, toks in zip(seqs, feed) if toks]
+        while pending:  # n_batch tokens at a time
+            b.clear()
+            rest = []
+            for seq, toks in pending:
+                room = b.capacity - b.n
+                kv = self._kv[seq.slot]
+                for t in toks[:room]:
+                    b.add(t, len(kv), seq.slot, False)
+                    kv.append(t)
+                if len(toks) > room:
+                    rest.append((seq, toks[room:]))
+            ctx.decode(b)
+            pending = rest
+        t1 = time.perf_counter()
+        if n_fed:
+            self.n_catchup_tok += n_fed
+            self.catchup_s_per_tok += 0.2 * ((t1 - t0) / n_fed - self.catchup_s_per_tok)
+        # 2. draft: one token per sequence per step, greedily
+        drafts = [[] for _ in seqs]
+        feed_tok = [seq.history[-1] for seq in seqs]
+        live = [i for i, k in enumerate(ks) if k > 0]
+        steps = 0
+        while live:
+            b.clear()
+            for i in live:
+                kv = self._kv[seqs[i].slot]
+                b.add(feed_tok[i], len(kv), seqs[i].slot, True)
+                kv.append(feed_tok[i])
+            ctx.decode(b)
+            steps += 1
+            nxt = []
+            for row, i in enumerate(live):
+                t = self._greedy.sample(ctx, row)
+                drafts[i].append(t)
+                feed_tok[i] = t
+                if len(drafts[i]) < ks[i] and not self.model.is_eog(t):
+                    nxt.append(i)
+            live = nxt
+        if steps:
+            self.step_s += 0.2 * ((time.perf_counter() - t1) / steps - self.step_s)
+        for seq in seqs:  # what of the draft KV is known to be the history (the rest is checked next time)
+            seq.state[self.name] = len(seq.history)
+        return drafts
+
+    def close(self) -> None:
+        self._greedy.close()
+        self._batch.close()
+        self.ctx.close()
+
+
+# -- the controller
+
+
+class SpecController:
+    """Decides, each step, which sequences speculate, from which source, how far.
+
+    For each sequence and allowed source it computes the expected speedup of the
+    best k (choose_k, with the live CostModel and the sequence's acceptance by
+    position) and speculates when it clears ``margin``. A source that does not pay is
+    re-probed with a short draft after ``probe_gap`` tokens, a gap that doubles each
+    time the probe loses (up to 512), so a changed workload or machine is noticed
+    without a steady cost where it cannot help. Scheduler thread only; the counters
+    are read by /metrics (ints and floats, atomic under the GIL).
+    """
+
+    def __init__(self, sources: Sequence[DraftSource], *, default: SpecOptions = SpecOptions(),
+                 margin: float = 0.05, probe_k: int = 4, probe_gap: int = 16, prior: float = 0.6):
+        self.sources = {s.name: s for s in sources}
+        self.default = default
+        self.margin, self.probe_k, self.first_gap = margin, probe_k, probe_gap
+        self.cost = CostModel()
+        self.acc = {name: Acceptance(64, prior) for name in self.sources}
+        self.counters = {name: {"proposed": 0, "accepted": 0, "steps": 0, "probes": 0, "k": 0,
+                                "on": 0, "gain": 0.0} for name in self.sources}
+
+    def begin(self, slot: int, history: List[int], opts: Optional[SpecOptions]) -> Optional[SpecState]:
+        opts = opts or self.default
+        if opts.mode == "off" or not self.sources:
+            return None
+        return SpecState(slot, history, opts)
+
+    def allowed(self, st: SpecState) -> List[DraftSource]:
+        names = st.opts.sources or tuple(self.sources)
+        return [self.sources[n] for n in names if n in self.sources]
+
+    def plan(self, items: Sequence[tuple], n_batch: int) -> List[Optional[tuple]]:
+        """items: (SpecState or None, room: most drafts the sequence can still take).
+        Returns per item None or (source name, draft tokens). n_batch: sequences in
+        the step's decode batch."""
+        plans: List[Optional[tuple]] = [None] * len(items)
+        n_cur = n_batch
+        model_wants = []  # (index, source, k) for sources that draft at a cost (batched)
+        for i, (st, room) in enumerate(items):
+            if st is None or room < 1:
+                continue
+            forced = st.opts.mode == "on"
+            best = None  # (gain, name, k, draft or None, probe)
+            for src in self.allowed(st):
+                name = src.name
+                acc = st.acc.get(name)
+                if acc is None:
+                    acc = st.acc[name] = Acceptance(64, parent=self.acc[name])
+                k_max = min(room, st.opts.max_k)
+                draft = None
+                if not src.cost_s_per_tok:  # free to ask: see what it has first
+                    draft = src.propose([st], [k_max])[0]
+                    if not draft:
+                        continue
+                    k_max = len(draft)
+                k, gain = choose_k(acc.p, self.cost.cost, n_cur, k_max, src.cost_s_per_tok)
+                probe = False
+                if forced:
+                    k = k_max
+                elif not worth_it(gain, self.margin):
+                    if len(st.history) < st.probe_at.get(name, 0):
+                        continue
+                    k, probe = min(self.probe_k, k_max), True
+                if k and (best is None or (gain, not probe) > (best[0], not best[4])):
+                    best = (gain, name, k, draft, probe)
+            if best is None:
+                continue
+            gain, name, k, draft, probe = best
+            c = self.counters[name]
+            c["k"], c["gain"] = k, round(gain, 3)
+            c["on"] = int(not probe)
+            c["probes"] += probe
+            if probe:
+                gap = st.probe_gap.get(name, self.first_gap)
+                st.probe_at[name] = len(st.history) + gap
+                st.probe_gap[name] = min(2 * gap, 512)
+            else:
+                st.probe_gap[name] = self.first_gap
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("spec: slot %d %s k=%d expected x%.2f%s", st.slot, name, k, gain, " (probe)" if probe else "")
+            n_cur += k
+            if draft is not None:
+                plans[i] = (name, draft[:k])
+            else:
+                model_wants.append((i, name, k))
+        by_source: dict = {}
+        for i, name, k in model_wants:
+            by_source.setdefault(name, []).append((i, k))
+        for name, wants in by_source.items():
+            drafts = self.sources[name].propose([items[i][0] for i, _ in wants], [k for _, k in wants])
+            for (i, _), d in zip(wants, drafts):
+                plans[i] = (name, d)
+        return plans
+
+    def verified(self, st: SpecState, name: str, k: int, n_accepted: int) -> None:
+        """k drafts from source name were verified; the first n_accepted were right."""
+        st.acc[name].observe(k, n_accepted)
+        self.acc[name].observe(k, n_accepted)
+        c = self.counters[name]
+        c["proposed"] += k
+        c["accepted"] += n_accepted
+        c["steps"] += 1
+
+    def observe_step(self, n_tokens: int, seconds: float) -> None:
+        self.cost.observe(n_tokens, seconds)
+
+    def stats(self) -> dict:
+        return {name: dict(c) for name, c in self.counters.items()}
+
+
+# == 11. Engine: the scheduler thread and continuous batching ===================
 # HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
 # thread owns the llama context: each step it admits waiting requests into free
 # slots, runs ONE llama_decode with the next token of every generating sequence,
@@ -1714,6 +2199,7 @@ class Request:
         self.cuts = ()     # extra prefill chunk ends (the end of a chat's system message)
         self.snap = ()     # chunk ends worth a snapshot on the disk tier
         self.disk = None   # (length, state) found on the disk tier by submit()
+        self.spec: Optional[SpecOptions] = None  # None: the engine's default
         self.events = events if events is not None else queue.SimpleQueue()
         self.t_submit = time.monotonic()
         self._cancel = threading.Event()
@@ -1766,7 +2252,7 @@ class _Seq:
     """Scheduler-private state of one active sequence (one slot)."""
 
     __slots__ = ("req", "seq_id", "n_prompt", "n_done", "n_past", "n_cached", "n_exact", "cuts", "sampler",
-                 "stream", "last", "tokens", "max_tokens", "t_first", "followers")
+                 "stream", "last", "tokens", "max_tokens", "t_first", "followers", "spec")
 
     def __init__(self, req: Request, seq_id: int, sampler: Sampler, max_tokens: int, n_cached: int = 0,
                  n_exact: int = 0):
@@ -1783,6 +2269,7 @@ class _Seq:
         self.max_tokens = max_tokens
         self.t_first = 0.0
         self.followers: List["_Seq"] = []  # the other choices of a group, until the prompt's KV is copied
+        self.spec: Optional[SpecState] = None  # speculation state (None: this sequence does not speculate)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -1807,9 +2294,11 @@ class Engine:
 
     def __init__(self, model, *, n_ctx: int = 4096, n_slots: int = 4, n_threads: Optional[int] = None,
                  n_batch: int = 512, prefill_chunk: int = 128, cache_reuse: str = "exact", repack: bool = False,
-                 disk_cache: int = 0, disk_dir: Optional[str] = None, **context_kw):
+                 disk_cache: int = 0, disk_dir: Optional[str] = None, spec: str = "auto", spec_max: int = 16,
+                 draft=None, **context_kw):
         if cache_reuse not in ("exact", "all"):
             raise RequestError("cache_reuse must be 'exact' or 'all'")
+        spec_default = SpecOptions(spec, spec_max).validate()
         if _np is None:
             log.info("numpy is not installed: greedy sampling uses llama.cpp's sampler chain "
                      "(the same tokens, about 1 ms more per token)")
@@ -1830,6 +2319,14 @@ class Engine:
                 self.model.n_ctx_train, _LLAMA_H_SHA256[:16])
             root = disk_dir or os.path.join(Config.from_env().home, "kv")
             self.disk = DiskCache(root, model_fingerprint(self.model), params, disk_cache, self.chunk)
+        sources: List[DraftSource] = [PromptLookup()]
+        self.draft_model: Optional[Model] = None
+        if draft is not None:  # a path or a loaded Model of the same vocabulary
+            self.draft_model = draft if isinstance(draft, Model) else Model(draft)
+            check_draft_pair(self.model, self.draft_model)
+            sources.append(DraftModel(self.draft_model, self.n_ctx, n_slots, n_threads))
+        self.spec = SpecController(sources, default=spec_default)
+        self._own_draft = draft is not None and not isinstance(draft, Model)
         self._incoming: "queue.Queue" = queue.Queue()
         self._ids = iter(range(1, 1 << 62))
         self._ids_lock = threading.Lock()          # guards _ids
@@ -1871,13 +2368,15 @@ class Engine:
         return self.submit_n(prompt, params, 1, cache_tag=cache_tag, **kw)[0]
 
     def submit_n(self, prompt, params: Optional[SamplingParams] = None, n: int = 1, *,
-                 cache_tag: Optional[str] = None, snap_at: Sequence[int] = (), **kw) -> List[Request]:
+                 cache_tag: Optional[str] = None, snap_at: Sequence[int] = (),
+                 spec: Optional[SpecOptions] = None, **kw) -> List[Request]:
         """Queue n choices of one prompt: one prefill, KV copied to n-1 more slots.
 
         They share one events queue (events carry the choice index). With a seed,
         choice i samples with seed + i. ``snap_at``: prompt lengths where a prefill chunk
         also ends, worth reusing and snapshotting (the end of a chat's system message:
         then a request with the same system prompt reuses all of it, exactly).
+        ``spec``: speculation for these choices (default: the engine's).
         """
         if self._closing:
             raise EngineError("engine is shut down")
@@ -1902,6 +2401,10 @@ class Engine:
                          index=i, events=events, cache_tag=cache_tag if i == 0 else None)
                  for i in range(n)]
         group[0].cuts = tuple(sorted({p for p in snap_at if 0 < p < len(tokens) and p % self.chunk}))
+        if spec is not None:
+            spec.validate()
+            for req in group:
+                req.spec = spec
         if self.disk is not None:
             self._disk_plan(group[0])
         self._incoming.put(group)
@@ -1968,7 +2471,7 @@ class Engine:
                 "python_ms_per_decode_step": 1000 * self.t_decode_only_py_s / steps,
                 "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
                 "kv_cells_active": self.kv_active, "kv_cells_cached": self.kv_cached,
-                "kv_cells_total": self.n_ctx * self.n_slots}
+                "kv_cells_total": self.n_ctx * self.n_slots, "spec": self.spec.stats()}
 
     def close(self) -> None:
         """Stop the scheduler (pending requests get an error) and free the context."""
@@ -1979,6 +2482,10 @@ class Engine:
         self._thread.join()
         self._fail_all(EngineError("engine is shut down"))  # a submit that raced close()
         self._batch.close()
+        for src in self.spec.sources.values():
+            src.close()
+        if self._own_draft:
+            self.draft_model.close()
         if self.disk is not None:
             self.disk.close()
         self.ctx.close()
@@ -2042,7 +2549,9 @@ class Engine:
                 for t in req.prompt[-p.penalty_last_n:]:  # penalties see the prompt, as in llama-server
                     sampler.accept(t)
             room = self.n_ctx - len(req.prompt)
-            seqs.append(_Seq(req, slot, sampler, min(p.max_tokens or room, room), n_cached, n_exact))
+            s = _Seq(req, slot, sampler, min(p.max_tokens or room, room), n_cached, n_exact)
+            s.spec = self.spec.begin(slot, list(req.prompt), req.spec)
+            seqs.append(s)
         seqs[0].followers = seqs[1:]
         if seqs[0].n_cached:
             self.n_cached_tok += seqs[0].n_cached
@@ -2146,10 +2655,12 @@ class Engine:
         (up to n_batch prompt tokens, oldest request first).
 
         Greedy output must not depend on who else is in the batch, and llama.cpp's CPU
-        kernels pick tiling by batch shape (flash attention tiles 64+ queries). So each
-        prompt chunk runs in its own llama_decode, ending at a multiple of self.chunk
-        (the same chunks as when it runs alone and cold), and decode tokens go in
-        ascending slot order (llama.cpp splits a multi-stream batch at a gap in seq ids).
+        kernels pick tiling by batch shape (flash attention tiles 64+ queries, K-quant
+        matmuls 8+ rows). So each prompt chunk runs in its own llama_decode, ending at a
+        multiple of self.chunk (the same chunks as when it runs alone and cold); the
+        decode batch (every sequence's next token, and the drafts to verify) is computed
+        row by row; and decode tokens go in ascending slot order (llama.cpp splits a
+        multi-stream batch at a gap in seq ids).
         Several short prompts arriving together are all prefilled in one step, so the
         last of them does not wait a decode step per earlier one for its first token.
         """
@@ -2160,17 +2671,22 @@ class Engine:
         prefilling = [s for s in self._active if s.n_done < s.n_prompt]
         b = self._batch
         if decoding:
+            plans = self.spec.plan([(s.spec, min(s.max_tokens - len(s.tokens) - 1, self.n_ctx - s.n_past - 2))
+                                    for s in decoding], len(decoding))
             b.clear()
-            for s in decoding:
+            for s, plan in zip(decoding, plans):
                 b.add(s.last, s.n_past, s.seq_id, True)
+                for j, t in enumerate(plan[1] if plan else ()):  # drafts, with logits to verify each
+                    b.add(t, s.n_past + 1 + j, s.seq_id, True)
             t1 = time.perf_counter()
-            if not self._decode(b, decoding):
+            if not self._decode(b, decoding, rowwise=True):
                 return
             t2 = time.perf_counter()
-            for i, s in enumerate(decoding):
-                s.n_past += 1
-                self._accept(s, s.sampler.sample(self.ctx, i))
-            self.n_decode_tok += len(decoding)
+            self.spec.observe_step(b.n, t2 - t1)
+            i = 0
+            for s, plan in zip(decoding, plans):
+                i = self._verify(s, i, plan)
+            self.n_decode_tok += b.n
             self.t_decode_s += t2 - t1
             if not prefilling:
                 self.n_decode_only_steps += 1
@@ -2217,10 +2733,33 @@ class Engine:
                 self._accept(f, f.sampler.sample(self.ctx, b.n - 1))
         return end - start
 
-    def _decode(self, b: Batch, seqs: List[_Seq]) -> bool:
+    def _verify(self, s: _Seq, i: int, plan: Optional[tuple]) -> int:
+        """Sample s's tokens from the batch rows from i on: its own next token, then for
+        each draft that matches what was sampled, the token after it (sample, then
+        compare: at any temperature the tokens are the ones a plain decode would pick,
+        seed for seed). Rejected drafts leave the KV. Returns the next sequence's row."""
+        drafts = plan[1] if plan else ()
+        room = s.max_tokens - len(s.tokens)
+        out = [s.sampler.sample(self.ctx, i)]
+        while (len(out) <= len(drafts) and out[-1] == drafts[len(out) - 1] and len(out) < room
+               and not self.model.is_eog(out[-1])):
+            out.append(s.sampler.sample(self.ctx, i + len(out)))
+        n_ok = len(out) - 1
+        s.n_past += 1 + n_ok
+        if n_ok < len(drafts):
+            self.ctx.seq_rm(s.seq_id, s.n_past, -1)
+        if plan:
+            self.spec.verified(s.spec, plan[0], len(drafts), n_ok)
+        for tok in out:
+            self._accept(s, tok)
+            if s.seq_id in self._free:  # finished (a stop string, the end of text, max_tokens)
+                break
+        return i + 1 + len(drafts)
+
+    def _decode(self, b: Batch, seqs: List[_Seq], rowwise: bool = False) -> bool:
         """llama_decode; on failure the sequences in the batch end with the error."""
         try:
-            self.ctx.decode(b)
+            self.ctx.decode(b, rowwise)
             return True
         except EngineError as e:
             for s in seqs:
@@ -2236,6 +2775,8 @@ class Engine:
             self._finish(s, "stop")
             return
         s.tokens.append(tok)
+        if s.spec is not None:
+            s.spec.history.append(tok)
         text, stopped = s.stream.push(self.model.piece(tok))
         if text:
             s.req._emit(text)
@@ -2256,6 +2797,10 @@ class Engine:
             f.n_past = 0
             self._finish(f, reason, error, flush=False)
         s.followers = []
+        n_valid = s.n_prompt + len(s.tokens)  # verified drafts past a stop string are not kept
+        if s.n_past > n_valid:
+            self.ctx.seq_rm(s.seq_id, n_valid, -1)
+            s.n_past = n_valid
         if error is None and s.n_past:  # the memory tier: the KV stays until the slot is needed
             self._resident[s.seq_id] = [req.cache_tag, (req.prompt + s.tokens)[:s.n_past], time.monotonic(),
                                         s.n_exact, tuple(c for c in s.cuts if c <= s.n_exact)]
@@ -2286,7 +2831,7 @@ class Engine:
                     req._finish(None, error)
 
 
-# == 11. HTTP server ============================================================
+# == 12. HTTP server ============================================================
 # OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
 # thread per connection: it validates, templates, submits to the Engine, and writes
 # JSON or SSE from the Request's events. It never touches the llama context.
@@ -2339,6 +2884,23 @@ def params_from_body(body: dict, max_tokens_cap: int) -> SamplingParams:
         max_tokens=min(max_tokens or max_tokens_cap, max_tokens_cap),
         stop=stop,
     ).validate()
+
+
+def spec_from_body(body: dict, default: SpecOptions) -> Optional[SpecOptions]:
+    """The request's speculation override, from the extension object
+    ``"reame": {"spec": "auto|on|off", "spec_max": N, "spec_sources": ["lookup", "draft"]}``."""
+    ext = _field(body, "reame", dict, None, why="an object")
+    if ext is None:
+        return None
+    unknown = sorted(set(ext) - {"spec", "spec_max", "spec_sources"})
+    if unknown:
+        raise RequestError("unknown field 'reame.%s'" % unknown[0], code="invalid_value")
+    mode = _field(ext, "spec", str, default.mode, why="'auto', 'on' or 'off'")
+    max_k = _field(ext, "spec_max", int, default.max_k, why="an integer from 1 to 32")
+    sources = _field(ext, "spec_sources", list, [], why="a list of source names")
+    if any(x not in ("lookup", "draft") for x in sources):
+        raise RequestError("'reame.spec_sources' may name 'lookup' and 'draft'", code="invalid_value")
+    return SpecOptions(mode, max_k, tuple(sources)).validate()
 
 
 def _messages_from_body(body: dict) -> List[dict]:
@@ -2810,6 +3372,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         srv, eng = self.server_ref, self.server_ref.engine
         chat = path == "/v1/chat/completions"
         params = params_from_body(body, srv.max_tokens_cap)
+        spec = spec_from_body(body, eng.spec.default)
         n = _field(body, "n", int, 1, check=lambda v: 1 <= v <= eng.n_slots,
                    why="an integer from 1 to %d (the server's --parallel)" % eng.n_slots)
         stream = _field(body, "stream", bool, False, why="a boolean")
@@ -2845,7 +3408,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                    "per sequence)" % (len(tokens), params.max_tokens, eng.n_ctx),
                                    code="context_length_exceeded")
             reqs = eng.submit_n(tokens, params, n, cache_tag=session.tag if session else None,
-                                snap_at=eng.prefix_boundary(history, tokens) if chat else ())
+                                snap_at=eng.prefix_boundary(history, tokens) if chat else (), spec=spec)
             rid = ("chatcmpl-" if chat else "cmpl-") + reqs[0].id
             if stream:
                 results = self._stream(reqs, rid, chat, bool(opts.get("include_usage")))
@@ -2979,6 +3542,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                   "# TYPE reame_cached_prompt_tokens_total counter",
                   "reame_cached_prompt_tokens_total %d" % st["cached_tokens"],
                   "# TYPE reame_decode_steps_total counter", "reame_decode_steps_total %d" % st["steps"]]
+        spec = st["spec"]  # per draft source: what the speculation controller did and expects
+        for metric, key, kind in (("proposed_tokens_total", "proposed", "counter"),
+                                  ("accepted_tokens_total", "accepted", "counter"),
+                                  ("verify_steps_total", "steps", "counter"), ("probes_total", "probes", "counter"),
+                                  ("draft_tokens", "k", "gauge"), ("on", "on", "gauge"),
+                                  ("estimated_speedup", "gain", "gauge")):
+            lines.append("# TYPE reame_spec_%s %s" % (metric, kind))
+            lines += ['reame_spec_%s{source="%s"} %s' % (metric, name, c[key]) for name, c in sorted(spec.items())]
         data = ("\n".join(lines) + "\n").encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -2987,7 +3558,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-# == 12. Command line ===========================================================
+# == 13. Command line ===========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
@@ -3010,6 +3581,39 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "is smaller); least recently used go first")
     p.add_argument("--no-disk-cache", action="store_true", help="keep prompt-prefix KV (and serve's session "
                    "histories) in memory only: nothing prompt-derived is written to disk")
+    p.add_argument("--spec", choices=SPEC_MODES, default="auto", help="speculative decoding: auto (default) "
+                   "measures on this machine whether verifying drafted tokens pays and speculates only then; "
+                   "on: always; off: never. Greedy output is the same tokens either way")
+    p.add_argument("--spec-max", type=int, default=16, metavar="N", help="draft tokens verified per step at "
+                   "most (1-32, default 16)")
+    p.add_argument("--draft", default="auto", metavar="MODEL", help="a smaller model of the same vocabulary "
+                   "that drafts tokens; auto (default): the known partner of MODEL if it is pulled "
+                   "(qwen2.5-coder-1.5b: qwen2.5-coder-0.5b); none: no draft model")
+
+
+def _draft_path(args) -> Optional[str]:
+    """--draft: a model to resolve, none, or auto (MODEL's known partner, if pulled)."""
+    if args.draft == "none":
+        return None
+    if args.draft != "auto":
+        return resolve_model(args.draft)
+    alias = os.path.basename(args.model)[:-5] if args.model.endswith(".gguf") else args.model
+    partner = DRAFT_PAIRS.get(alias)
+    if partner is None:
+        return None
+    try:
+        return resolve_model(partner, pull=False)
+    except ReameError:
+        log.info("no draft model: `reame.py pull %s` would let %s draft for %s", partner, partner, alias)
+        return None
+
+
+def _engine_kwargs(args) -> dict:
+    """Engine options shared by run and serve."""
+    if not 1 <= args.spec_max <= 32:
+        raise RequestError("--spec-max must be between 1 and 32")
+    return dict(n_ctx=args.ctx, n_threads=args.threads, disk_cache=_disk_cache_bytes(args), spec=args.spec,
+                spec_max=args.spec_max, draft=_draft_path(args))
 
 
 def _disk_cache_bytes(args) -> int:
@@ -3105,7 +3709,7 @@ def _cmd_run(args) -> int:
     _ensure_library()
     path = resolve_model(args.model)
     params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens).validate()
-    engine = Engine(path, n_ctx=args.ctx, n_slots=1, n_threads=args.threads, disk_cache=_disk_cache_bytes(args))
+    engine = Engine(path, n_slots=1, **_engine_kwargs(args))
     try:
         prompt = args.prompt
         if prompt is None and not sys.stdin.isatty():
@@ -3206,14 +3810,14 @@ def _cmd_serve(args) -> int:
     http_thread = threading.Thread(target=server.serve_forever, name="reame-http", daemon=True)
     http_thread.start()
     try:
-        engine = Engine(path, n_ctx=args.ctx, n_slots=args.parallel, n_threads=args.threads,
-                        cache_reuse=args.cache_reuse, disk_cache=_disk_cache_bytes(args))
+        engine = Engine(path, n_slots=args.parallel, cache_reuse=args.cache_reuse, **_engine_kwargs(args))
     except BaseException:
         server.shutdown()
         raise
     server.engine = engine
-    sys.stderr.write("reame: serving %s on http://%s:%d (%d slots x %d ctx, %d threads)\n"
-                     % (name, args.host, server.port, args.parallel, engine.n_ctx, engine.ctx.n_threads))
+    sys.stderr.write("reame: serving %s on http://%s:%d (%d slots x %d ctx, %d threads, speculation %s: %s)\n"
+                     % (name, args.host, server.port, args.parallel, engine.n_ctx, engine.ctx.n_threads, args.spec,
+                        ", ".join(engine.spec.sources)))
     sys.stderr.flush()
     try:
         while http_thread.is_alive():

@@ -931,7 +931,236 @@ def test_greedy_same_without_numpy(gemma):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == want
 
 
-# == 10. HTTP server (real socket on port 0, real model) ========================
+# == 10. Speculation ============================================================
+# Pure: draft lookup and the controller's decisions, with synthetic costs and acceptance.
+
+
+def test_lookup_draft_longest_recent_match():
+    toks = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3]
+    # the 2-gram (2, 3) occurred at 1 and 5; the latest (5) wins; 3-gram (7, 2, 3) never did
+    assert reame.lookup_draft(toks, 3) == [4, 5, 7]
+    toks2 = [5, 1, 2, 3, 8, 8, 0, 2, 3, 6, 1, 2, 3]
+    # the longer match (1, 2, 3) at 1 beats the more recent 2-gram (2, 3) at 7
+    assert reame.lookup_draft(toks2, 2) == [8, 8]
+    assert reame.lookup_draft([1, 2, 3, 4], 4) == []          # nothing repeats
+    assert reame.lookup_draft([1, 2, 1, 2], 8) == [1, 2]      # the continuation runs to the end
+    import random
+    rng = random.Random(7)
+    for _ in range(200):  # the index agrees with the plain scan, growing token by token
+        toks = [rng.randrange(6) for _ in range(rng.randrange(1, 60))]
+        grown = []
+        index = reame.NgramIndex(grown)
+        for t in toks:
+            grown.append(t)
+            k = rng.randrange(1, 6)
+            assert index.draft(k) == reame.lookup_draft(grown, k), grown
+
+
+def test_expected_tokens():
+    assert reame.expected_tokens([1.0] * 8, 5) == 6
+    assert reame.expected_tokens([0.0] * 8, 5) == 1
+    assert reame.expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+
+
+def _linear_cost(a, b):
+    return lambda n: a + b * n
+
+
+def test_choose_k_off_when_verify_expensive_and_acceptance_low():
+    # each verified token costs as much as a step (compute-bound): nothing can pay
+    k, gain = reame.choose_k([0.3] * 32, _linear_cost(0.0, 1.0), 1, 16)
+    assert k == 0 and gain == 1.0
+    # a cheap verify, poor acceptance: still not worth the margin
+    k, gain = reame.choose_k([0.05] * 32, _linear_cost(1.0, 0.3), 1, 16)
+    assert not reame.worth_it(gain, 0.05)
+
+
+def test_choose_k_on_when_cheap_and_k_grows_with_acceptance():
+    cost = _linear_cost(1.0, 0.1)   # memory-bound: a token more costs a tenth of a step
+    ks = []
+    for a in (0.5, 0.8, 0.95):
+        k, gain = reame.choose_k([a] * 32, cost, 1, 32)
+        assert k >= 1 and reame.worth_it(gain, 0.05)
+        ks.append(k)
+    assert ks[0] < ks[1] < ks[2]
+
+
+def test_choose_k_speculates_less_with_many_users():
+    cost = _linear_cost(1.0, 0.15)  # per-step cost grows with the batch
+    k1, g1 = reame.choose_k([0.7] * 32, cost, 1, 16)
+    k8, g8 = reame.choose_k([0.7] * 32, cost, 8, 16)
+    assert g8 < g1 and k8 <= k1
+
+
+def test_cost_model_learns_a_line():
+    cm = reame.CostModel()
+    for _ in range(5):
+        cm.observe(1, 0.10)
+        cm.observe(5, 0.30)
+    assert cm.cost(1) == pytest.approx(0.10) and cm.cost(5) == pytest.approx(0.30)
+    assert cm.cost(9) == pytest.approx(0.50, rel=0.01)   # extrapolated on the line
+    for _ in range(60):  # the machine got slower: the estimate follows
+        cm.observe(1, 0.20)
+    assert cm.cost(1) > 0.19
+
+
+class _FixedSource(reame.DraftSource):
+    """A free source proposing from a script; for controller tests."""
+    name = "fixed"
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def propose(self, seqs, ks):
+        return [self.tokens[:k] for k in ks]
+
+
+def test_controller_turns_off_and_reprobes():
+    src = _FixedSource(list(range(100, 132)))
+    ctl = reame.SpecController([src], margin=0.05, probe_k=4, probe_gap=16)
+    for _ in range(4):
+        ctl.observe_step(1, 0.1)
+        ctl.observe_step(5, 0.5)     # compute-bound: verifying costs a step per token
+    st = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 16))
+    plan = ctl.plan([(st, 16)], 1)[0]
+    assert plan and len(plan[1]) == 4                 # no estimate yet: a probe
+    ctl.verified(st, "fixed", 4, 0)
+    st.history.append(7)
+    assert ctl.plan([(st, 16)], 1) == [None]         # it lost: off
+    st.history.extend([7] * 14)
+    assert ctl.plan([(st, 16)], 1) == [None]         # off until the probe gap has passed
+    st.history.append(7)
+    assert ctl.plan([(st, 16)], 1)[0] is not None    # re-probed after 16 tokens
+    ctl.verified(st, "fixed", 4, 0)
+    st.history.extend([7] * 17)
+    assert ctl.plan([(st, 16)], 1) == [None]         # the gap doubled after a lost probe
+    # the machine changed: verifying got cheap, and the source is right now
+    for _ in range(40):
+        ctl.observe_step(5, 0.12)
+        ctl.observe_step(17, 0.2)
+    st.history.extend([7] * 16)
+    plan = ctl.plan([(st, 16)], 1)[0]
+    assert plan is not None
+    for _ in range(6):
+        ctl.verified(st, "fixed", len(plan[1]), len(plan[1]))
+    plan = ctl.plan([(st, 16)], 1)[0]
+    assert plan is not None and len(plan[1]) > 4 and ctl.stats()["fixed"]["on"] == 1
+    assert ctl.plan([(None, 16), (st, 0)], 2) == [None, None]  # not speculating, no room
+    forced = ctl.begin(1, [1, 2, 3], reame.SpecOptions("on", 3))
+    assert ctl.plan([(forced, 16)], 1)[0] == ("fixed", [100, 101, 102])
+    assert ctl.begin(2, [1], reame.SpecOptions("off")) is None
+    with pytest.raises(reame.RequestError):
+        reame.SpecOptions("sometimes").validate()
+
+
+# Real models: the greedy contract with speculation on.
+
+_QUOTE_TEXT = ("The lighthouse keeper, Ada Marlow, kept a logbook for thirty-one years. Each morning she "
+               "wrote the wind, the height of the swell, and the names of the ships that passed the point. "
+               "In the winter of 1911 the lamp failed twice; both times she climbed the tower with an oil "
+               "lantern and kept it lit by hand until dawn. The logbook is now kept in the harbour museum, "
+               "open on the page for the storm of the ninth of February.")
+
+
+def _quote_prompt(eng):
+    return _chat(eng, "Here is a text:\n\n" + _QUOTE_TEXT + "\n\nRepeat the text above exactly, word for word.")
+
+
+def _spec_run(eng, prompt, mode, sources=(), max_tokens=80, **kw):
+    p = reame.SamplingParams(temperature=kw.pop("temperature", 0), max_tokens=max_tokens, **kw)
+    return eng.submit(prompt, p, spec=reame.SpecOptions(mode, 16, tuple(sources))).wait()
+
+
+def test_spec_lookup_equals_plain_greedy(qwen):
+    prompt = _quote_prompt(qwen)
+    plain = _spec_run(qwen, prompt, "off")
+    before = qwen.stats()["spec"]["lookup"]["accepted"]
+    spec = _spec_run(qwen, prompt, "on", ["lookup"])
+    assert spec.tokens == plain.tokens and spec.text == plain.text
+    assert qwen.stats()["spec"]["lookup"]["accepted"] - before >= 20   # drafts really were accepted
+    auto = _spec_run(qwen, prompt, "auto")
+    assert auto.tokens == plain.tokens
+
+
+def test_spec_sampling_keeps_the_seeded_output(qwen):
+    """Sample, then compare: with a seed, temperature > 0 gives the same tokens with
+    speculation as without (so the output distribution is the target's)."""
+    prompt = _quote_prompt(qwen)
+    plain = _spec_run(qwen, prompt, "off", temperature=0.8, seed=11)
+    spec = _spec_run(qwen, prompt, "on", ["lookup"], temperature=0.8, seed=11)
+    assert spec.tokens == plain.tokens
+
+
+@pytest.fixture(scope="module")
+def qwen_self_draft():
+    path = _model_path("qwen2.5-coder-0.5b")
+    eng = reame.Engine(path, n_ctx=1024, n_slots=4, draft=path)
+    yield eng
+    eng.close()
+
+
+def test_spec_draft_model_equals_plain_greedy(qwen_self_draft):
+    """qwen2.5-coder-0.5b drafting for itself: near-total acceptance, the whole path."""
+    eng = qwen_self_draft
+    prompts = [_chat(eng, q) for q in ("Write a Python function that reverses a string.",
+                                       "Explain what a CPU is in two sentences.")]
+    for prompt in prompts:
+        plain = _spec_run(eng, prompt, "off", max_tokens=48)
+        spec = _spec_run(eng, prompt, "on", ["draft"], max_tokens=48)
+        assert spec.tokens == plain.tokens
+    c = eng.stats()["spec"]["draft"]
+    assert c["proposed"] > 20 and c["accepted"] >= 0.8 * c["proposed"]
+
+
+def test_spec_batched_with_plain_sequences(qwen_self_draft):
+    """Speculating sequences (lookup, draft model) share decode steps with plain ones;
+    each gives exactly its solo plain output."""
+    eng = qwen_self_draft
+    prompts = [_quote_prompt(eng), _chat(eng, PROMPTS[0]), _chat(eng, PROMPTS[2]), _chat(eng, PROMPTS[3])]
+    modes = [("on", ["lookup"]), ("off", []), ("on", ["draft"]), ("off", [])]
+    alone = [_spec_run(eng, p, "off", max_tokens=40).tokens for p in prompts]
+    steps0 = eng.n_steps
+    reqs = [eng.submit(p, reame.SamplingParams(temperature=0, max_tokens=40), spec=reame.SpecOptions(m, 8, tuple(s)))
+            for p, (m, s) in zip(prompts, modes)]
+    assert [r.wait().tokens for r in reqs] == alone
+    assert eng.n_steps - steps0 < 40 + 4 * 8   # shared steps, not one after the other
+
+
+class _WrongSource(reame.DraftSource):
+    """Proposes the token after the right one: almost always rejected."""
+    name = "wrong"
+
+    def propose(self, seqs, ks):
+        return [[(seq.history[-1] + 1 + j) % 1000 for j in range(k)] for seq, k in zip(seqs, ks)]
+
+
+def test_spec_rollback_keeps_kv_equal_to_the_sequence(qwen):
+    src = _WrongSource()
+    qwen.spec.sources[src.name] = src
+    qwen.spec.acc[src.name] = reame.Acceptance(64)
+    qwen.spec.counters[src.name] = dict(qwen.spec.counters["lookup"], proposed=0, accepted=0, steps=0)
+    try:
+        prompt = _chat(qwen, "Write a short poem about rain.")
+        plain = _spec_run(qwen, prompt, "off", max_tokens=40)
+        r = _spec_run(qwen, prompt, "on", ["wrong"], max_tokens=40)
+        assert r.tokens == plain.tokens
+        c = qwen.stats()["spec"]["wrong"]
+        assert c["steps"] >= 30 and c["accepted"] < c["proposed"] // 4   # many rejections
+        # the slot's KV holds exactly the sequence: prompt + output but the last token
+        whole = prompt + r.tokens
+        kept = [e[1] for e in qwen._resident.values() if e[1] == whole[:len(e[1])] and len(e[1]) >= len(whole) - 1]
+        slot = [k for k, e in qwen._resident.items() if e[1] in kept]
+        assert slot and qwen.ctx.seq_pos_max(slot[0]) + 1 == len(qwen._resident[slot[0]][1])
+    finally:
+        del qwen.spec.sources[src.name]
+
+
+def test_draft_model_of_another_vocabulary_is_refused(gemma):
+    with pytest.raises(reame.ModelError, match="cannot draft"):
+        reame.check_draft_pair(gemma.model, reame.Model(_model_path("qwen2.5-coder-0.5b"), vocab_only=True))
+
+
+# == 11. HTTP server (real socket on port 0, real model) ========================
 
 
 @pytest.fixture(scope="module")
@@ -1390,7 +1619,9 @@ def test_server_metrics_and_loading(server, gemma):
     text = payload.decode()
     for name in ("reame_requests_total", "reame_time_to_first_token_seconds_bucket",
                  "reame_time_per_output_token_seconds_count", "reame_active_sequences", "reame_queued_requests",
-                 "reame_kv_cells_used", "reame_kv_cells_free", "reame_prompt_tokens_total"):
+                 "reame_kv_cells_used", "reame_kv_cells_free", "reame_prompt_tokens_total",
+                 'reame_spec_accepted_tokens_total{source="lookup"}', 'reame_spec_on{source="lookup"}',
+                 'reame_spec_estimated_speedup{source="lookup"}'):
         assert name in text, name
     loading = reame.Server(None, "g", host="127.0.0.1", port=0)
     threading.Thread(target=loading.serve_forever, daemon=True).start()
@@ -1400,6 +1631,23 @@ def test_server_metrics_and_loading(server, gemma):
         assert _http(loading, "POST", "/v1/completions", {"prompt": "x"})[0] == 503
     finally:
         loading.shutdown()
+
+
+def test_server_speculation_override(server):
+    """The per-request extension object: forced lookup gives the same greedy text; bad values are 400s."""
+    text = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog."
+    base = {"messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": 24}
+    outs = []
+    for ext in (None, {"spec": "on", "spec_max": 8, "spec_sources": ["lookup"]}, {"spec": "off"}):
+        body = dict(base, reame=ext) if ext else base
+        status, payload = _http(server, "POST", "/v1/chat/completions", body)
+        assert status == 200, payload
+        outs.append(json.loads(payload)["choices"][0]["message"]["content"])
+    assert outs[0] == outs[1] == outs[2]
+    for ext, field in (({"spec": "sometimes"}, "spec"), ({"spec_max": 0}, "spec_max"), ({"bogus": 1}, "bogus"),
+                       ({"spec_sources": ["oracle"]}, "spec_sources"), ("on", "reame")):
+        status, payload = _http(server, "POST", "/v1/chat/completions", dict(base, reame=ext))
+        assert status == 400 and field in json.loads(payload)["error"]["message"], (ext, payload)
 
 
 def test_server_logs_one_line_per_request_without_prompt_text(server):
