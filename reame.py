@@ -2042,7 +2042,8 @@ class SpecController:
     position) and speculates when it clears ``margin``. A source that does not pay is
     re-probed with a short draft after ``probe_gap`` tokens, a gap that doubles each
     time the probe loses (up to 512), so a changed workload or machine is noticed
-    without a steady cost where it cannot help. Scheduler thread only; the counters
+    without a steady cost where it cannot help; a source that could not pay even if
+    every draft were right (verify or drafting too costly here) is not probed at all. Scheduler thread only; the counters
     are read by /metrics (ints and floats, atomic under the GIL).
     """
 
@@ -2096,6 +2097,10 @@ class SpecController:
                     k = k_max
                 elif not worth_it(gain, self.margin):
                     if len(st.history) < st.probe_at.get(name, 0):
+                        continue
+                    # probe only a source that could pay here at all, were every draft right
+                    _, best_case = choose_k([1.0] * k_max, self.cost.cost, n_cur, k_max, src.cost_s_per_tok)
+                    if not worth_it(best_case, self.margin):
                         continue
                     k, probe = min(self.probe_k, k_max), True
                 if k and (best is None or (gain, not probe) > (best[0], not best[4])):

@@ -1020,10 +1020,16 @@ def test_controller_turns_off_and_reprobes():
     ctl = reame.SpecController([src], margin=0.05, probe_k=4, probe_gap=16)
     for _ in range(4):
         ctl.observe_step(1, 0.1)
-        ctl.observe_step(5, 0.5)     # compute-bound: verifying costs a step per token
+        ctl.observe_step(5, 0.5)     # compute-bound: a verified token costs a whole step
+    st = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 16))
+    assert ctl.plan([(st, 16)], 1) == [None]          # could not pay even if always right: no probe
+    ctl = reame.SpecController([src], margin=0.05, probe_k=4, probe_gap=16)
+    for _ in range(4):
+        ctl.observe_step(1, 0.1)
+        ctl.observe_step(5, 0.38)    # a verified token costs 0.7 of a step: pays only if often right
     st = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 16))
     plan = ctl.plan([(st, 16)], 1)[0]
-    assert plan and len(plan[1]) == 4                 # no estimate yet: a probe
+    assert plan and len(plan[1]) == 4                 # no acceptance measured yet: a probe
     ctl.verified(st, "fixed", 4, 0)
     st.history.append(7)
     assert ctl.plan([(st, 16)], 1) == [None]         # it lost: off
