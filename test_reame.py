@@ -334,7 +334,7 @@ def test_cli_help_explains_every_command():
     for cmd in ("run", "pull", "list", "rm"):
         assert cmd in out.stdout
     out = subprocess.run([sys.executable, "reame.py", "run", "--help"], cwd=HERE, capture_output=True, text=True)
-    for flag in ("--threads", "--ctx", "--temperature", "--max-tokens", "--seed", "--system"):
+    for flag in ("--threads", "--ctx", "--temperature", "--max-tokens", "--seed", "--system", "--spec", "--draft"):
         assert flag in out.stdout
 
 
