@@ -1764,19 +1764,19 @@ def worth_it(gain: float, margin: float) -> bool:
 class CostModel:
     """Seconds of a target llama_decode by tokens in the batch, measured live.
 
-    An EMA per batch size; sizes not seen yet come from a line through the sizes seen
-    (least squares, recent sizes weighted by how often they were seen), and before
-    two sizes are known, from a prior slope (a fraction of one token's cost per extra
-    token). A scheduler-thread object; pure given its observations.
+    An EMA per batch size seen; other sizes are interpolated between the nearest sizes
+    seen (kernels change with the batch shape, so the curve is not one line), and
+    extrapolated with the slope of a least-squares line through them; before two sizes
+    are known, with a prior slope (a fraction of one token's cost per extra token).
+    A scheduler-thread object; pure given its observations.
     """
 
-    def __init__(self, prior_slope: float = 0.5, alpha: float = 0.1, max_n: int = 512):
+    def __init__(self, prior_slope: float = 0.5, alpha: float = 0.1):
         self.prior_slope = prior_slope
         self.alpha = alpha
         self._ema: dict = {}    # n -> EMA seconds
-        self._seen: dict = {}   # n -> observations (capped)
-        self._fit = None        # (a, b): cost(n) = a + b * n, None until two sizes are seen
-        self.max_n = max_n
+        self._seen: dict = {}   # n -> observations (capped: recent sizes weigh as much as old ones)
+        self._slope = None      # of the least-squares line, None until two sizes are seen
 
     def observe(self, n: int, seconds: float) -> None:
         if n < 1 or seconds <= 0:
@@ -1784,30 +1784,28 @@ class CostModel:
         old = self._ema.get(n)
         self._ema[n] = seconds if old is None else old + self.alpha * (seconds - old)
         self._seen[n] = min(self._seen.get(n, 0) + 1, 20)
-        self._fit = self._line()
-
-    def _line(self):
-        if len(self._ema) < 2:
-            return None
-        w = self._seen
-        sw = sum(w[n] for n in self._ema)
-        mx = sum(w[n] * n for n in self._ema) / sw
-        my = sum(w[n] * t for n, t in self._ema.items()) / sw
-        var = sum(w[n] * (n - mx) ** 2 for n in self._ema)
-        b = sum(w[n] * (n - mx) * (t - my) for n, t in self._ema.items()) / var
-        b = max(b, 0.0)
-        return my - b * mx, b
+        if len(self._ema) >= 2:
+            w, ema = self._seen, self._ema
+            sw = sum(w[k] for k in ema)
+            mx = sum(w[k] * k for k in ema) / sw
+            my = sum(w[k] * t for k, t in ema.items()) / sw
+            var = sum(w[k] * (k - mx) ** 2 for k in ema)
+            self._slope = max(sum(w[k] * (k - mx) * (t - my) for k, t in ema.items()) / var, 0.0)
 
     def cost(self, n: int) -> float:
-        if n in self._ema and self._seen[n] >= 3:
-            return self._ema[n]
-        if self._fit is not None:
-            a, b = self._fit
-            return max(a + b * n, 1e-6)
-        if self._ema:
-            n0, t0 = min(self._ema.items())
-            return t0 * (1 + self.prior_slope * (n - n0)) / (1 + self.prior_slope * 0)
-        return 1.0 + self.prior_slope * (n - 1)
+        ema = self._ema
+        if n in ema:
+            return ema[n]
+        if not ema:
+            return 1.0 + self.prior_slope * (n - 1)
+        below = max((k for k in ema if k < n), default=None)
+        above = min((k for k in ema if k > n), default=None)
+        if below is not None and above is not None:
+            f = (n - below) / (above - below)
+            return ema[below] + f * (ema[above] - ema[below])
+        near = below if below is not None else above
+        slope = self._slope if self._slope is not None else self.prior_slope * ema[near] / near
+        return max(ema[near] + slope * (n - near), 1e-6)
 
     def known(self) -> dict:
         return dict(self._ema)
@@ -2300,9 +2298,15 @@ class Engine:
     def __init__(self, model, *, n_ctx: int = 4096, n_slots: int = 4, n_threads: Optional[int] = None,
                  n_batch: int = 512, prefill_chunk: int = 128, cache_reuse: str = "exact", repack: bool = False,
                  disk_cache: int = 0, disk_dir: Optional[str] = None, spec: str = "auto", spec_max: int = 16,
-                 draft=None, **context_kw):
+                 draft=None, spec_verify: str = "exact", **context_kw):
         if cache_reuse not in ("exact", "all"):
             raise RequestError("cache_reuse must be 'exact' or 'all'")
+        if spec_verify not in ("exact", "fast"):
+            raise RequestError("spec_verify must be 'exact' or 'fast'")
+        # fast: a decode step with drafts may take ggml's tiled matmul (16 rows for ~6 steps'
+        # time instead of ~12), whose rounding differs: every sequence in that step can then
+        # get other tokens at near-ties than a plain decode gives. Opt-in, like cache_reuse="all".
+        self.spec_verify = spec_verify
         spec_default = SpecOptions(spec, spec_max).validate()
         if _np is None:
             log.info("numpy is not installed: greedy sampling uses llama.cpp's sampler chain "
@@ -2357,6 +2361,7 @@ class Engine:
         self.t_decode_s = 0.0      # inside llama_decode
         self.t_step_s = 0.0        # whole steps
         self.n_decode_only_steps = 0
+        self.n_fast_verify_steps = 0  # decode steps with drafts that took the tiled kernel (spec_verify="fast")
         self.t_decode_only_py_s = 0.0  # Python time of steps with no prefill (build batch, sample, emit)
         self._thread = threading.Thread(target=self._run, name="reame-scheduler", daemon=True)
         self._thread.start()
@@ -2476,7 +2481,8 @@ class Engine:
                 "python_ms_per_decode_step": 1000 * self.t_decode_only_py_s / steps,
                 "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
                 "kv_cells_active": self.kv_active, "kv_cells_cached": self.kv_cached,
-                "kv_cells_total": self.n_ctx * self.n_slots, "spec": self.spec.stats()}
+                "kv_cells_total": self.n_ctx * self.n_slots, "spec": self.spec.stats(),
+                "fast_verify_steps": self.n_fast_verify_steps}
 
     def close(self) -> None:
         """Stop the scheduler (pending requests get an error) and free the context."""
@@ -2684,7 +2690,9 @@ class Engine:
                 for j, t in enumerate(plan[1] if plan else ()):  # drafts, with logits to verify each
                     b.add(t, s.n_past + 1 + j, s.seq_id, True)
             t1 = time.perf_counter()
-            if not self._decode(b, decoding, rowwise=True):
+            rowwise = self.spec_verify == "exact" or not any(plans)
+            self.n_fast_verify_steps += not rowwise and b.n >= 8
+            if not self._decode(b, decoding, rowwise=rowwise):
                 return
             t2 = time.perf_counter()
             self.spec.observe_step(b.n, t2 - t1)
@@ -3591,6 +3599,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "on: always; off: never. Greedy output is the same tokens either way")
     p.add_argument("--spec-max", type=int, default=16, metavar="N", help="draft tokens verified per step at "
                    "most (1-32, default 16)")
+    p.add_argument("--spec-verify", choices=("exact", "fast"), default="exact", help="exact (default): verify "
+                   "drafts with the kernel of a one-token step, so greedy output is the plain output token for "
+                   "token; fast: let a step with drafts use ggml's tiled matmul (verifying 16 drafts costs about "
+                   "half as much here), at the price of near-tie differences for every sequence in that step")
     p.add_argument("--draft", default="auto", metavar="MODEL", help="a smaller model of the same vocabulary "
                    "that drafts tokens; auto (default): the known partner of MODEL if it is pulled "
                    "(qwen2.5-coder-1.5b: qwen2.5-coder-0.5b); none: no draft model")
@@ -3618,7 +3630,7 @@ def _engine_kwargs(args) -> dict:
     if not 1 <= args.spec_max <= 32:
         raise RequestError("--spec-max must be between 1 and 32")
     return dict(n_ctx=args.ctx, n_threads=args.threads, disk_cache=_disk_cache_bytes(args), spec=args.spec,
-                spec_max=args.spec_max, draft=_draft_path(args))
+                spec_max=args.spec_max, spec_verify=args.spec_verify, draft=_draft_path(args))
 
 
 def _disk_cache_bytes(args) -> int:

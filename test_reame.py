@@ -1161,6 +1161,20 @@ def test_spec_rollback_keeps_kv_equal_to_the_sequence(qwen):
         del qwen.spec.sources[src.name]
 
 
+def test_spec_verify_fast_takes_the_tiled_kernel():
+    """spec_verify="fast" (opt-in): steps with 8+ rows of drafts may take ggml's tiled
+    matmul; "exact" (default) never lets a decode step take it."""
+    path = _model_path("qwen2.5-coder-0.5b")
+    for verify in ("exact", "fast"):
+        with reame.Engine(path, n_ctx=1024, n_slots=1, spec_verify=verify) as eng:
+            r = _spec_run(eng, _quote_prompt(eng), "on", ["lookup"], max_tokens=64)
+            assert "lighthouse" in r.text.lower() or "logbook" in r.text.lower()
+            assert any(n >= 8 for n in eng.spec.cost.known())        # long drafts were verified
+            assert (eng.stats()["fast_verify_steps"] > 0) == (verify == "fast")
+    with pytest.raises(reame.RequestError):
+        reame.Engine(path, spec_verify="sloppy")
+
+
 def test_draft_model_of_another_vocabulary_is_refused(gemma):
     with pytest.raises(reame.ModelError, match="cannot draft"):
         reame.check_draft_pair(gemma.model, reame.Model(_model_path("qwen2.5-coder-0.5b"), vocab_only=True))
