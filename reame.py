@@ -2041,8 +2041,9 @@ class SpecController:
     re-probed with a short draft after ``probe_gap`` tokens, a gap that doubles each
     time the probe loses (up to 512), so a changed workload or machine is noticed
     without a steady cost where it cannot help; a source that could not pay even if
-    every draft were right (verify or drafting too costly here) is not probed at all. Scheduler thread only; the counters
-    are read by /metrics (ints and floats, atomic under the GIL).
+    every draft were right (verify or drafting too costly here) is not probed at all.
+    Scheduler thread only; the counters are read by /metrics (ints and floats, atomic
+    under the GIL): "on" is 1 while the last decision for the source was to use it.
     """
 
     def __init__(self, sources: Sequence[DraftSource], *, default: SpecOptions = SpecOptions(),
@@ -2065,14 +2066,15 @@ class SpecController:
         names = st.opts.sources or tuple(self.sources)
         return [self.sources[n] for n in names if n in self.sources]
 
-    def plan(self, items: Sequence[tuple], n_batch: int) -> List[Optional[tuple]]:
+    def plan(self, items: Sequence[tuple], n_batch: int, max_rows: int = 512) -> List[Optional[tuple]]:
         """items: (SpecState or None, room: most drafts the sequence can still take).
         Returns per item None or (source name, draft tokens). n_batch: sequences in
-        the step's decode batch."""
+        the step's decode batch; max_rows: what the batch holds, drafts included."""
         plans: List[Optional[tuple]] = [None] * len(items)
         n_cur = n_batch
         model_wants = []  # (index, source, k) for sources that draft at a cost (batched)
         for i, (st, room) in enumerate(items):
+            room = min(room, max_rows - n_cur)
             if st is None or room < 1:
                 continue
             forced = st.opts.mode == "on"
@@ -2093,7 +2095,9 @@ class SpecController:
                 probe = False
                 if forced:
                     k = k_max
+                    gain = spec_gain(acc.p, k, self.cost.cost, n_cur, src.cost_s_per_tok)
                 elif not worth_it(gain, self.margin):
+                    self.counters[name]["on"], self.counters[name]["gain"] = 0, round(gain, 3)
                     if len(st.history) < st.probe_at.get(name, 0):
                         continue
                     # probe only a source that could pay here at all, were every draft right
@@ -2132,10 +2136,12 @@ class SpecController:
                 plans[i] = (name, d)
         return plans
 
-    def verified(self, st: SpecState, name: str, k: int, n_accepted: int) -> None:
-        """k drafts from source name were verified; the first n_accepted were right."""
-        st.acc[name].observe(k, n_accepted)
-        self.acc[name].observe(k, n_accepted)
+    def verified(self, st: SpecState, name: str, k: int, n_accepted: int, rejected: bool = True) -> None:
+        """k drafts from source name were checked: the first n_accepted were right, and
+        the next was wrong (rejected) or not needed (the sequence ended)."""
+        tested = min(n_accepted + 1, k) if rejected else n_accepted
+        st.acc[name].observe(tested, n_accepted)
+        self.acc[name].observe(tested, n_accepted)
         c = self.counters[name]
         c["proposed"] += k
         c["accepted"] += n_accepted
@@ -2683,7 +2689,7 @@ class Engine:
         b = self._batch
         if decoding:
             plans = self.spec.plan([(s.spec, min(s.max_tokens - len(s.tokens) - 1, self.n_ctx - s.n_past - 2))
-                                    for s in decoding], len(decoding))
+                                    for s in decoding], len(decoding), b.capacity)
             b.clear()
             for s, plan in zip(decoding, plans):
                 b.add(s.last, s.n_past, s.seq_id, True)
@@ -2761,8 +2767,9 @@ class Engine:
         s.n_past += 1 + n_ok
         if n_ok < len(drafts):
             self.ctx.seq_rm(s.seq_id, s.n_past, -1)
-        if plan:
-            self.spec.verified(s.spec, plan[0], len(drafts), n_ok)
+        if plan:  # a draft after the end of text or max_tokens was not wrong, only unused
+            self.spec.verified(s.spec, plan[0], len(drafts), n_ok, rejected=n_ok < len(drafts) and
+                               out[-1] != drafts[n_ok])
         for tok in out:
             self._accept(s, tok)
             if s.seq_id in self._free:  # finished (a stop string, the end of text, max_tokens)
