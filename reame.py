@@ -1812,18 +1812,22 @@ class CostModel:
 
 
 class Acceptance:
-    """Per draft position j, an EMA of P(draft j right | drafts before it right)."""
+    """Per draft position j, an EMA of P(draft j right | drafts before it right). The
+    first observations weigh more (1/2, 1/3, ... until ``alpha``), so a sequence's own
+    evidence soon outweighs the prior it was seeded with."""
 
     def __init__(self, k_max: int, prior: float = 0.5, alpha: float = 0.2, parent: "Acceptance" = None):
         self.alpha = alpha
         self.p = list(parent.p) if parent is not None else [prior] * k_max
+        self.n = [0] * len(self.p)  # observations per position
 
     def observe(self, k: int, n_accepted: int) -> None:
-        """k drafts verified, the first n_accepted right: positions 1..n_accepted were
-        right, n_accepted+1 was wrong, the rest were not tested."""
-        for j in range(min(n_accepted + 1, k)):
+        """k drafts tested, the first n_accepted right: positions 1..n_accepted were
+        right, n_accepted+1 (if tested) was wrong."""
+        for j in range(min(n_accepted + 1, k, len(self.p))):
             hit = 1.0 if j < n_accepted else 0.0
-            self.p[j] += self.alpha * (hit - self.p[j])
+            self.n[j] += 1
+            self.p[j] += max(self.alpha, 1.0 / (self.n[j] + 1)) * (hit - self.p[j])
 
 
 # -- draft sources
@@ -1891,10 +1895,14 @@ class DraftSource:
     per-sequence state lives in SpecState.state[name]. Runs on the scheduler thread.
 
     ``cost_s_per_tok``: seconds of drafting per proposed token (0 for a lookup).
+    ``per_sequence``: how right it is depends on the request (a lookup in its own
+    text), so acceptance is tracked and re-probed per sequence; otherwise (a draft
+    model) for the whole engine, so a losing source is not re-tried by every request.
     """
 
     name = ""
     cost_s_per_tok = 0.0
+    per_sequence = True
 
     def propose(self, seqs: List[SpecState], ks: List[int]) -> List[List[int]]:
         raise NotImplementedError
@@ -1947,6 +1955,7 @@ class DraftModel(DraftSource):
     request in a slot reuses whatever prefix the draft KV already has."""
 
     name = "draft"
+    per_sequence = False
 
     def __init__(self, model: Model, n_ctx: int, n_slots: int, n_threads: Optional[int] = None):
         self.model = model
@@ -2055,6 +2064,9 @@ class SpecController:
         self.acc = {name: Acceptance(64, prior) for name in self.sources}
         self.counters = {name: {"proposed": 0, "accepted": 0, "steps": 0, "probes": 0, "k": 0,
                                 "on": 0, "gain": 0.0} for name in self.sources}
+        self.n_tokens = 0        # decode rows planned so far: the clock of engine-wide probes
+        self.probe_at: dict = {}   # engine-wide sources: name -> n_tokens at which to try again
+        self.probe_gap: dict = {}
 
     def begin(self, slot: int, history: List[int], opts: Optional[SpecOptions]) -> Optional[SpecState]:
         opts = opts or self.default
@@ -2072,6 +2084,7 @@ class SpecController:
         the step's decode batch; max_rows: what the batch holds, drafts included."""
         plans: List[Optional[tuple]] = [None] * len(items)
         n_cur = n_batch
+        self.n_tokens += n_batch
         model_wants = []  # (index, source, k) for sources that draft at a cost (batched)
         for i, (st, room) in enumerate(items):
             room = min(room, max_rows - n_cur)
@@ -2083,7 +2096,8 @@ class SpecController:
                 name = src.name
                 acc = st.acc.get(name)
                 if acc is None:
-                    acc = st.acc[name] = Acceptance(64, parent=self.acc[name])
+                    acc = st.acc[name] = Acceptance(64, parent=self.acc[name]) if src.per_sequence else self.acc[name]
+                sched, clock = (st, len(st.history)) if src.per_sequence else (self, self.n_tokens)
                 k_max = min(room, st.opts.max_k)
                 draft = None
                 if not src.cost_s_per_tok:  # free to ask: see what it has first
@@ -2098,7 +2112,7 @@ class SpecController:
                     gain = spec_gain(acc.p, k, self.cost.cost, n_cur, src.cost_s_per_tok)
                 elif not worth_it(gain, self.margin):
                     self.counters[name]["on"], self.counters[name]["gain"] = 0, round(gain, 3)
-                    if len(st.history) < st.probe_at.get(name, 0):
+                    if clock < sched.probe_at.get(name, 0):
                         continue
                     # probe only a source that could pay here at all, were every draft right
                     _, best_case = choose_k([1.0] * k_max, self.cost.cost, n_cur, k_max, src.cost_s_per_tok)
@@ -2106,20 +2120,20 @@ class SpecController:
                         continue
                     k, probe = min(self.probe_k, k_max), True
                 if k and (best is None or (gain, not probe) > (best[0], not best[4])):
-                    best = (gain, name, k, draft, probe)
+                    best = (gain, name, k, draft, probe, sched, clock)
             if best is None:
                 continue
-            gain, name, k, draft, probe = best
+            gain, name, k, draft, probe, sched, clock = best
             c = self.counters[name]
             c["k"], c["gain"] = k, round(gain, 3)
             c["on"] = int(not probe)
             c["probes"] += probe
             if probe:
-                gap = st.probe_gap.get(name, self.first_gap)
-                st.probe_at[name] = len(st.history) + gap
-                st.probe_gap[name] = min(2 * gap, 512)
+                gap = sched.probe_gap.get(name, self.first_gap)
+                sched.probe_at[name] = clock + gap
+                sched.probe_gap[name] = min(2 * gap, 512)
             else:
-                st.probe_gap[name] = self.first_gap
+                sched.probe_gap[name] = self.first_gap
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("spec: slot %d %s k=%d expected x%.2f%s", st.slot, name, k, gain, " (probe)" if probe else "")
             n_cur += k
@@ -2140,7 +2154,8 @@ class SpecController:
         """k drafts from source name were checked: the first n_accepted were right, and
         the next was wrong (rejected) or not needed (the sequence ended)."""
         tested = min(n_accepted + 1, k) if rejected else n_accepted
-        st.acc[name].observe(tested, n_accepted)
+        if st.acc[name] is not self.acc[name]:
+            st.acc[name].observe(tested, n_accepted)
         self.acc[name].observe(tested, n_accepted)
         c = self.counters[name]
         c["proposed"] += k

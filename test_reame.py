@@ -1059,6 +1059,25 @@ def test_controller_turns_off_and_reprobes():
         reame.SpecOptions("sometimes").validate()
 
 
+def test_controller_engine_wide_source_is_not_retried_by_every_request():
+    """A draft model's acceptance is the model pair's, not the request's: once a probe
+    lost, a new request does not probe it again until the engine-wide gap passes."""
+    src = _FixedSource(list(range(100, 132)))
+    src.name, src.cost_s_per_tok, src.per_sequence = "model", 0.001, False
+    ctl = reame.SpecController([src], probe_k=4, probe_gap=16)
+    for _ in range(4):
+        ctl.observe_step(1, 0.1)
+        ctl.observe_step(5, 0.38)
+    a = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 16))
+    assert ctl.plan([(a, 16)], 1)[0] is not None   # the first probe
+    ctl.verified(a, "model", 4, 0)
+    b = ctl.begin(1, [5, 6, 7], reame.SpecOptions("auto", 16))
+    assert ctl.plan([(b, 16)], 1) == [None]        # a new request: no probe of its own
+    for _ in range(15):
+        ctl.plan([(None, 0)], 1)
+    assert ctl.plan([(b, 16)], 1)[0] is not None   # 16 decode rows later, engine-wide
+
+
 # Real models: the greedy contract with speculation on.
 
 _QUOTE_TEXT = ("The lighthouse keeper, Ada Marlow, kept a logbook for thirty-one years. Each morning she "
