@@ -1914,16 +1914,20 @@ class DraftSource:
 class PromptLookup(DraftSource):
     """The request's own prompt and output as the archive: the longest n-gram ending
     the sequence that occurred before proposes what followed it (copying, quoting,
-    editing code all repeat the input)."""
+    editing code all repeat the input). 3 tokens at least: 2-token matches are common
+    in any prose and mostly wrong."""
 
     name = "lookup"
+
+    def __init__(self, n_min: int = 3, n_max: int = 5):
+        self.n_min, self.n_max = n_min, n_max
 
     def propose(self, seqs, ks):
         out = []
         for seq, k in zip(seqs, ks):
             index = seq.state.get(self.name)
             if index is None:
-                index = seq.state[self.name] = NgramIndex(seq.history)
+                index = seq.state[self.name] = NgramIndex(seq.history, self.n_min, self.n_max)
             out.append(index.draft(k))
         return out
 
@@ -2047,8 +2051,8 @@ class SpecController:
     For each sequence and allowed source it computes the expected speedup of the
     best k (choose_k, with the live CostModel and the sequence's acceptance by
     position) and speculates when it clears ``margin``. A source that does not pay is
-    re-probed with a short draft after ``probe_gap`` tokens, a gap that doubles each
-    time the probe loses (up to 512), so a changed workload or machine is noticed
+    re-probed with a short draft after ``probe_gap`` tokens, a gap that grows 4x each
+    time the probe loses (up to 2048), so a changed workload or machine is noticed
     without a steady cost where it cannot help; a source that could not pay even if
     every draft were right (verify or drafting too costly here) is not probed at all.
     Scheduler thread only; the counters are read by /metrics (ints and floats, atomic
@@ -2056,7 +2060,7 @@ class SpecController:
     """
 
     def __init__(self, sources: Sequence[DraftSource], *, default: SpecOptions = SpecOptions(),
-                 margin: float = 0.05, probe_k: int = 4, probe_gap: int = 16, prior: float = 0.6):
+                 margin: float = 0.05, probe_k: int = 2, probe_gap: int = 32, prior: float = 0.6):
         self.sources = {s.name: s for s in sources}
         self.default = default
         self.margin, self.probe_k, self.first_gap = margin, probe_k, probe_gap
@@ -2131,7 +2135,7 @@ class SpecController:
             if probe:
                 gap = sched.probe_gap.get(name, self.first_gap)
                 sched.probe_at[name] = clock + gap
-                sched.probe_gap[name] = min(2 * gap, 512)
+                sched.probe_gap[name] = min(4 * gap, 2048)
             else:
                 sched.probe_gap[name] = self.first_gap
             if log.isEnabledFor(logging.DEBUG):
@@ -2378,7 +2382,7 @@ class Engine:
         self.kv_active = 0         # KV cells holding active sequences' tokens
         self.kv_cached = 0         # KV cells kept by free slots (the memory tier; reclaimable)
         self.n_prefill_tok = 0
-        self.n_decode_tok = 0
+        self.n_decode_tok = 0      # rows computed by decode steps (drafts verified included)
         self.t_decode_s = 0.0      # inside llama_decode
         self.t_step_s = 0.0        # whole steps
         self.n_decode_only_steps = 0

@@ -1039,7 +1039,7 @@ def test_controller_turns_off_and_reprobes():
     assert ctl.plan([(st, 16)], 1)[0] is not None    # re-probed after 16 tokens
     ctl.verified(st, "fixed", 4, 0)
     st.history.extend([7] * 17)
-    assert ctl.plan([(st, 16)], 1) == [None]         # the gap doubled after a lost probe
+    assert ctl.plan([(st, 16)], 1) == [None]         # the gap grew (x4) after a lost probe
     # the machine changed: verifying got cheap, and the source is right now
     for _ in range(40):
         ctl.observe_step(5, 0.12)
