@@ -1823,11 +1823,17 @@ class Acceptance:
 
     def observe(self, k: int, n_accepted: int) -> None:
         """k drafts tested, the first n_accepted right: positions 1..n_accepted were
-        right, n_accepted+1 (if tested) was wrong."""
-        for j in range(min(n_accepted + 1, k, len(self.p))):
+        right, n_accepted+1 (if tested) was wrong. Positions never tested here take the
+        deepest tested one's estimate (a copy that holds for 4 tokens tends to hold on),
+        so a sequence that keeps accepting short drafts is offered longer ones."""
+        tested = min(n_accepted + 1, k, len(self.p))
+        for j in range(tested):
             hit = 1.0 if j < n_accepted else 0.0
             self.n[j] += 1
             self.p[j] += max(self.alpha, 1.0 / (self.n[j] + 1)) * (hit - self.p[j])
+        deepest = max((j for j in range(len(self.p)) if self.n[j]), default=-1)
+        for j in range(deepest + 1, len(self.p)):
+            self.p[j] = self.p[deepest]
 
 
 # -- draft sources

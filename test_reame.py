@@ -962,6 +962,15 @@ def test_expected_tokens():
     assert reame.expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
 
 
+def test_acceptance_learns_fast_and_extends_to_untested_positions():
+    acc = reame.Acceptance(8, prior=0.3)
+    acc.observe(2, 2)                      # two drafts tested, both right
+    assert acc.p[0] > 0.6 and acc.p[1] > 0.6
+    assert acc.p[5] == acc.p[1]            # never tested: as the deepest tested position
+    acc.observe(4, 1)                      # the second was wrong; 3 and 4 were not tested
+    assert acc.p[1] < 0.6 and acc.p[3] == acc.p[1]
+
+
 def _linear_cost(a, b):
     return lambda n: a + b * n
 
