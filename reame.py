@@ -1913,6 +1913,9 @@ class DraftSource:
     def propose(self, seqs: List[SpecState], ks: List[int]) -> List[List[int]]:
         raise NotImplementedError
 
+    def forget(self) -> None:
+        """Drop all per-slot state (after a failure: start over)."""
+
     def close(self) -> None:
         pass
 
@@ -2042,6 +2045,10 @@ class DraftModel(DraftSource):
             seq.state[self.name] = len(seq.history)
         return drafts
 
+    def forget(self) -> None:
+        self.ctx.clear()
+        self._kv.clear()
+
     def close(self) -> None:
         self._greedy.close()
         self._batch.close()
@@ -2155,7 +2162,13 @@ class SpecController:
         for i, name, k in model_wants:
             by_source.setdefault(name, []).append((i, k))
         for name, wants in by_source.items():
-            drafts = self.sources[name].propose([items[i][0] for i, _ in wants], [k for _, k in wants])
+            src = self.sources[name]
+            try:
+                drafts = src.propose([items[i][0] for i, _ in wants], [k for _, k in wants])
+            except ReameError as e:  # drafts are optional: the step goes on without them (same output)
+                log.warning("draft source %s failed (%s); it starts over", name, e)
+                src.forget()
+                continue
             for (i, _), d in zip(wants, drafts):
                 plans[i] = (name, d)
         return plans

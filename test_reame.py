@@ -1087,6 +1087,23 @@ def test_controller_engine_wide_source_is_not_retried_by_every_request():
     assert ctl.plan([(b, 16)], 1)[0] is not None   # 16 decode rows later, engine-wide
 
 
+def test_controller_survives_a_failing_draft_source(caplog):
+    class Broken(_FixedSource):
+        name, cost_s_per_tok, per_sequence = "broken", 0.001, False
+        forgot = 0
+
+        def propose(self, seqs, ks):
+            raise reame.EngineError("llama_decode failed")
+
+        def forget(self):
+            self.forgot += 1
+    src = Broken([])
+    ctl = reame.SpecController([src])
+    st = ctl.begin(0, [1, 2, 3], reame.SpecOptions("on", 4))
+    assert ctl.plan([(st, 16)], 1) == [None] and src.forgot == 1
+    assert "failed" in caplog.text
+
+
 # Real models: the greedy contract with speculation on.
 
 _QUOTE_TEXT = ("The lighthouse keeper, Ada Marlow, kept a logbook for thirty-one years. Each morning she "
