@@ -469,17 +469,11 @@ class LlamaServer(ServerProcess):
     def _completion_stream(self, body: dict, timeout_s: float) -> dict:
         """POST /completion with stream: client times of the first token and of the end."""
         data = json.dumps(dict(body, stream=True)).encode()
-        req = urllib.request.Request(self.base + "/completion", data=data, headers={"Content-Type": "application/json"})
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
         t0 = time.perf_counter()
         t_first, last, tokens = None, {}, []
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            for line in r:
-                if not line.startswith(b"data: "):
-                    continue
-                payload = line[6:].strip()
-                if payload == b"[DONE]":
-                    break
-                chunk = json.loads(payload)
+        try:
+            for chunk in sse_chunks(conn, "/completion", data, self.port):
                 toks = chunk.get("tokens") or []
                 if t_first is None and (toks or chunk.get("content")):
                     t_first = time.perf_counter()
@@ -487,6 +481,8 @@ class LlamaServer(ServerProcess):
                 last = chunk
                 if chunk.get("stop"):
                     break
+        finally:
+            conn.close()
         t_end = time.perf_counter()
         last["_t_first_s"] = (t_first or t_end) - t0
         last["_t_end_s"] = t_end - t0

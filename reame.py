@@ -1977,8 +1977,6 @@ class DraftModel(DraftSource):
         self._greedy = Sampler(model, SamplingParams(temperature=0.0))
         self._kv: dict = {}            # slot -> the tokens in that slot's draft KV
         self.step_s = 0.02             # EMA: seconds of one drafting step (one token per sequence)
-        self.catchup_s_per_tok = 0.002  # EMA: seconds per token fed to catch up
-        self.n_catchup_tok = 0
 
     @property
     def cost_s_per_tok(self) -> float:
@@ -1998,8 +1996,6 @@ class DraftModel(DraftSource):
                 ctx.seq_rm(seq.slot, keep, -1)
                 del kv[keep:]
             feed.append(hist[keep:len(hist) - 1])
-        t0 = time.perf_counter()
-        n_fed = sum(map(len, feed))
         pending = [(seq, toks) for seq, toks in zip(seqs, feed) if toks]
         while pending:  # n_batch tokens at a time
             b.clear()
@@ -2015,9 +2011,6 @@ class DraftModel(DraftSource):
             ctx.decode(b)
             pending = rest
         t1 = time.perf_counter()
-        if n_fed:
-            self.n_catchup_tok += n_fed
-            self.catchup_s_per_tok += 0.2 * ((t1 - t0) / n_fed - self.catchup_s_per_tok)
         # 2. draft: one token per sequence per step, greedily
         drafts = [[] for _ in seqs]
         feed_tok = [seq.history[-1] for seq in seqs]
