@@ -1821,13 +1821,14 @@ class Acceptance:
         self.p = list(parent.p) if parent is not None else [prior] * k_max
         self.n = [0] * len(self.p)  # observations per position
 
-    def observe(self, k: int, n_accepted: int) -> None:
+    def observe(self, k: int, n_accepted: int, first: int = 0) -> None:
         """k drafts tested, the first n_accepted right: positions 1..n_accepted were
-        right, n_accepted+1 (if tested) was wrong. Positions never tested here take the
-        deepest tested one's estimate (a copy that holds for 4 tokens tends to hold on),
-        so a sequence that keeps accepting short drafts is offered longer ones."""
+        right, n_accepted+1 (if tested) was wrong; positions before ``first`` were
+        already counted. Positions never tested take the deepest tested one's estimate
+        (a copy that holds for 4 tokens tends to hold on), so a sequence that keeps
+        accepting short drafts is offered longer ones."""
         tested = min(n_accepted + 1, k, len(self.p))
-        for j in range(tested):
+        for j in range(first, tested):
             hit = 1.0 if j < n_accepted else 0.0
             self.n[j] += 1
             self.p[j] += max(self.alpha, 1.0 / (self.n[j] + 1)) * (hit - self.p[j])
@@ -1885,12 +1886,13 @@ class SpecState:
     history (prompt + output, appended by the engine), the sources' per-sequence
     state, and its own acceptance estimates (seeded from the source's global ones)."""
 
-    __slots__ = ("slot", "history", "opts", "state", "acc", "probe_at", "probe_gap")
+    __slots__ = ("slot", "history", "opts", "state", "acc", "shadow", "probe_at", "probe_gap")
 
     def __init__(self, slot: int, history: List[int], opts: SpecOptions):
         self.slot, self.history, self.opts = slot, history, opts
         self.state: dict = {}      # source name -> that source's state for this sequence
         self.acc: dict = {}        # source name -> Acceptance
+        self.shadow: dict = {}     # free source name -> [(len(history) then, whole proposal, positions scored)]
         self.probe_at: dict = {}   # source name -> len(history) at which to try it again
         self.probe_gap: dict = {}  # source name -> tokens between probes (doubles while it loses)
 
@@ -1900,15 +1902,23 @@ class DraftSource:
     costs time, never correctness. One object serves every sequence of an engine;
     per-sequence state lives in SpecState.state[name]. Runs on the scheduler thread.
 
-    ``cost_s_per_tok``: seconds of drafting per proposed token (0 for a lookup).
+    ``free``: asking costs nothing (a lookup). A free source is asked every step and
+    its whole proposal is scored against what the sequence then really generates
+    (shadow scoring), so its acceptance is known at every draft position without
+    verifying anything; a costly one learns only from the drafts it was asked for, and
+    is probed. ``cost_s_per_tok(step_s)``: seconds of drafting per proposed token, given
+    the seconds of one target step (the estimate before it has measured itself).
     ``per_sequence``: how right it is depends on the request (a lookup in its own
     text), so acceptance is tracked and re-probed per sequence; otherwise (a draft
     model) for the whole engine, so a losing source is not re-tried by every request.
     """
 
     name = ""
-    cost_s_per_tok = 0.0
+    free = True
     per_sequence = True
+
+    def cost_s_per_tok(self, step_s: float) -> float:
+        return 0.0
 
     def propose(self, seqs: List[SpecState], ks: List[int]) -> List[List[int]]:
         raise NotImplementedError
@@ -1968,19 +1978,20 @@ class DraftModel(DraftSource):
     request in a slot reuses whatever prefix the draft KV already has."""
 
     name = "draft"
+    free = False
     per_sequence = False
 
-    def __init__(self, model: Model, n_ctx: int, n_slots: int, n_threads: Optional[int] = None):
-        self.model = model
+    def __init__(self, model: Model, target: Model, n_ctx: int, n_slots: int, n_threads: Optional[int] = None):
+        self.model, self.target_bytes = model, max(target.n_bytes, 1)
         self.ctx = Context(model, n_ctx=n_ctx * n_slots, n_seq_max=n_slots, n_threads=n_threads)
         self._batch = Batch(self.ctx.n_batch)
         self._greedy = Sampler(model, SamplingParams(temperature=0.0))
         self._kv: dict = {}            # slot -> the tokens in that slot's draft KV
-        self.step_s = 0.02             # EMA: seconds of one drafting step (one token per sequence)
+        self.step_s = None             # EMA: seconds of one drafting step (one token per sequence)
 
-    @property
-    def cost_s_per_tok(self) -> float:
-        return self.step_s
+    def cost_s_per_tok(self, step_s):
+        """Measured; before that, the target's step scaled by the weights' sizes."""
+        return self.step_s if self.step_s is not None else step_s * self.model.n_bytes / self.target_bytes
 
     def propose(self, seqs, ks):
         b, ctx = self._batch, self.ctx
@@ -2033,7 +2044,8 @@ class DraftModel(DraftSource):
                     nxt.append(i)
             live = nxt
         if steps:
-            self.step_s += 0.2 * ((time.perf_counter() - t1) / steps - self.step_s)
+            took = (time.perf_counter() - t1) / steps
+            self.step_s = took if self.step_s is None else self.step_s + 0.2 * (took - self.step_s)
         for seq in seqs:  # what of the draft KV is known to be the history (the rest is checked next time)
             seq.state[self.name] = len(seq.history)
         return drafts
@@ -2110,22 +2122,25 @@ class SpecController:
                 sched, clock = (st, len(st.history)) if src.per_sequence else (self, self.n_tokens)
                 k_max = min(room, st.opts.max_k)
                 draft = None
-                if not src.cost_s_per_tok:  # free to ask: see what it has first
-                    draft = src.propose([st], [k_max])[0]
+                draft_s = src.cost_s_per_tok(self.cost.cost(1))
+                if src.free:  # free to ask: see what it has first, and score it
+                    draft = src.propose([st], [st.opts.max_k])[0]
+                    self._shadow(st, name, acc, draft)
+                    draft = draft[:k_max]
                     if not draft:
                         continue
                     k_max = len(draft)
-                k, gain = choose_k(acc.p, self.cost.cost, n_cur, k_max, src.cost_s_per_tok)
+                k, gain = choose_k(acc.p, self.cost.cost, n_cur, k_max, draft_s)
                 probe = False
                 if forced:
                     k = k_max
-                    gain = spec_gain(acc.p, k, self.cost.cost, n_cur, src.cost_s_per_tok)
+                    gain = spec_gain(acc.p, k, self.cost.cost, n_cur, draft_s)
                 elif not worth_it(gain, self.margin):
                     self.counters[name]["on"], self.counters[name]["gain"] = 0, round(gain, 3)
-                    if clock < sched.probe_at.get(name, 0):
-                        continue
+                    if draft is not None or clock < sched.probe_at.get(name, 0):
+                        continue  # (a free source is scored in the shadow: no probe needed)
                     # probe only a source that could pay here at all, were every draft right
-                    _, best_case = choose_k([1.0] * k_max, self.cost.cost, n_cur, k_max, src.cost_s_per_tok)
+                    _, best_case = choose_k([1.0] * k_max, self.cost.cost, n_cur, k_max, draft_s)
                     if not worth_it(best_case, self.margin):
                         continue
                     k, probe = min(self.probe_k, k_max), True
@@ -2142,7 +2157,7 @@ class SpecController:
                 gap = sched.probe_gap.get(name, self.first_gap)
                 sched.probe_at[name] = clock + gap
                 sched.probe_gap[name] = min(4 * gap, 2048)
-            else:
+            elif st.opts.mode == "auto":  # chosen on its merits (a forced one proves nothing)
                 sched.probe_gap[name] = self.first_gap
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("spec: slot %d %s k=%d expected x%.2f%s", st.slot, name, k, gain, " (probe)" if probe else "")
@@ -2166,13 +2181,36 @@ class SpecController:
                 plans[i] = (name, d)
         return plans
 
+    def _shadow(self, st: SpecState, name: str, acc: Acceptance, proposal: List[int]) -> None:
+        """Score a free source's whole proposals, position by position, against what
+        the sequence generated after them, and keep the new one: every step's proposal
+        is scored, so the estimate follows the text within a few tokens."""
+        hist, keep = st.history, []
+        for start, toks, scored in st.shadow.get(name, ()):
+            came = hist[start:start + len(toks)]
+            n = common_prefix(came, toks)
+            if n == scored and n == len(came):
+                keep.append((start, toks, scored))  # nothing new came
+                continue
+            done = n < len(came) or n == len(toks)
+            k = len(toks) if done else n  # not done: only the right ones so far are known
+            for a in {id(acc): acc, id(self.acc[name]): self.acc[name]}.values():
+                a.observe(k, n, scored)
+            if not done:
+                keep.append((start, toks, n))
+        if proposal and (not keep or keep[-1][0] < len(hist)):
+            keep.append((len(hist), list(proposal), 0))
+        st.shadow[name] = keep
+
     def verified(self, st: SpecState, name: str, k: int, n_accepted: int, rejected: bool = True) -> None:
         """k drafts from source name were checked: the first n_accepted were right, and
-        the next was wrong (rejected) or not needed (the sequence ended)."""
-        tested = min(n_accepted + 1, k) if rejected else n_accepted
-        if st.acc[name] is not self.acc[name]:
-            st.acc[name].observe(tested, n_accepted)
-        self.acc[name].observe(tested, n_accepted)
+        the next was wrong (rejected) or not needed (the sequence ended). A free
+        source's acceptance comes from the shadow scoring, not from here."""
+        if not self.sources[name].free:
+            tested = min(n_accepted + 1, k) if rejected else n_accepted
+            if st.acc[name] is not self.acc[name]:
+                st.acc[name].observe(tested, n_accepted)
+            self.acc[name].observe(tested, n_accepted)
         c = self.counters[name]
         c["proposed"] += k
         c["accepted"] += n_accepted
@@ -2370,7 +2408,7 @@ class Engine:
         if draft is not None:  # a path or a loaded Model of the same vocabulary
             self.draft_model = draft if isinstance(draft, Model) else Model(draft)
             check_draft_pair(self.model, self.draft_model)
-            sources.append(DraftModel(self.draft_model, self.n_ctx, n_slots, n_threads))
+            sources.append(DraftModel(self.draft_model, self.model, self.n_ctx, n_slots, n_threads))
         self.spec = SpecController(sources, default=spec_default)
         self._own_draft = draft is not None and not isinstance(draft, Model)
         self._incoming: "queue.Queue" = queue.Queue()

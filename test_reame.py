@@ -1024,8 +1024,17 @@ class _FixedSource(reame.DraftSource):
         return [self.tokens[:k] for k in ks]
 
 
+class _CostlySource(_FixedSource):
+    """A source that costs to ask (like a draft model): learns only from verified drafts."""
+    name, free, per_sequence = "model", False, False
+
+    def cost_s_per_tok(self, step_s):
+        return 0.001
+
+
 def test_controller_turns_off_and_reprobes():
-    src = _FixedSource(list(range(100, 132)))
+    src = _CostlySource(list(range(100, 132)))
+    src.per_sequence = True
     ctl = reame.SpecController([src], margin=0.05, probe_k=4, probe_gap=16)
     for _ in range(4):
         ctl.observe_step(1, 0.1)
@@ -1039,14 +1048,14 @@ def test_controller_turns_off_and_reprobes():
     st = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 16))
     plan = ctl.plan([(st, 16)], 1)[0]
     assert plan and len(plan[1]) == 4                 # no acceptance measured yet: a probe
-    ctl.verified(st, "fixed", 4, 0)
+    ctl.verified(st, "model", 4, 0)
     st.history.append(7)
     assert ctl.plan([(st, 16)], 1) == [None]         # it lost: off
     st.history.extend([7] * 14)
     assert ctl.plan([(st, 16)], 1) == [None]         # off until the probe gap has passed
     st.history.append(7)
     assert ctl.plan([(st, 16)], 1)[0] is not None    # re-probed after 16 tokens
-    ctl.verified(st, "fixed", 4, 0)
+    ctl.verified(st, "model", 4, 0)
     st.history.extend([7] * 17)
     assert ctl.plan([(st, 16)], 1) == [None]         # the gap grew (x4) after a lost probe
     # the machine changed: verifying got cheap, and the source is right now
@@ -1057,22 +1066,52 @@ def test_controller_turns_off_and_reprobes():
     plan = ctl.plan([(st, 16)], 1)[0]
     assert plan is not None
     for _ in range(6):
-        ctl.verified(st, "fixed", len(plan[1]), len(plan[1]))
+        ctl.verified(st, "model", len(plan[1]), len(plan[1]))
     plan = ctl.plan([(st, 16)], 1)[0]
-    assert plan is not None and len(plan[1]) > 4 and ctl.stats()["fixed"]["on"] == 1
+    assert plan is not None and len(plan[1]) > 4 and ctl.stats()["model"]["on"] == 1
     assert ctl.plan([(None, 16), (st, 0)], 2) == [None, None]  # not speculating, no room
     forced = ctl.begin(1, [1, 2, 3], reame.SpecOptions("on", 3))
-    assert ctl.plan([(forced, 16)], 1)[0] == ("fixed", [100, 101, 102])
+    assert ctl.plan([(forced, 16)], 1)[0] == ("model", [100, 101, 102])
     assert ctl.begin(2, [1], reame.SpecOptions("off")) is None
     with pytest.raises(reame.RequestError):
         reame.SpecOptions("sometimes").validate()
 
 
+def test_controller_scores_a_free_source_in_the_shadow():
+    """A free source's proposals are scored against what the sequence then generates,
+    so it is turned on and off without ever paying for a probe."""
+    class Copier(reame.DraftSource):  # proposes the script's continuation after the history
+        name = "copy"
+
+        def __init__(self, script):
+            self.script = script
+
+        def propose(self, seqs, ks):
+            return [self.script[len(s.history):len(s.history) + k] for s, k in zip(seqs, ks)]
+    script = list(range(1000, 1200))
+    ctl = reame.SpecController([Copier(script)], margin=0.05, prior=0.3)
+    for _ in range(4):
+        ctl.observe_step(1, 0.1)
+        ctl.observe_step(9, 0.45)    # 8 drafts cost 3.5 steps
+    st = ctl.begin(0, [], reame.SpecOptions("auto", 8))
+    assert ctl.plan([(st, 8)], 1) == [None]          # prior too low: off, no probe
+    for _ in range(20):                               # the text goes elsewhere
+        st.history.append(7)
+        assert ctl.plan([(st, 8)], 1) == [None]
+    assert ctl.acc["copy"].p[0] < 0.05
+    assert ctl.stats()["copy"]["probes"] == 0
+    for _ in range(12):                               # now it follows the script, token by token
+        st.history.append(script[len(st.history)])
+        ctl.plan([(None, 0)], 1)
+        plan = ctl.plan([(st, 8)], 1)[0]
+    assert plan == ("copy", script[len(st.history):len(st.history) + 8])  # learnt without a verify
+    assert ctl.stats()["copy"]["probes"] == 0 and ctl.stats()["copy"]["proposed"] == 0
+
+
 def test_controller_engine_wide_source_is_not_retried_by_every_request():
     """A draft model's acceptance is the model pair's, not the request's: once a probe
     lost, a new request does not probe it again until the engine-wide gap passes."""
-    src = _FixedSource(list(range(100, 132)))
-    src.name, src.cost_s_per_tok, src.per_sequence = "model", 0.001, False
+    src = _CostlySource(list(range(100, 132)))
     ctl = reame.SpecController([src], probe_k=4, probe_gap=16)
     for _ in range(4):
         ctl.observe_step(1, 0.1)
@@ -1088,8 +1127,8 @@ def test_controller_engine_wide_source_is_not_retried_by_every_request():
 
 
 def test_controller_survives_a_failing_draft_source(caplog):
-    class Broken(_FixedSource):
-        name, cost_s_per_tok, per_sequence = "broken", 0.001, False
+    class Broken(_CostlySource):
+        name, per_sequence = "broken", False
         forgot = 0
 
         def propose(self, seqs, ks):
