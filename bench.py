@@ -16,6 +16,9 @@
     python3 bench.py --spec               only the speculation section: tok/s with speculation off,
                                           prompt lookup on, the draft model on, and auto, on three
                                           workloads, idle and with a CPU burner on one core
+    python3 bench.py --palimpsest         only the Palimpsest section: the archive on vs off after a
+                                          restart (same question, template, function + 1 change,
+                                          fresh prose), and the index's build time and memory
 
 What it measures (every number is client-side wall clock, taken the same way for both):
 
@@ -1784,6 +1787,121 @@ def run_spec_only(args) -> dict:
                                                "reame_version": getattr(reame, "__version__", "?")}}
 
 
+# -- Palimpsest (--palimpsest) -------------------------------------------------------------
+
+PAL_FUNCTION = ("Write a Python function `load_inventory(path)` of about 40 lines that reads a CSV file of "
+                "warehouse items (columns: sku, name, quantity, unit_price, location), skips blank and malformed "
+                "rows with a warning, and returns a dict mapping each location to a list of item dicts and the "
+                "total stock value of that location. Reply with only the code.")
+PAL_WORKLOADS = [
+    # (name, prompts generated before (the archive), the measured prompt)
+    ("same question", ["Explain in about 120 words how a refrigerator keeps food cold."],
+     "Explain in about 120 words how a refrigerator keeps food cold."),
+    ("template", ["Write a short order confirmation email to %s for order #%d: %d items, delivery on %s. "
+                  "Sign it 'The Northwind Team'." % x for x in
+                  (("Alice Moreau", 10442, 3, "Monday"), ("Bruno Kessler", 10451, 5, "Thursday"),
+                   ("Chiara Neri", 10468, 2, "Friday"))],
+     "Write a short order confirmation email to Dmitri Volkov for order #10477: 4 items, delivery on "
+     "Tuesday. Sign it 'The Northwind Team'."),
+    ("function + 1 change", [PAL_FUNCTION],
+     PAL_FUNCTION + " Name the location dict `by_location` and the function `read_inventory`."),
+    ("fresh prose", [], "Write a short story (about 200 words) about a clockmaker who builds a clock that "
+                        "runs backwards. Do not use any lists."),
+]
+
+
+def archive_index_cost(n_tok: int) -> dict:
+    """Build time and bytes of the archive index for n_tok tokens of text-like runs."""
+    import array as _array
+    rng = random.Random(3)
+    words = [rng.randrange(150000) for _ in range(5000)]
+    idx = reame.ArchiveIndex()
+    toks = _array.array("i")
+    while len(toks) < n_tok:  # runs of 200-600 tokens, Zipf-ish word choice
+        run = [words[min(int(rng.paretovariate(1.1)) - 1, 4999)] for _ in range(rng.randrange(200, 600))]
+        toks.extend(run)
+        toks.append(-1)
+    t0 = time.perf_counter()
+    built = reame.ArchiveIndex.build(toks, idx.lengths)
+    dt = time.perf_counter() - t0
+    idx.tokens = toks
+    idx.install(built, len(toks))
+    return {"tokens": len(toks), "build_s": dt, "bytes": idx.nbytes(),
+            "bytes_per_mtok": idx.nbytes() / len(toks) * 1e6, "numpy": reame._np is not None}
+
+
+def run_palimpsest(args) -> dict:
+    """Archive on vs off (the request's opt-out) on four workloads, after a restart."""
+    root = tempfile.mkdtemp(prefix="bench-palimpsest-")
+    model = reame.Model(reame.resolve_model(args.model))
+    out = {"config": {"model": args.model, "threads": args.threads, "repeats": args.repeats,
+                      "gen_tokens": args.gen_tokens}, "workloads": {}}
+    params = reame.SamplingParams(temperature=0, max_tokens=args.gen_tokens)
+    noise = CpuNoise()
+    try:
+        eng = reame.Engine(model, n_ctx=args.ctx, n_slots=1, n_threads=args.threads, archive=256 << 20,
+                           archive_dir=root, draft=None)
+        for name, before, _ in PAL_WORKLOADS:  # the archive: generations of an earlier process
+            for text in before:
+                log("palimpsest: archiving %s: %s..." % (name, text[:40]))
+                eng.submit(chat_tokens(eng, text), params).wait()
+        eng.close()
+        eng = reame.Engine(model, n_ctx=args.ctx, n_slots=1, n_threads=args.threads, archive=256 << 20,
+                           archive_dir=root, draft=None)  # restarted: reads the archive from disk
+        for name, _, text in PAL_WORKLOADS:
+            toks = chat_tokens(eng, text)
+            eng.submit(toks, reame.SamplingParams(temperature=0, max_tokens=2), archive=None).wait()  # warm KV
+            runs, acc, outs = {"off": [], "on": []}, {"off": [0, 0], "on": [0, 0]}, {"off": [], "on": []}
+            for rep in range(args.repeats):
+                for cfg in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+                    before = eng.stats()["spec"]
+                    r = eng.submit(toks, params, archive="shared" if cfg == "on" else None).wait()
+                    after = eng.stats()["spec"]
+                    span = r.total_s - r.ttft_s
+                    runs[cfg].append((r.n_gen_tok - 1) / span if span > 0 and r.n_gen_tok > 1 else None)
+                    acc[cfg][0] += after["archive"]["accepted"] - before["archive"]["accepted"]
+                    acc[cfg][1] += after["archive"]["proposed"] - before["archive"]["proposed"]
+                    outs[cfg].append(r.tokens)
+                    log("palimpsest %s / archive %s: %.2f tok/s (%d tokens)" % (name, cfg, runs[cfg][-1] or 0,
+                                                                               r.n_gen_tok))
+                    if cfg == "on":  # only the first "on" run's drafts come from earlier processes alone
+                        eng.archive.flush()
+            off, on = median(runs["off"]), median(runs["on"])
+            out["workloads"][name] = {"off": runs["off"], "on": runs["on"], "ratio": on / off if off else None,
+                                      "accepted": acc["on"], "tokens": len(outs["on"][0]),
+                                      "greedy_equal": all(o == outs["off"][0] for o in outs["off"] + outs["on"])}
+        out["archive"] = eng.stats()["archive"]
+        eng.close()
+    finally:
+        model.close()
+        shutil.rmtree(root, ignore_errors=True)
+    log("palimpsest: index build cost")
+    out["index"] = [archive_index_cost(n) for n in (1_000_000, args.archive_index_tokens)]
+    out["noise"] = noise.report()
+    return out
+
+
+def print_palimpsest(pl: dict, w) -> None:
+    c = pl["config"]
+    w("Palimpsest: %s, %d threads, %d tokens, median of %d alternating repeats, after a restart; "
+      "archive on vs the request's opt-out (prompt lookup on in both)\n" % (
+          c["model"], c["threads"], c["gen_tokens"], c["repeats"]))
+    for name, r in pl["workloads"].items():
+        w("  %-22s off %s  on %s  x%s  archive drafts accepted %d/%d  greedy %s\n" % (
+            name, _fmt(median(r["off"]), 2), _fmt(median(r["on"]), 2), _fmt(r["ratio"], 2),
+            r["accepted"][0], r["accepted"][1], "equal" if r["greedy_equal"] else "MISMATCH (a bug)"))
+    for ix in pl["index"]:
+        w("  index of %d tokens: built in %.2f s (%s), %.1f MB (%.1f MB per million tokens)\n" % (
+            ix["tokens"], ix["build_s"], "numpy" if ix["numpy"] else "standard library", ix["bytes"] / 1e6,
+            ix["bytes_per_mtok"] / 1e6))
+
+
+def run_palimpsest_only(args) -> dict:
+    """--palimpsest: only the Palimpsest section."""
+    return {"palimpsest": run_palimpsest(args), "config": {"model": args.model, "threads": args.threads,
+                                                           "reame_version": getattr(reame, "__version__", "?")}}
+
+
 # -- the run ---------------------------------------------------------------------------
 
 
@@ -2061,6 +2179,9 @@ def print_table(out: dict, stream=sys.stdout) -> None:
     if "spec" in out:  # Reame against itself; the burner's CPU time is the point, not noise
         print_spec(out["spec"], w)
         return
+    if "palimpsest" in out:
+        print_palimpsest(out["palimpsest"], w)
+        return
     w("Reame vs llama-server: %s, %d threads, median of %d alternating repeats, temperature 0\n"
       % (c["model"], c["threads"], c["repeats"]))
     if "metrics" in out:
@@ -2165,6 +2286,13 @@ def parse_args(argv=None):
                         "speculation off, prompt lookup forced on, the draft model forced on, and auto; then "
                         "again with a CPU burner pinned to core 0 (repeats default 2, gen-tokens 96)")
     p.add_argument("--spec-draft", default="qwen2.5-coder-0.5b", help="--spec: the draft model")
+    p.add_argument("--palimpsest", action="store_true",
+                   help="only the Palimpsest section: archive on vs off after a restart on four workloads "
+                        "(the same question, a template, a function with one change, fresh prose), and the "
+                        "archive index's build time and memory")
+    p.add_argument("--archive-index-tokens", type=int, default=25_000_000,
+                   help="--palimpsest: tokens of the synthetic archive whose index build is timed "
+                        "(default 25M: a 100 MB archive)")
     p.add_argument("--spec-max", type=int, default=16, help="--spec: most drafts per step for lookup and auto")
     p.add_argument("--spec-draft-k", type=int, default=4, help="--spec: drafts per step, draft model forced on")
     p.add_argument("--server-log", default=None, help="llama-server log file (default: a temp file)")
@@ -2182,6 +2310,9 @@ def parse_args(argv=None):
     if args.spec:
         args.repeats = args.repeats or 2
         args.gen_tokens = args.gen_tokens or (48 if q else 96)
+    if args.palimpsest:
+        args.repeats = args.repeats or 2
+        args.gen_tokens = args.gen_tokens or (64 if q else 160)
     args.repeats = args.repeats or (2 if q else 3)
     args.handbook_tokens = args.handbook_tokens or (1200 if q else 2400)
     if args.repeats < 1 or args.handbook_tokens < 1 or args.prefix_gen_tokens < 1:
@@ -2216,7 +2347,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _sigterm)
     try:
         out = (run_prefix_only(args) if args.prefix_cache else run_http_only(args) if args.http else
-               run_spec_only(args) if args.spec else run(args))
+               run_spec_only(args) if args.spec else run_palimpsest_only(args) if args.palimpsest else run(args))
     except KeyboardInterrupt:
         log("interrupted")
         return 130

@@ -8,6 +8,7 @@ On a CPU, never compute the same thing twice. One file, standard library only
     python3 reame.py serve MODEL             OpenAI-compatible HTTP server
     python3 reame.py pull | list | rm MODEL   manage models
     python3 reame.py cache ls|stats|prune|clear   prompt-prefix KV snapshots on disk
+    python3 reame.py archive stats|clear      Palimpsest, the archive of generations
 
 Sections (``grep -n '^# == ' reame.py`` prints the map):
 
@@ -20,16 +21,18 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
     7. Sampling
     8. Model registry and download
     9. Prefix KV cache: disk tier
-   10. Speculation: draft sources and the controller
-   11. Engine: the scheduler thread and continuous batching
-   12. HTTP server (OpenAI-compatible)
-   13. Command line
+   10. Palimpsest: the archive of generations
+   11. Speculation: draft sources and the controller
+   12. Engine: the scheduler thread and continuous batching
+   13. HTTP server (OpenAI-compatible)
+   14. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
 
 import argparse
 import array
+import bisect
 import codecs
 import collections
 import ctypes
@@ -43,6 +46,7 @@ import os
 import queue
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -65,11 +69,12 @@ __all__ = [
     "EngineError", "Model", "Context", "Batch", "SamplingParams", "Sampler", "ModelSpec",
     "REGISTRY", "DRAFT_PAIRS", "resolve_model", "pull_model", "list_models", "remove_model",
     "pick_threads", "Request", "Result", "Engine", "main", "TextStream", "Progress", "setup_logging",
-    "lib", "Server", "Sessions", "params_from_body", "spec_from_body", "common_prefix", "DiskCache", "model_fingerprint",
+    "lib", "Server", "Sessions", "params_from_body", "spec_from_body", "archive_from_body", "common_prefix", "DiskCache", "model_fingerprint",
     "default_cache_bytes", "parse_size", "kv_cache_entries", "kv_cache_prune",
     "SPEC_MODES", "SpecOptions", "expected_tokens", "spec_gain", "choose_k", "worth_it", "CostModel", "Acceptance",
     "lookup_draft", "NgramIndex", "SpecState", "DraftSource", "PromptLookup", "check_draft_pair", "DraftModel",
-    "SpecController",
+    "SpecController", "vocab_fingerprint", "pal_record", "pal_parse", "pal_segments", "pal_append", "ngram_key",
+    "ArchiveIndex", "Palimpsest", "ArchiveSource",
 ]
 
 log = logging.getLogger("reame")
@@ -337,6 +342,15 @@ def _sha256_file(path: str, progress: Optional[Progress] = None) -> str:
             if progress:
                 progress.update(len(chunk))
     return h.hexdigest()
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common leading run of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 # == 5. libllama binding ========================================================
@@ -1209,17 +1223,17 @@ def _verify(part: str, spec: ModelSpec, expected: str) -> None:
 
 
 class _FileLock:
-    """An exclusive advisory lock on a file (fcntl; a no-op where unavailable)."""
+    """An advisory lock on a file, exclusive or shared (fcntl; a no-op where unavailable)."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, shared: bool = False):
+        self.path, self.shared = path, shared
         self._f = None
 
     def __enter__(self):
         self._f = open(self.path, "a+")
         try:
             import fcntl
-            fcntl.flock(self._f, fcntl.LOCK_EX)
+            fcntl.flock(self._f, fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX)
         except ImportError:  # pragma: no cover - Windows
             pass
         return self
@@ -1363,7 +1377,7 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
 # prefix under $REAME_HOME/kv/<model fingerprint>/, named by a hash of the fingerprint,
 # the KV parameters and the prefix's tokens: another process, or this one after a
 # restart, finds a prefix without an index. The engine snapshots only whole prefill
-# chunks on an exact prefix (section 10), so a restored prefix is what a cold prefill
+# chunks on an exact prefix (section 12), so a restored prefix is what a cold prefill
 # computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
 # tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
 # the least recently used files go first when the directory is over its size bound.
@@ -1690,9 +1704,418 @@ def kv_cache_prune(root: str, max_bytes: int) -> tuple:
     return tuple(freed)
 
 
-# == 10. Speculation: draft sources and the controller ==========================
+# == 10. Palimpsest: the archive of generations =================================
+# Every completed generation (with its prompt's tail, for context) is appended to an
+# on-disk archive per vocabulary and scope (one per API key), so a later request, in
+# this process, another one or after a restart, can draft from what was written
+# before. Records are length-prefixed and checksummed; a torn record (a crash mid-write)
+# is skipped, never misread. Appends take a file lock; segments rotate, the oldest go
+# first when the archive is over its bound. The index maps hashed n-grams (two lengths)
+# to where what followed them starts: sorted 64-bit entries (hash << 32 | position),
+# searched with bisect, plus a dict for what was appended since the last build.
+
+_PAL_MAGIC = b"PAL1"
+_PAL_HEAD = struct.Struct("<4sII")   # magic, payload bytes, crc32 of the payload
+_PAL_MAX_TOK = 1 << 20               # a longer record is garbage
+_PAL_CONTEXT_TOK = 48                # prompt tokens kept before each generation
+_VOCAB_PROBE = "Reame drafts: def f(x):\n    return {'a': [1, 2.5]}  # ünïcode 東京 🙂"
+
+
+def vocab_fingerprint(model: "Model") -> str:
+    """A tokenizer's identity: models that tokenize alike share an archive."""
+    h = hashlib.sha256(b"%d|" % model.n_vocab)
+    h.update(repr(model.tokenize(_VOCAB_PROBE, add_special=False)).encode())
+    for i in list(range(0, model.n_vocab, 509)) + [model.n_vocab - 1]:
+        h.update(model.piece(i) + b"|")
+    return h.hexdigest()[:16]
+
+
+def pal_record(tokens: Sequence[int], n_context: int) -> bytes:
+    """One archive record: header, then n_context and the tokens as little-endian u32."""
+    body = array.array("i", [n_context] + list(tokens))
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        body.byteswap()
+    payload = body.tobytes()
+    return _PAL_HEAD.pack(_PAL_MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def pal_parse(data: bytes) -> tuple:
+    """Records in data -> ([(n_context, tokens as array('i'))], bytes consumed). A record whose
+    checksum fails is skipped to the next valid record; an incomplete one at the end
+    stops the parse there (the rest may still be coming), unless a valid record follows
+    it (then it was torn by a crash and is skipped)."""
+    out, pos, n = [], 0, len(data)
+    head = _PAL_HEAD.size
+
+    def valid_at(p):
+        if p + head > n:
+            return None
+        magic, size, crc = _PAL_HEAD.unpack_from(data, p)
+        if magic != _PAL_MAGIC or size % 4 or not 4 <= size <= 4 * _PAL_MAX_TOK:
+            return False
+        if p + head + size > n:
+            return None
+        return zlib.crc32(data[p + head:p + head + size]) == crc
+
+    while pos < n:
+        ok = valid_at(pos)
+        if ok:
+            size = _PAL_HEAD.unpack_from(data, pos)[1]
+            body = array.array("i")
+            body.frombytes(data[pos + head:pos + head + size])
+            if sys.byteorder != "little":  # pragma: no cover
+                body.byteswap()
+            out.append((body[0], body[1:]))
+            pos += head + size
+            continue
+        nxt = data.find(_PAL_MAGIC, pos + 1)
+        while nxt != -1 and not valid_at(nxt):
+            nxt = data.find(_PAL_MAGIC, nxt + 1)
+        if nxt == -1:
+            if ok is None or n - pos < head:  # an unfinished tail: read it again later
+                break
+            nxt = n  # garbage to the end
+        pos = nxt
+    return out, pos
+
+
+_HASH_MUL = 0x9E3779B97F4A7C15  # odd: a polynomial hash mod 2^64
+_MASK64 = (1 << 64) - 1
+
+
+def ngram_key(tokens: Sequence[int]) -> int:
+    """The 32-bit key of an n-gram (the top of a polynomial hash mod 2^64; numpy's
+    wrapping uint64 arithmetic computes the same)."""
+    h = 0
+    for t in tokens:
+        h = (h * _HASH_MUL + t) & _MASK64
+    return h >> 32
+
+
+class ArchiveIndex:
+    """Token runs (generations with their context) -> drafts: the longest archived
+    n-gram ending the sequence, then the continuation most runs took after it.
+
+    ``tokens`` holds the runs separated by -1. Entries (key << 32 | position after
+    the n-gram) for n-grams of ``lengths`` are sorted in ``_base`` for tokens[:_built]
+    (``build``: numpy when available, on any thread, on a ``snapshot``), listed in
+    ``_delta`` for tokens[_built:_indexed] (``index_tail``, a few at a time); later
+    tokens are appended but not searched yet. One owner (the engine's scheduler)
+    calls append, index_tail, install and draft."""
+
+    SEP = -1
+
+    def __init__(self, lengths: Sequence[int] = (4, 16), max_cands: int = 64, back: int = 32):
+        self.lengths = tuple(sorted(lengths, reverse=True))
+        self.max_cands, self.back = max_cands, back
+        self.tokens = array.array("i")
+        self._base = {n: array.array("Q") for n in self.lengths}  # sorted entries
+        self._built = 0                                            # tokens[:_built] are in _base
+        self._indexed = 0                                          # tokens[_built:_indexed] in _delta
+        self._delta = {n: {} for n in self.lengths}                # key -> [positions]
+        self.n_runs = 0
+
+    def append(self, run: Sequence[int]) -> None:
+        """Append one run (searched once indexed or built)."""
+        if len(run):
+            self.tokens.extend(run)
+            self.tokens.append(self.SEP)
+            self.n_runs += 1
+
+    def add(self, run: Sequence[int]) -> None:
+        """Append one run and index it now."""
+        self.append(run)
+        self.index_tail()
+
+    def index_tail(self) -> None:
+        """Index the appended tokens not indexed yet into the delta (pure Python)."""
+        toks, start = self.tokens, self._indexed
+        for n in self.lengths:
+            d = self._delta[n]
+            run_start = start
+            for i in range(start, len(toks)):
+                if toks[i] < 0:
+                    run_start = i + 1
+                elif i + 1 - run_start >= n:
+                    d.setdefault(ngram_key(toks[i + 1 - n:i + 1]), []).append(i + 1)
+        self._indexed = len(toks)
+
+    @property
+    def n_unbuilt(self) -> int:
+        return len(self.tokens) - self._built
+
+    @property
+    def n_unindexed(self) -> int:
+        return len(self.tokens) - self._indexed
+
+    def snapshot(self) -> tuple:
+        """(tokens copy, length): what ``build`` needs, taken by the owner."""
+        return array.array("i", self.tokens), len(self.tokens)
+
+    @staticmethod
+    def build(tokens: array.array, lengths: Sequence[int]) -> dict:
+        """Sorted entries of every n-gram of ``lengths`` not crossing a separator."""
+        out = {}
+        if _np is not None:
+            t = _np.frombuffer(tokens, dtype=_np.int32).astype(_np.int64)
+            bad = _np.concatenate(([0], _np.cumsum(t < 0)))  # separators before each index
+            tu = t.astype(_np.uint64)
+            for n in lengths:
+                m = len(t) - n + 1
+                if m <= 0:
+                    out[n] = array.array("Q")
+                    continue
+                with _np.errstate(over="ignore"):
+                    h = _np.zeros(m, dtype=_np.uint64)
+                    for j in range(n):
+                        h = h * _np.uint64(_HASH_MUL) + tu[j:j + m]
+                ok = (bad[n:n + m] - bad[:m]) == 0
+                pos = _np.arange(n, n + m, dtype=_np.uint64)[ok]
+                e = ((h[ok] >> _np.uint64(32)) << _np.uint64(32)) | pos
+                e.sort()
+                out[n] = array.array("Q", e.tobytes())
+            return out
+        for n in lengths:  # the standard library way: slower, same entries
+            ent, run_start = [], 0
+            for i, tok in enumerate(tokens):
+                if tok < 0:
+                    run_start = i + 1
+                elif i + 1 - run_start >= n:
+                    ent.append(ngram_key(tokens[i + 1 - n:i + 1]) << 32 | (i + 1))
+            ent.sort()
+            out[n] = array.array("Q", ent)
+        return out
+
+    def install(self, built: dict, upto: int) -> None:
+        """Take a build of tokens[:upto]; the delta keeps only what came after it."""
+        self._base, self._built = built, upto
+        self._indexed = max(self._indexed, upto)
+        for n in self.lengths:
+            d = {}
+            for key, ps in self._delta[n].items():
+                ps = [p for p in ps if p > upto]
+                if ps:
+                    d[key] = ps
+            self._delta[n] = d
+
+    def _positions(self, n: int, key: int) -> List[int]:
+        base = self._base[n]
+        lo = bisect.bisect_left(base, key << 32)
+        hi = bisect.bisect_left(base, (key + 1) << 32, lo)
+        got = [e & 0xFFFFFFFF for e in base[max(lo, hi - self.max_cands):hi]]
+        return (got + self._delta[n].get(key, []))[-self.max_cands:]
+
+    def draft(self, seq: Sequence[int], k: int) -> List[int]:
+        """Up to k tokens: what followed the longest archived match of seq's end (the
+        longest indexed n-gram, extended backwards up to ``back`` tokens), the token
+        most of the best-matching runs took at each step, while at least half agree.
+        A match of m tokens proposes at most 2m (a short match predicts less)."""
+        toks, L = self.tokens, len(seq)
+        cands, n = [], 0
+        for n in self.lengths:
+            if L < n:
+                continue
+            tail = list(seq[L - n:])
+            cands = [p for p in self._positions(n, ngram_key(tail)) if toks[p - n:p].tolist() == tail]
+            if cands:
+                break
+        if not cands:
+            return []
+        best, keep = -1, []
+        for p in cands:  # how far back each match goes
+            m = n
+            while m < n + self.back and m < L and p - m - 1 >= 0 and toks[p - m - 1] == seq[L - m - 1]:
+                m += 1
+            if m > best:
+                best, keep = m, [p]
+            elif m == best:
+                keep.append(p)
+        out: List[int] = []
+        limit = min(k, 2 * best)
+        while len(out) < limit and keep:
+            counts = collections.Counter(toks[p] for p in keep if toks[p] >= 0)
+            if not counts:
+                break
+            tok, c = counts.most_common(1)[0]
+            if 2 * c < len(keep):
+                break
+            out.append(tok)
+            keep = [p + 1 for p in keep if toks[p] == tok]
+        return out
+
+    def nbytes(self) -> int:
+        return (self.tokens.itemsize * len(self.tokens) + sum(a.itemsize * len(a) for a in self._base.values())
+                + sum(len(d) * 100 + sum(len(v) for v in d.values()) * 8 for d in self._delta.values()))
+
+
+def pal_segments(path: str) -> List[str]:
+    """An archive directory's segment files, oldest first."""
+    try:
+        return sorted(f for f in os.listdir(path) if f.startswith("seg-") and f.endswith(".pal"))
+    except FileNotFoundError:
+        return []
+
+
+def pal_append(path: str, record: bytes, max_bytes: int) -> None:
+    """Append one record under the directory's lock: a new segment when the last one
+    is full (an eighth of the bound), then the oldest segments go while over the bound."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    seg_bytes = max(1 << 20, max_bytes // 8)
+    with _FileLock(os.path.join(path, ".lock")):
+        segs = pal_segments(path)
+        last = os.path.join(path, segs[-1] if segs else "seg-%08d.pal" % 1)
+        if segs and os.path.getsize(last) + len(record) > seg_bytes:
+            last = os.path.join(path, "seg-%08d.pal" % (int(segs[-1][4:12]) + 1))
+        fd = os.open(last, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, record)
+        finally:
+            os.close(fd)
+        segs = pal_segments(path)
+        sizes = [os.path.getsize(os.path.join(path, f)) for f in segs]
+        while len(segs) > 1 and sum(sizes) > max_bytes:
+            os.remove(os.path.join(path, segs.pop(0)))
+            sizes.pop(0)
+
+
+class _ScopeArchive:
+    """One scope's index over its segment files (the scheduler's)."""
+
+    def __init__(self, path: str):
+        self.dir = path
+        self.index = ArchiveIndex()
+        self._read: dict = {}     # segment file name -> bytes parsed
+        self._building = None     # (thread, result box) of a background build
+        self.t_build_s = None     # the last build's seconds
+
+    def refresh(self) -> int:
+        """Take in what was appended since (by any process); returns the runs read."""
+        added = 0
+        segs = pal_segments(self.dir)
+        for name in segs:
+            path = os.path.join(self.dir, name)
+            done = self._read.get(name, 0)
+            try:
+                if os.path.getsize(path) <= done:
+                    continue
+                with _FileLock(os.path.join(self.dir, ".lock"), shared=True), open(path, "rb") as f:
+                    f.seek(done)
+                    data = f.read()
+            except OSError:
+                continue
+            runs, used = pal_parse(data)
+            self._read[name] = done + used
+            for _, toks in runs:
+                self.index.append(toks)
+            added += len(runs)
+        for name in set(self._read) - set(segs):
+            del self._read[name]
+        self._update()
+        return added
+
+    def _update(self) -> None:
+        """Small news are indexed at once; a large backlog (the archive at start, or
+        once the news are a quarter of the base) is built in the background."""
+        idx, b = self.index, self._building
+        if b is not None and not b[0].is_alive():  # a build finished: take it
+            self._building = None
+            if "built" in b[1]:
+                idx.install(b[1]["built"], b[1]["upto"])
+                self.t_build_s = b[1]["s"]
+        if self._building is None and idx.n_unbuilt >= max(4096, idx._built // 4):
+            tokens, upto = idx.snapshot()
+            box: dict = {}
+
+            def work():
+                t0 = time.perf_counter()
+                try:
+                    box["built"] = ArchiveIndex.build(tokens, idx.lengths)
+                except MemoryError:
+                    log.warning("archive: not enough memory to index %d tokens of %s", upto, self.dir)
+                    return
+                box["upto"], box["s"] = upto, time.perf_counter() - t0
+            t = threading.Thread(target=work, name="reame-archive-index", daemon=True)
+            self._building = (t, box)
+            t.start()
+        elif 0 < idx.n_unindexed < 4096:
+            idx.index_tail()
+
+    def wait_built(self, timeout: float = 600.0) -> None:
+        """Let a background build finish and take it (tests, bench)."""
+        if self._building is not None:
+            self._building[0].join(timeout)
+        self._update()
+
+
+class Palimpsest:
+    """The archive of one vocabulary: a directory per scope ("shared", or a hash of an
+    API key: one tenant's text is never drafted into another's answer). ``store`` only
+    queues; a writer thread appends. Reading and drafting belong to the scheduler."""
+
+    def __init__(self, root: str, vocab: str, max_bytes: int):
+        self.dir = os.path.join(root, vocab)
+        self.max_bytes = max_bytes
+        self._scopes: dict = {}   # scope -> _ScopeArchive (the scheduler's)
+        self._pending: "queue.Queue" = queue.Queue(maxsize=256)
+        self.n_stored = 0         # runs queued for the disk (counter)
+        self.n_dropped = 0        # runs not stored: the writer was behind, or failed
+        self._thread = threading.Thread(target=self._writer, name="reame-archive-writer", daemon=True)
+        self._thread.start()
+
+    def scope(self, name: str) -> _ScopeArchive:
+        sa = self._scopes.get(name)
+        if sa is None:
+            sa = self._scopes[name] = _ScopeArchive(os.path.join(self.dir, name))
+        return sa
+
+    def refresh(self, name: str) -> None:
+        self.scope(name).refresh()
+
+    def draft(self, name: str, seq: Sequence[int], k: int) -> List[int]:
+        sa = self._scopes.get(name)
+        return sa.index.draft(seq, k) if sa is not None else []
+
+    def store(self, name: str, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """Queue a finished generation with its prompt's tail."""
+        ctx = list(prompt[-_PAL_CONTEXT_TOK:])
+        try:
+            self._pending.put_nowait((name, pal_record(ctx + list(output), len(ctx))))
+            self.n_stored += 1
+        except queue.Full:
+            self.n_dropped += 1
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until the queued runs are on disk (tests, bench)."""
+        done = threading.Event()
+        self._pending.put((done, None))
+        done.wait(timeout)
+
+    def _writer(self) -> None:
+        while True:
+            name, record = self._pending.get()
+            if name is None:
+                return
+            if isinstance(name, threading.Event):
+                name.set()
+                continue
+            try:
+                pal_append(os.path.join(self.dir, name), record, self.max_bytes)
+            except OSError as e:
+                self.n_dropped += 1
+                log.warning("archive: could not append to %s (%s)", self.dir, e)
+
+    def stats(self) -> dict:
+        return {name: {"runs": sa.index.n_runs, "tokens": len(sa.index.tokens), "index_bytes": sa.index.nbytes(),
+                       "build_s": sa.t_build_s} for name, sa in list(self._scopes.items())}
+
+    def close(self, timeout: float = 30.0) -> None:
+        self._pending.put((None, None))
+        self._thread.join(timeout)
+
+
+# == 11. Speculation: draft sources and the controller ==========================
 # Draft sources propose tokens; the target verifies them in the scheduler's batch
-# step (section 11) and keeps the longest run it would have produced itself. The
+# step (section 12) and keeps the longest run it would have produced itself. The
 # controller measures, live, what a verify step of k+1 tokens costs against one
 # token, and how often each source is right by draft position, and speculates only
 # where that pays. Everything that decides is a pure function, tested without a model.
@@ -1886,10 +2309,11 @@ class SpecState:
     history (prompt + output, appended by the engine), the sources' per-sequence
     state, and its own acceptance estimates (seeded from the source's global ones)."""
 
-    __slots__ = ("slot", "history", "opts", "state", "acc", "shadow", "probe_at", "probe_gap")
+    __slots__ = ("slot", "history", "opts", "scope", "state", "acc", "shadow", "probe_at", "probe_gap")
 
-    def __init__(self, slot: int, history: List[int], opts: SpecOptions):
+    def __init__(self, slot: int, history: List[int], opts: SpecOptions, scope: Optional[str] = None):
         self.slot, self.history, self.opts = slot, history, opts
+        self.scope = scope         # the archive scope it may draft from (None: none)
         self.state: dict = {}      # source name -> that source's state for this sequence
         self.acc: dict = {}        # source name -> Acceptance
         self.shadow: dict = {}     # free source name -> [(len(history) then, whole proposal, positions scored)]
@@ -1951,14 +2375,27 @@ class PromptLookup(DraftSource):
         return out
 
 
+class ArchiveSource(DraftSource):
+    """Palimpsest (section 10) as a draft source: what followed the sequence's end in
+    earlier generations of its scope, in this process, another one or a past run."""
+
+    name = "archive"
+
+    def __init__(self, archive: Palimpsest):
+        self.archive = archive
+
+    def propose(self, seqs, ks):
+        return [self.archive.draft(seq.scope, seq.history, k) if seq.scope is not None else []
+                for seq, k in zip(seqs, ks)]
+
+
 def check_draft_pair(target: Model, draft: Model) -> None:
     """Refuse a draft model whose tokens mean something else to the target."""
     why = None
     if target.n_vocab != draft.n_vocab:
         why = "vocabulary sizes differ (%d vs %d)" % (target.n_vocab, draft.n_vocab)
     else:
-        probe = "Reame drafts: def f(x):\n    return {'a': [1, 2.5]}  # ünïcode 東京 🙂"
-        if target.tokenize(probe) != draft.tokenize(probe):
+        if target.tokenize(_VOCAB_PROBE) != draft.tokenize(_VOCAB_PROBE):
             why = "they tokenize text differently"
         else:
             ids = list(range(0, target.n_vocab, 509)) + [target.n_vocab - 1]
@@ -2082,6 +2519,7 @@ class SpecController:
         self.sources = {s.name: s for s in sources}
         self.default = default
         self.margin, self.probe_k, self.first_gap = margin, probe_k, probe_gap
+        self.min_evidence = 2    # a free per-sequence source speculates after this many shadow scores
         self.cost = CostModel()
         self.acc = {name: Acceptance(64, prior) for name in self.sources}
         self.counters = {name: {"proposed": 0, "accepted": 0, "steps": 0, "probes": 0, "k": 0,
@@ -2090,11 +2528,12 @@ class SpecController:
         self.probe_at: dict = {}   # engine-wide sources: name -> n_tokens at which to try again
         self.probe_gap: dict = {}
 
-    def begin(self, slot: int, history: List[int], opts: Optional[SpecOptions]) -> Optional[SpecState]:
+    def begin(self, slot: int, history: List[int], opts: Optional[SpecOptions],
+              scope: Optional[str] = None) -> Optional[SpecState]:
         opts = opts or self.default
         if opts.mode == "off" or not self.sources:
             return None
-        return SpecState(slot, history, opts)
+        return SpecState(slot, history, opts, scope)
 
     def allowed(self, st: SpecState) -> List[DraftSource]:
         names = st.opts.sources or tuple(self.sources)
@@ -2127,8 +2566,8 @@ class SpecController:
                     draft = src.propose([st], [st.opts.max_k])[0]
                     self._shadow(st, name, acc, draft)
                     draft = draft[:k_max]
-                    if not draft:
-                        continue
+                    if not draft or (not forced and src.per_sequence and acc.n[0] < self.min_evidence):
+                        continue  # (the engine-wide prior alone is not trusted with a verify's cost)
                     k_max = len(draft)
                 k, gain = choose_k(acc.p, self.cost.cost, n_cur, k_max, draft_s)
                 probe = False
@@ -2223,7 +2662,7 @@ class SpecController:
         return {name: dict(c) for name, c in self.counters.items()}
 
 
-# == 11. Engine: the scheduler thread and continuous batching ===================
+# == 12. Engine: the scheduler thread and continuous batching ===================
 # HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
 # thread owns the llama context: each step it admits waiting requests into free
 # slots, runs ONE llama_decode with the next token of every generating sequence,
@@ -2278,6 +2717,7 @@ class Request:
         self.snap = ()     # chunk ends worth a snapshot on the disk tier
         self.disk = None   # (length, state) found on the disk tier by submit()
         self.spec: Optional[SpecOptions] = None  # None: the engine's default
+        self.archive: Optional[str] = None       # archive scope (None: not stored, not drafted from)
         self.events = events if events is not None else queue.SimpleQueue()
         self.t_submit = time.monotonic()
         self._cancel = threading.Event()
@@ -2350,15 +2790,6 @@ class _Seq:
         self.spec: Optional[SpecState] = None  # speculation state (None: this sequence does not speculate)
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common leading run of two token lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 _STOP = object()
 
 
@@ -2373,7 +2804,8 @@ class Engine:
     def __init__(self, model, *, n_ctx: int = 4096, n_slots: int = 4, n_threads: Optional[int] = None,
                  n_batch: int = 512, prefill_chunk: int = 128, cache_reuse: str = "exact", repack: bool = False,
                  disk_cache: int = 0, disk_dir: Optional[str] = None, spec: str = "auto", spec_max: int = 16,
-                 draft=None, spec_verify: str = "exact", **context_kw):
+                 draft=None, spec_verify: str = "exact", archive: int = 0, archive_dir: Optional[str] = None,
+                 **context_kw):
         if cache_reuse not in ("exact", "all"):
             raise RequestError("cache_reuse must be 'exact' or 'all'")
         if spec_verify not in ("exact", "fast"):
@@ -2404,6 +2836,12 @@ class Engine:
             root = disk_dir or os.path.join(Config.from_env().home, "kv")
             self.disk = DiskCache(root, model_fingerprint(self.model), params, disk_cache, self.chunk)
         sources: List[DraftSource] = [PromptLookup()]
+        self.archive: Optional[Palimpsest] = None
+        if archive:  # archive: its bound in bytes (0: no archive)
+            root = archive_dir or os.path.join(Config.from_env().home, "palimpsest")
+            self.archive = Palimpsest(root, vocab_fingerprint(self.model), archive)
+            self.archive.refresh("shared")  # the archive so far: built in the background
+            sources.append(ArchiveSource(self.archive))
         self.draft_model: Optional[Model] = None
         if draft is not None:  # a path or a loaded Model of the same vocabulary
             self.draft_model = draft if isinstance(draft, Model) else Model(draft)
@@ -2454,14 +2892,15 @@ class Engine:
 
     def submit_n(self, prompt, params: Optional[SamplingParams] = None, n: int = 1, *,
                  cache_tag: Optional[str] = None, snap_at: Sequence[int] = (),
-                 spec: Optional[SpecOptions] = None, **kw) -> List[Request]:
+                 spec: Optional[SpecOptions] = None, archive: Optional[str] = "shared", **kw) -> List[Request]:
         """Queue n choices of one prompt: one prefill, KV copied to n-1 more slots.
 
         They share one events queue (events carry the choice index). With a seed,
         choice i samples with seed + i. ``snap_at``: prompt lengths where a prefill chunk
         also ends, worth reusing and snapshotting (the end of a chat's system message:
         then a request with the same system prompt reuses all of it, exactly).
-        ``spec``: speculation for these choices (default: the engine's).
+        ``spec``: speculation for these choices (default: the engine's). ``archive``: the
+        archive scope the output is stored in and drafted from (None: neither).
         """
         if self._closing:
             raise EngineError("engine is shut down")
@@ -2490,6 +2929,10 @@ class Engine:
             spec.validate()
             for req in group:
                 req.spec = spec
+        if archive is not None and not re.match(r"^[A-Za-z0-9_-]{1,64}$", archive):
+            raise RequestError("archive scope %r: letters, digits, _ and - only" % archive)
+        for req in group:
+            req.archive = archive
         if self.disk is not None:
             self._disk_plan(group[0])
         self._incoming.put(group)
@@ -2557,7 +3000,10 @@ class Engine:
                 "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
                 "kv_cells_active": self.kv_active, "kv_cells_cached": self.kv_cached,
                 "kv_cells_total": self.n_ctx * self.n_slots, "spec": self.spec.stats(),
-                "fast_verify_steps": self.n_fast_verify_steps}
+                "fast_verify_steps": self.n_fast_verify_steps,
+                "archive": None if self.archive is None else {
+                    "stored": self.archive.n_stored, "dropped": self.archive.n_dropped,
+                    "scopes": self.archive.stats()}}
 
     def close(self) -> None:
         """Stop the scheduler (pending requests get an error) and free the context."""
@@ -2574,6 +3020,8 @@ class Engine:
             self.draft_model.close()
         if self.disk is not None:
             self.disk.close()
+        if self.archive is not None:
+            self.archive.close()
         self.ctx.close()
         if self._own_model:
             self.model.close()
@@ -2636,7 +3084,10 @@ class Engine:
                     sampler.accept(t)
             room = self.n_ctx - len(req.prompt)
             s = _Seq(req, slot, sampler, min(p.max_tokens or room, room), n_cached, n_exact)
-            s.spec = self.spec.begin(slot, list(req.prompt), req.spec)
+            scope = req.archive if self.archive is not None else None
+            if scope is not None and i == 0:
+                self.archive.refresh(scope)  # what any process appended since
+            s.spec = self.spec.begin(slot, list(req.prompt), req.spec, scope)
             seqs.append(s)
         seqs[0].followers = seqs[1:]
         if seqs[0].n_cached:
@@ -2900,6 +3351,8 @@ class Engine:
         if error is not None:
             req._finish(None, error)
             return
+        if self.archive is not None and req.archive is not None and reason in ("stop", "length") and s.tokens:
+            self.archive.store(req.archive, req.prompt, s.tokens)
         now = time.monotonic()
         req._finish(Result("".join(req._text), list(s.tokens), reason, s.n_prompt, len(s.tokens),
                            (s.t_first or now) - req.t_submit, now - req.t_submit, s.n_cached))
@@ -2920,7 +3373,7 @@ class Engine:
                     req._finish(None, error)
 
 
-# == 12. HTTP server ============================================================
+# == 13. HTTP server ============================================================
 # OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
 # thread per connection: it validates, templates, submits to the Engine, and writes
 # JSON or SSE from the Request's events. It never touches the llama context.
@@ -2975,21 +3428,40 @@ def params_from_body(body: dict, max_tokens_cap: int) -> SamplingParams:
     ).validate()
 
 
+_EXTENSION_FIELDS = ("spec", "spec_max", "spec_sources", "archive")
+_SPEC_SOURCES = ("lookup", "archive", "draft")
+
+
+def _extension(body: dict) -> dict:
+    """The request's extension object ``"reame": {...}`` ({} without one)."""
+    ext = _field(body, "reame", dict, {}, why="an object")
+    unknown = sorted(set(ext) - set(_EXTENSION_FIELDS))
+    if unknown:
+        raise RequestError("unknown field 'reame.%s' (known: %s)" % (unknown[0], ", ".join(_EXTENSION_FIELDS)),
+                           code="invalid_value")
+    return ext
+
+
 def spec_from_body(body: dict, default: SpecOptions) -> Optional[SpecOptions]:
     """The request's speculation override, from the extension object
-    ``"reame": {"spec": "auto|on|off", "spec_max": N, "spec_sources": ["lookup", "draft"]}``."""
-    ext = _field(body, "reame", dict, None, why="an object")
-    if ext is None:
+    ``"reame": {"spec": "auto|on|off", "spec_max": N, "spec_sources": ["lookup", "archive", "draft"]}``."""
+    ext = _extension(body)
+    if not set(ext) & {"spec", "spec_max", "spec_sources"}:
         return None
-    unknown = sorted(set(ext) - {"spec", "spec_max", "spec_sources"})
-    if unknown:
-        raise RequestError("unknown field 'reame.%s'" % unknown[0], code="invalid_value")
     mode = _field(ext, "spec", str, default.mode, why="'auto', 'on' or 'off'")
     max_k = _field(ext, "spec_max", int, default.max_k, why="an integer from 1 to 32")
     sources = _field(ext, "spec_sources", list, [], why="a list of source names")
-    if any(x not in ("lookup", "draft") for x in sources):
-        raise RequestError("'reame.spec_sources' may name 'lookup' and 'draft'", code="invalid_value")
+    if any(x not in _SPEC_SOURCES for x in sources):
+        raise RequestError("'reame.spec_sources' may name %s" % ", ".join(_SPEC_SOURCES), code="invalid_value")
     return SpecOptions(mode, max_k, tuple(sources)).validate()
+
+
+def archive_from_body(body: dict, owner: str) -> Optional[str]:
+    """The archive scope of a request: the caller's (a hash of its API key; "shared"
+    without keys), or None with ``"reame": {"archive": false}`` (not stored, not used)."""
+    if not _field(_extension(body), "archive", bool, True, why="a boolean"):
+        return None
+    return owner or "shared"
 
 
 def _messages_from_body(body: dict) -> List[dict]:
@@ -3462,6 +3934,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         chat = path == "/v1/chat/completions"
         params = params_from_body(body, srv.max_tokens_cap)
         spec = spec_from_body(body, eng.spec.default)
+        archive = archive_from_body(body, owner)
         n = _field(body, "n", int, 1, check=lambda v: 1 <= v <= eng.n_slots,
                    why="an integer from 1 to %d (the server's --parallel)" % eng.n_slots)
         stream = _field(body, "stream", bool, False, why="a boolean")
@@ -3497,7 +3970,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                    "per sequence)" % (len(tokens), params.max_tokens, eng.n_ctx),
                                    code="context_length_exceeded")
             reqs = eng.submit_n(tokens, params, n, cache_tag=session.tag if session else None,
-                                snap_at=eng.prefix_boundary(history, tokens) if chat else (), spec=spec)
+                                snap_at=eng.prefix_boundary(history, tokens) if chat else (), spec=spec,
+                                archive=archive)
             rid = ("chatcmpl-" if chat else "cmpl-") + reqs[0].id
             if stream:
                 results = self._stream(reqs, rid, chat, bool(opts.get("include_usage")))
@@ -3639,6 +4113,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                   ("estimated_speedup", "gain", "gauge")):
             lines.append("# TYPE reame_spec_%s %s" % (metric, kind))
             lines += ['reame_spec_%s{source="%s"} %s' % (metric, name, c[key]) for name, c in sorted(spec.items())]
+        arc = st["archive"]
+        if arc is not None:  # Palimpsest: runs stored, and what this process has read, per scope
+            lines += ["# TYPE reame_archive_stored_total counter", "reame_archive_stored_total %d" % arc["stored"],
+                      "# TYPE reame_archive_dropped_total counter", "reame_archive_dropped_total %d" % arc["dropped"],
+                      "# TYPE reame_archive_tokens gauge"]
+            lines += ['reame_archive_tokens{scope="%s"} %d' % (name, sc["tokens"])
+                      for name, sc in sorted(arc["scopes"].items())]
         data = ("\n".join(lines) + "\n").encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -3647,7 +4128,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-# == 13. Command line ===========================================================
+# == 14. Command line ===========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
@@ -3670,6 +4151,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "is smaller); least recently used go first")
     p.add_argument("--no-disk-cache", action="store_true", help="keep prompt-prefix KV (and serve's session "
                    "histories) in memory only: nothing prompt-derived is written to disk")
+    p.add_argument("--archive-size", default="256M", metavar="SIZE", help="bound on Palimpsest, the archive "
+                   "of generations in $REAME_HOME/palimpsest that later requests draft from (default 256M); "
+                   "the oldest segments go first")
+    p.add_argument("--no-archive", action="store_true", help="do not store generations nor draft from them")
     p.add_argument("--spec", choices=SPEC_MODES, default="auto", help="speculative decoding: auto (default) "
                    "measures on this machine whether verifying drafted tokens pays and speculates only then; "
                    "on: always; off: never. Greedy output is the same tokens either way")
@@ -3705,8 +4190,11 @@ def _engine_kwargs(args) -> dict:
     """Engine options shared by run and serve."""
     if not 1 <= args.spec_max <= 32:
         raise RequestError("--spec-max must be between 1 and 32")
+    archive = 0 if args.no_archive else parse_size(args.archive_size)
+    if not args.no_archive and archive < 1 << 20:
+        raise RequestError("--archive-size must be at least 1M (or use --no-archive)")
     return dict(n_ctx=args.ctx, n_threads=args.threads, disk_cache=_disk_cache_bytes(args), spec=args.spec,
-                spec_max=args.spec_max, spec_verify=args.spec_verify, draft=_draft_path(args))
+                spec_max=args.spec_max, spec_verify=args.spec_verify, draft=_draft_path(args), archive=archive)
 
 
 def _disk_cache_bytes(args) -> int:
@@ -3775,6 +4263,11 @@ def _build_parser() -> argparse.ArgumentParser:
     ca.add_argument("action", choices=("ls", "stats", "prune", "clear"))
     ca.add_argument("--max-size", default=None, metavar="SIZE", help="prune down to this (default: the "
                     "serving default, 2G or 10%% of free disk)")
+
+    ar = sub.add_parser("archive", help="Palimpsest, the archive of generations ($REAME_HOME/palimpsest)",
+                        description="stats: runs, tokens and bytes per vocabulary and scope; clear: delete it all "
+                                    "(serving processes keep what they have read until they restart).")
+    ar.add_argument("action", choices=("stats", "clear"))
 
     rm = sub.add_parser("rm", help="delete pulled models")
     rm.add_argument("models", nargs="+", metavar="MODEL")
@@ -3985,6 +4478,32 @@ def _cmd_cache(args) -> int:
     return 0
 
 
+def _cmd_archive(args) -> int:
+    root = os.path.join(Config.from_env().home, "palimpsest")
+    scopes = [(v, sc) for v in sorted(os.listdir(root)) if os.path.isdir(os.path.join(root, v))
+              for sc in sorted(os.listdir(os.path.join(root, v)))] if os.path.isdir(root) else []
+    if args.action == "clear":
+        shutil.rmtree(root, ignore_errors=True)
+        print("deleted the archive in %s (%d scope(s))" % (root, len(scopes)))
+        return 0
+    total = 0
+    print("%s: %d scope(s)" % (root, len(scopes)))
+    for vocab, scope in scopes:
+        path = os.path.join(root, vocab, scope)
+        segs = pal_segments(path)
+        runs = toks = size = 0
+        for f in segs:
+            with open(os.path.join(path, f), "rb") as fh:
+                data = fh.read()
+            got, _ = pal_parse(data)
+            runs, toks, size = runs + len(got), toks + sum(len(t) for _, t in got), size + len(data)
+        total += size
+        print("  vocabulary %s, scope %s: %d run(s), %d tokens, %d segment(s), %.1f MB" % (
+            vocab, scope, runs, toks, len(segs), size / 1e6))
+    print("total %.1f MB" % (total / 1e6))
+    return 0
+
+
 def _cmd_rm(args) -> int:
     for ref in args.models:
         print("removed %s" % remove_model(ref))
@@ -4007,7 +4526,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     handler = {"run": _cmd_run, "serve": _cmd_serve, "pull": _cmd_pull, "list": _cmd_list,
-               "rm": _cmd_rm, "cache": _cmd_cache}[args.command]
+               "rm": _cmd_rm, "cache": _cmd_cache, "archive": _cmd_archive}[args.command]
     try:
         return handler(args)
     except ReameError as e:

@@ -1264,6 +1264,206 @@ def test_draft_model_of_another_vocabulary_is_refused(gemma):
         reame.check_draft_pair(gemma.model, reame.Model(_model_path("qwen2.5-coder-0.5b"), vocab_only=True))
 
 
+# == 10b. Palimpsest: the archive of generations =================================
+# Pure: records, the index's drafts; files: torn records, concurrent appends, the bound.
+
+
+def test_pal_records_roundtrip_and_torn_tail():
+    runs = [[1, 2, 3], list(range(100, 400)), [7]]
+    data = b"".join(reame.pal_record(r, 1) for r in runs)
+    got, used = reame.pal_parse(data)
+    assert [list(t) for _, t in got] == runs and used == len(data) and got[0][0] == 1
+    for cut in (len(data) - 1, len(data) - 5, len(data) - 13):  # a crash mid-write: only the torn record goes
+        got, used = reame.pal_parse(data[:cut])
+        assert [list(t) for _, t in got] == runs[:2]
+    torn = data[:len(data) - 2]  # torn, then another process appended after it: skipped, not misread
+    got, _ = reame.pal_parse(torn + reame.pal_record([9, 9], 0))
+    assert [list(t) for _, t in got] == runs[:2] + [[9, 9]]
+    flipped = bytearray(data)
+    flipped[20] ^= 0xFF  # a bit flip inside the first record: it fails its checksum, the rest read
+    got, used = reame.pal_parse(bytes(flipped))
+    assert [list(t) for _, t in got] == runs[1:] and used == len(data)
+    assert reame.pal_parse(b"")[0] == [] and reame.pal_parse(b"garbage" * 10)[0] == []
+
+
+def _index(runs, build=False):
+    idx = reame.ArchiveIndex()
+    for r in runs:
+        idx.add(r) if not build else idx.append(r)
+    if build:
+        idx.install(reame.ArchiveIndex.build(idx.snapshot()[0], idx.lengths), len(idx.tokens))
+    return idx
+
+
+@pytest.mark.parametrize("build", [False, True])
+def test_archive_index_longest_match_wins(build):
+    common = [1, 2, 3, 4]
+    runs = [[50, 51, 52] + common + [60, 61, 62, 63],                                    # 4-token match
+            [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 30, 31] + common + [70, 71, 72, 73]]  # 16-token match
+    idx = _index(runs + [[9, 8] + common + [80, 81]] * 3, build)  # more frequent, shorter match
+    seq = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 30, 31] + common
+    assert idx.draft(seq, 4) == [70, 71, 72, 73]
+    # only the last 4 tokens match anywhere: the most frequent continuation of the longest matches
+    assert idx.draft([5, 6, 9, 8] + common, 8) == [80, 81]          # backward match 6 > 4, the run ends
+    assert idx.draft([0, 0] + common, 8) == [80, 81]                 # 3 of 5 runs took 80
+    assert idx.draft([0, 0, 7, 7], 8) == [] and idx.draft(common[:2], 8) == []
+
+
+@pytest.mark.parametrize("build", [False, True])
+def test_archive_index_most_frequent_continuation_and_limits(build):
+    ctx = [11, 12, 13, 14]
+    runs = [ctx + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]] * 3 + [ctx + [1, 2, 99, 98]] * 2
+    idx = _index(runs, build)
+    assert idx.draft([0] + ctx, 32) == [1, 2, 3, 4, 5, 6, 7, 8]    # a 4-token match proposes at most 8
+    assert idx.draft([0] + ctx, 3) == [1, 2, 3]                      # k holds
+    idx = _index([ctx + [1, 2, 3]] * 2 + [ctx + [5, 6]] * 2 + [ctx + [7]], build)
+    assert idx.draft([0] + ctx, 8) == []                             # no continuation with half the runs
+    long = list(range(200, 240))
+    idx = _index([long], build)
+    assert idx.draft(long[:20], 32) == long[20:40]                   # stops at the run's end
+
+
+def test_archive_index_build_equals_incremental_and_pure_python(monkeypatch):
+    import random
+    rng = random.Random(5)
+    runs = [[rng.randrange(20) for _ in range(rng.randrange(1, 60))] for _ in range(80)]
+    inc, built = _index(runs), _index(runs, build=True)
+    tokens = built.snapshot()[0]
+    fast = reame.ArchiveIndex.build(tokens, built.lengths)
+    monkeypatch.setattr(reame, "_np", None)
+    assert reame.ArchiveIndex.build(tokens, built.lengths) == fast   # numpy or not, the same entries
+    for _ in range(300):
+        r = runs[rng.randrange(len(runs))]
+        seq = [rng.randrange(20) for _ in range(rng.randrange(0, 6))] + r[:rng.randrange(len(r) + 1)]
+        assert inc.draft(seq, 12) == built.draft(seq, 12), seq
+
+
+def _append_many(path, tag, n, max_bytes):
+    for i in range(n):
+        reame.pal_append(path, reame.pal_record([tag] * 50 + [i], 0), max_bytes)
+
+
+def test_archive_two_processes_append_concurrently(tmp_path):
+    path = str(tmp_path / "scope")
+    code = "import sys, test_reame; test_reame._append_many(%r, int(sys.argv[1]), 300, 1 << 30)" % path
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tag)], cwd=HERE) for tag in (1, 2)]
+    assert [p.wait(120) for p in procs] == [0, 0]
+    runs = []
+    for f in reame.pal_segments(path):
+        data = open(os.path.join(path, f), "rb").read()
+        got, used = reame.pal_parse(data)
+        assert used == len(data)                                     # no torn or interleaved record
+        runs += [list(t) for _, t in got]
+    for tag in (1, 2):
+        assert [r[-1] for r in runs if r[0] == tag] == list(range(300))
+    assert len(runs) == 600
+
+
+def test_archive_bound_drops_oldest_segments(tmp_path):
+    path = str(tmp_path / "scope")
+    _append_many(path, 3, 3000, 2 << 20)   # ~620 kB of records; segments of 1 MiB (the smallest)
+    _append_many(path, 4, 9000, 2 << 20)
+    segs = reame.pal_segments(path)
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in segs)
+    assert size <= 2 << 20 and len(segs) >= 2 and segs[0] != "seg-00000001.pal"
+    got = [t for f in segs for _, t in reame.pal_parse(open(os.path.join(path, f), "rb").read())[0]]
+    assert got[-1][-1] == 8999 and got[-1][0] == 4                   # the newest are kept
+
+
+def test_archive_picks_up_appends_and_torn_tail(tmp_path):
+    arc = reame.Palimpsest(str(tmp_path), "v", 64 << 20)
+    try:
+        arc.store("shared", [1, 2, 3], [10, 11, 12, 13, 14])
+        arc.flush()
+        arc.refresh("shared")
+        assert arc.draft("shared", [1, 2, 3, 10], 8) == [11, 12, 13, 14]
+        seg = os.path.join(arc.dir, "shared", reame.pal_segments(os.path.join(arc.dir, "shared"))[0])
+        with open(seg, "ab") as f:   # another process died mid-record
+            f.write(reame.pal_record([5, 5, 5, 5, 6], 0)[:-3])
+        reame.pal_append(os.path.join(arc.dir, "shared"), reame.pal_record([7, 7, 7, 7, 8, 9], 0), 64 << 20)
+        arc.refresh("shared")
+        assert arc.draft("shared", [7, 7, 7, 7], 8) == [8, 9] and arc.draft("shared", [5, 5, 5, 5], 8) == []
+        assert arc.stats()["shared"]["runs"] == 2
+        assert arc.draft("other", [1, 2, 3, 10], 8) == []            # another scope sees nothing
+    finally:
+        arc.close()
+
+
+def test_archive_cli_stats_and_clear(tmp_path):
+    reame.pal_append(str(tmp_path / "palimpsest" / "v0" / "shared"), reame.pal_record([1, 2, 3, 4], 2), 1 << 20)
+    env = dict(os.environ, REAME_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, os.path.join(HERE, "reame.py"), "archive", "stats"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "scope shared: 1 run(s), 4 tokens" in out.stdout, out
+    out = subprocess.run([sys.executable, os.path.join(HERE, "reame.py"), "archive", "clear"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and not (tmp_path / "palimpsest").exists()
+
+
+# Real models: drafting from the archive keeps the greedy contract, across restarts and scopes.
+
+
+@pytest.fixture(scope="module")
+def qwen_archive(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("palimpsest"))
+    eng = reame.Engine(_model_path("qwen2.5-coder-0.5b"), n_ctx=1024, n_slots=4, archive=64 << 20, archive_dir=d)
+    yield eng
+    eng.close()
+
+
+def _archive_run(eng, prompt, mode="on", archive="shared", max_tokens=64):
+    p = reame.SamplingParams(temperature=0, max_tokens=max_tokens)
+    before = eng.stats()["spec"]["archive"]["accepted"]
+    r = eng.submit(prompt, p, spec=reame.SpecOptions(mode, 16, ("archive",) if mode == "on" else ()),
+                   archive=archive).wait()
+    eng.archive.flush()
+    return r, eng.stats()["spec"]["archive"]["accepted"] - before
+
+
+def test_archive_second_request_drafts_from_the_first(qwen, qwen_archive):
+    prompt = _chat(qwen, "List five uses of a paperclip, one short line each.")
+    plain = qwen.submit(prompt, reame.SamplingParams(temperature=0, max_tokens=64)).wait()  # no archive
+    first, _ = _archive_run(qwen_archive, prompt, "auto")
+    second, accepted = _archive_run(qwen_archive, prompt)
+    assert first.tokens == plain.tokens and second.tokens == plain.tokens
+    assert accepted >= 0.6 * len(second.tokens)        # mostly served from accepted drafts
+    third, _ = _archive_run(qwen_archive, prompt, "auto")
+    assert third.tokens == plain.tokens
+    # after a restart, from the disk
+    with reame.Engine(qwen_archive.model, n_ctx=1024, n_slots=2, archive=64 << 20,
+                      archive_dir=os.path.dirname(qwen_archive.archive.dir)) as again:
+        r, accepted = _archive_run(again, prompt)
+        assert r.tokens == plain.tokens and accepted >= 0.6 * len(r.tokens)
+
+
+def test_archive_scopes_never_cross_and_opt_out(qwen_archive):
+    eng = qwen_archive
+    prompt = _chat(eng, "Spell the word 'palimpsest' backwards, then say it forwards.")
+    src = eng.spec.sources["archive"]
+    seen = []
+
+    def spy(seqs, ks):
+        out = reame.ArchiveSource.propose(src, seqs, ks)
+        seen.extend((s.scope, d) for s, d in zip(seqs, out))
+        return out
+    src.propose = spy
+    try:
+        a, _ = _archive_run(eng, prompt, "off", archive="keyA")
+        b, got_b = _archive_run(eng, prompt, archive="keyB")
+        assert b.tokens == a.tokens and got_b == 0
+        assert any(sc == "keyB" for sc, _ in seen) and all(d == [] for sc, d in seen if sc == "keyB")
+        a2, got_a = _archive_run(eng, prompt, archive="keyA")
+        assert a2.tokens == a.tokens and got_a > 0 and any(d for sc, d in seen if sc == "keyA")
+        stored = eng.archive.n_stored
+        c, got_c = _archive_run(eng, prompt, archive=None)     # opted out: neither used nor stored
+        assert c.tokens == a.tokens and got_c == 0 and eng.archive.n_stored == stored
+        assert all(d == [] for sc, d in seen if sc is None)
+    finally:
+        del src.propose
+    with pytest.raises(reame.RequestError):
+        eng.submit(prompt, archive="../etc")
+
+
 # == 11. HTTP server (real socket on port 0, real model) ========================
 
 
@@ -1807,3 +2007,28 @@ def test_serve_cli_answers_and_exits_0_on_sigterm():
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_server_archive_scoped_per_key_and_opt_out(gemma, tmp_path):
+    """Each API key drafts only from its own archive; "reame": {"archive": false} stores nothing."""
+    eng = reame.Engine(gemma.model, n_ctx=1024, n_slots=2, archive=8 << 20, archive_dir=str(tmp_path))
+    srv = reame.Server(eng, "gemma3-270m", host="127.0.0.1", port=0, api_keys=["k1", "k2"])
+    threading.Thread(target=srv.serve_forever, name="test-archive-server", daemon=True).start()
+    try:
+        body = {"messages": [{"role": "user", "content": "Name three rivers."}], "temperature": 0, "max_tokens": 16}
+        for key in ("k1", "k2"):
+            status, payload = _http(srv, "POST", "/v1/chat/completions", body, key=key)
+            assert status == 200, payload
+        eng.archive.flush()
+        scopes = sorted(os.listdir(eng.archive.dir))
+        assert len(scopes) == 2 and "shared" not in scopes and not any(k in "".join(scopes) for k in ("k1", "k2"))
+        stored = eng.archive.n_stored
+        status, payload = _http(srv, "POST", "/v1/chat/completions", dict(body, reame={"archive": False}))
+        assert status == 200 and eng.archive.n_stored == stored
+        status, payload = _http(srv, "POST", "/v1/chat/completions", dict(body, reame={"archive": "no"}))
+        assert status == 400 and "archive" in json.loads(payload)["error"]["message"]
+        status, payload = _http(srv, "GET", "/metrics")
+        assert b"reame_archive_stored_total 2" in payload and b'reame_spec_proposed_tokens_total{source="archive"}' in payload
+    finally:
+        srv.shutdown()
+        eng.close()
