@@ -19,6 +19,8 @@
     python3 bench.py --palimpsest         only the Palimpsest section: the archive on vs off after a
                                           restart (same question, template, function + 1 change,
                                           fresh prose), and the index's build time and memory
+    python3 bench.py --conclave           only the Conclave section: an 8-question quiz, one greedy
+                                          answer vs 5 sequential samples voted vs the Conclave of 5
 
 What it measures (every number is client-side wall clock, taken the same way for both):
 
@@ -1793,20 +1795,26 @@ PAL_FUNCTION = ("Write a Python function `load_inventory(path)` of about 40 line
                 "warehouse items (columns: sku, name, quantity, unit_price, location), skips blank and malformed "
                 "rows with a warning, and returns a dict mapping each location to a list of item dicts and the "
                 "total stock value of that location. Reply with only the code.")
+PAL_EMAIL = ("Write a short order confirmation email to %s for order #%d: %d items, delivery on %s. "
+             "Sign it 'The Northwind Team'.")
+PAL_STORY = "Write a short story (about 200 words) about %s. Do not use any lists."
+# (name, prompts generated before (the archive), the measured prompts: one per repeat, cycled;
+# new ones where a measured run's own output, archived, would make the next repeat a repeat)
 PAL_WORKLOADS = [
-    # (name, prompts generated before (the archive), the measured prompt)
     ("same question", ["Explain in about 120 words how a refrigerator keeps food cold."],
-     "Explain in about 120 words how a refrigerator keeps food cold."),
-    ("template", ["Write a short order confirmation email to %s for order #%d: %d items, delivery on %s. "
-                  "Sign it 'The Northwind Team'." % x for x in
-                  (("Alice Moreau", 10442, 3, "Monday"), ("Bruno Kessler", 10451, 5, "Thursday"),
-                   ("Chiara Neri", 10468, 2, "Friday"))],
-     "Write a short order confirmation email to Dmitri Volkov for order #10477: 4 items, delivery on "
-     "Tuesday. Sign it 'The Northwind Team'."),
+     ["Explain in about 120 words how a refrigerator keeps food cold."]),
+    ("template",
+     [PAL_EMAIL % x for x in (("Alice Moreau", 10442, 3, "Monday"), ("Bruno Kessler", 10451, 5, "Thursday"),
+                              ("Chiara Neri", 10468, 2, "Friday"))],
+     [PAL_EMAIL % x for x in (("Dmitri Volkov", 10477, 4, "Tuesday"), ("Elena Popescu", 10485, 6, "Wednesday"),
+                              ("Farid Haddad", 10490, 1, "Saturday"), ("Greta Lindqvist", 10502, 7, "Monday"))]),
     ("function + 1 change", [PAL_FUNCTION],
-     PAL_FUNCTION + " Name the location dict `by_location` and the function `read_inventory`."),
-    ("fresh prose", [], "Write a short story (about 200 words) about a clockmaker who builds a clock that "
-                        "runs backwards. Do not use any lists."),
+     [PAL_FUNCTION + " " + change for change in (
+         "Name the function `read_inventory`.", "Use `csv.reader` instead of `csv.DictReader`.",
+         "Skip rows whose quantity is zero.", "Round each location's total to two decimals.")]),
+    ("fresh prose", [], [PAL_STORY % t for t in (
+        "a clockmaker who builds a clock that runs backwards", "a beekeeper on a rooftop in Naples",
+        "a cartographer who maps a city that keeps changing", "a night-train conductor who collects lost gloves")]),
 ]
 
 
@@ -1848,11 +1856,13 @@ def run_palimpsest(args) -> dict:
         eng.close()
         eng = reame.Engine(model, n_ctx=args.ctx, n_slots=1, n_threads=args.threads, archive=256 << 20,
                            archive_dir=root, draft=None)  # restarted: reads the archive from disk
-        for name, _, text in PAL_WORKLOADS:
-            toks = chat_tokens(eng, text)
-            eng.submit(toks, reame.SamplingParams(temperature=0, max_tokens=2), archive=None).wait()  # warm KV
+        for name, _, texts in PAL_WORKLOADS:
             runs, acc, outs = {"off": [], "on": []}, {"off": [0, 0], "on": [0, 0]}, {"off": [], "on": []}
+            equal = True
             for rep in range(args.repeats):
+                toks = chat_tokens(eng, texts[rep % len(texts)])
+                eng.submit(toks, reame.SamplingParams(temperature=0, max_tokens=2), archive=None).wait()  # warm KV
+                ref = None
                 for cfg in (("off", "on") if rep % 2 == 0 else ("on", "off")):
                     before = eng.stats()["spec"]
                     r = eng.submit(toks, params, archive="shared" if cfg == "on" else None).wait()
@@ -1862,14 +1872,16 @@ def run_palimpsest(args) -> dict:
                     acc[cfg][0] += after["archive"]["accepted"] - before["archive"]["accepted"]
                     acc[cfg][1] += after["archive"]["proposed"] - before["archive"]["proposed"]
                     outs[cfg].append(r.tokens)
+                    equal = equal and (ref is None or r.tokens == ref)
+                    ref = r.tokens
                     log("palimpsest %s / archive %s: %.2f tok/s (%d tokens)" % (name, cfg, runs[cfg][-1] or 0,
                                                                                r.n_gen_tok))
-                    if cfg == "on":  # only the first "on" run's drafts come from earlier processes alone
+                    if cfg == "on":
                         eng.archive.flush()
             off, on = median(runs["off"]), median(runs["on"])
             out["workloads"][name] = {"off": runs["off"], "on": runs["on"], "ratio": on / off if off else None,
                                       "accepted": acc["on"], "tokens": len(outs["on"][0]),
-                                      "greedy_equal": all(o == outs["off"][0] for o in outs["off"] + outs["on"])}
+                                      "greedy_equal": equal}
         out["archive"] = eng.stats()["archive"]
         eng.close()
     finally:
@@ -1900,6 +1912,80 @@ def run_palimpsest_only(args) -> dict:
     """--palimpsest: only the Palimpsest section."""
     return {"palimpsest": run_palimpsest(args), "config": {"model": args.model, "threads": args.threads,
                                                            "reame_version": getattr(reame, "__version__", "?")}}
+
+
+# -- the Conclave (--conclave) ------------------------------------------------------------
+
+QUIZ = [("What is 17 multiplied by 23?", "391"),
+        ("A train travels at 60 km per hour for 2.5 hours. How many km does it travel?", "150"),
+        ("Tom has 3 boxes with 12 apples each. He gives away 9 apples. How many apples does he have left?", "27"),
+        ("What is 144 divided by 12, plus 7?", "19"),
+        ("A shirt costs 40 dollars and is discounted by 25 percent. What is the new price in dollars?", "30"),
+        ("5 workers build a wall in 12 days. How many days do 10 workers need at the same rate?", "6"),
+        ("What is the sum of the whole numbers from 1 to 10?", "55"),
+        ("Anna is 3 times as old as her son, who is 12. How old will Anna be in 5 years?", "41")]
+QUIZ_SUFFIX = " Reply briefly and end with the final answer as a number on the last line."
+
+
+def run_conclave_bench(args) -> dict:
+    """An 8-question quiz: one greedy answer, 5 sequential samples voted, the Conclave of 5."""
+    model = reame.Model(reame.resolve_model(args.model))
+    eng = reame.Engine(model, n_ctx=args.ctx, n_slots=args.best_of, n_threads=args.threads, draft=None)
+    n, out = args.best_of, {"config": {"model": args.model, "threads": args.threads, "best_of": args.best_of,
+                                      "max_tokens": args.gen_tokens, "questions": len(QUIZ)}}
+    noise = CpuNoise()
+    rows = {"greedy": [], "sequential": [], "conclave": []}
+    times = {k: 0.0 for k in rows}
+    try:
+        prompts = [chat_tokens(eng, q + QUIZ_SUFFIX) for q, _ in QUIZ]
+        for p in prompts:  # warm the prompts' KV: every configuration starts from the same cache
+            eng.submit(p, reame.SamplingParams(temperature=0, max_tokens=1), archive=None).wait()
+        for qi, ((q, right), p) in enumerate(zip(QUIZ, prompts)):
+            t0 = time.perf_counter()
+            r = eng.submit(p, reame.SamplingParams(temperature=0, max_tokens=args.gen_tokens), archive=None).wait()
+            times["greedy"] += time.perf_counter() - t0
+            rows["greedy"].append(reame.extract_answer(r.text, "last_number"))
+            t0 = time.perf_counter()
+            answers = []
+            for i in range(n):
+                r = eng.submit(p, reame.SamplingParams(temperature=0.7, seed=100 * qi + i,
+                                                       max_tokens=args.gen_tokens), archive=None).wait()
+                answers.append(reame.extract_answer(r.text, "last_number"))
+            times["sequential"] += time.perf_counter() - t0
+            rows["sequential"].append(reame.conclave_vote(answers, n)[0])
+            t0 = time.perf_counter()
+            res = reame.run_conclave(eng, p, reame.SamplingParams(temperature=0.7, seed=100 * qi,
+                                                                  max_tokens=args.gen_tokens), n, archive=None)
+            times["conclave"] += time.perf_counter() - t0
+            rows["conclave"].append(res.answer)
+            log("conclave: Q%d (%s): greedy %s, sequential %s, conclave %s (votes %s, %d cancelled)" % (
+                qi + 1, right, rows["greedy"][-1], rows["sequential"][-1], res.answer, res.votes, res.n_cancelled))
+    finally:
+        eng.close()
+        model.close()
+    out["results"] = {k: {"answers": v, "correct": sum(a == right for a, (_, right) in zip(v, QUIZ)),
+                          "wall_s": times[k]} for k, v in rows.items()}
+    out["noise"] = noise.report()
+    return out
+
+
+def print_conclave(cb: dict, w) -> None:
+    c = cb["config"]
+    w("The Conclave: %s, %d threads, %d questions, best of %d, up to %d tokens per answer\n" % (
+        c["model"], c["threads"], c["questions"], c["best_of"], c["max_tokens"]))
+    seq = cb["results"]["sequential"]["wall_s"]
+    for k, label in (("greedy", "one greedy answer"), ("sequential", "%d samples, one after another, voted"
+                                                        % c["best_of"]),
+                     ("conclave", "the Conclave (%d in one batch, early stop)" % c["best_of"])):
+        r = cb["results"][k]
+        w("  %-44s %d/%d correct  %6.1f s  (%.2fx the sequential time)\n" % (
+            label, r["correct"], c["questions"], r["wall_s"], r["wall_s"] / seq if seq else 0))
+
+
+def run_conclave_only(args) -> dict:
+    """--conclave: only the Conclave section."""
+    return {"conclave": run_conclave_bench(args), "config": {"model": args.model, "threads": args.threads,
+                                                             "reame_version": getattr(reame, "__version__", "?")}}
 
 
 # -- the run ---------------------------------------------------------------------------
@@ -2182,6 +2268,9 @@ def print_table(out: dict, stream=sys.stdout) -> None:
     if "palimpsest" in out:
         print_palimpsest(out["palimpsest"], w)
         return
+    if "conclave" in out:
+        print_conclave(out["conclave"], w)
+        return
     w("Reame vs llama-server: %s, %d threads, median of %d alternating repeats, temperature 0\n"
       % (c["model"], c["threads"], c["repeats"]))
     if "metrics" in out:
@@ -2290,6 +2379,10 @@ def parse_args(argv=None):
                    help="only the Palimpsest section: archive on vs off after a restart on four workloads "
                         "(the same question, a template, a function with one change, fresh prose), and the "
                         "archive index's build time and memory")
+    p.add_argument("--conclave", action="store_true",
+                   help="only the Conclave section: an 8-question quiz answered greedily, by 5 sequential "
+                        "samples voted, and by the Conclave of 5 (correct answers and wall time)")
+    p.add_argument("--best-of", type=int, default=5, help="--conclave: candidates (default 5)")
     p.add_argument("--archive-index-tokens", type=int, default=25_000_000,
                    help="--palimpsest: tokens of the synthetic archive whose index build is timed "
                         "(default 25M: a 100 MB archive)")
@@ -2310,6 +2403,8 @@ def parse_args(argv=None):
     if args.spec:
         args.repeats = args.repeats or 2
         args.gen_tokens = args.gen_tokens or (48 if q else 96)
+    if args.conclave:
+        args.gen_tokens = args.gen_tokens or (64 if q else 160)
     if args.palimpsest:
         args.repeats = args.repeats or 2
         args.gen_tokens = args.gen_tokens or (64 if q else 160)
@@ -2347,7 +2442,8 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _sigterm)
     try:
         out = (run_prefix_only(args) if args.prefix_cache else run_http_only(args) if args.http else
-               run_spec_only(args) if args.spec else run_palimpsest_only(args) if args.palimpsest else run(args))
+               run_spec_only(args) if args.spec else run_palimpsest_only(args) if args.palimpsest else
+               run_conclave_only(args) if args.conclave else run(args))
     except KeyboardInterrupt:
         log("interrupted")
         return 130

@@ -24,8 +24,9 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
    10. Palimpsest: the archive of generations
    11. Speculation: draft sources and the controller
    12. Engine: the scheduler thread and continuous batching
-   13. HTTP server (OpenAI-compatible)
-   14. Command line
+   13. The Conclave: best-of-N in one batch, voted
+   14. HTTP server (OpenAI-compatible)
+   15. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -74,7 +75,8 @@ __all__ = [
     "SPEC_MODES", "SpecOptions", "expected_tokens", "spec_gain", "choose_k", "worth_it", "CostModel", "Acceptance",
     "lookup_draft", "NgramIndex", "SpecState", "DraftSource", "PromptLookup", "check_draft_pair", "DraftModel",
     "SpecController", "vocab_fingerprint", "pal_record", "pal_parse", "pal_segments", "pal_append", "ngram_key",
-    "ArchiveIndex", "Palimpsest", "ArchiveSource",
+    "ArchiveIndex", "Palimpsest", "ArchiveSource", "VOTE_EXTRACTORS", "check_extractor", "extract_answer",
+    "conclave_vote", "ConclaveResult", "run_conclave",
 ]
 
 log = logging.getLogger("reame")
@@ -1903,7 +1905,7 @@ class ArchiveIndex:
         lo = bisect.bisect_left(base, key << 32)
         hi = bisect.bisect_left(base, (key + 1) << 32, lo)
         got = [e & 0xFFFFFFFF for e in base[max(lo, hi - self.max_cands):hi]]
-        return (got + self._delta[n].get(key, []))[-self.max_cands:]
+        return (got + self._delta[n].get(key, [])[-self.max_cands:])[-self.max_cands:]
 
     def draft(self, seq: Sequence[int], k: int) -> List[int]:
         """Up to k tokens: what followed the longest archived match of seq's end (the
@@ -1944,15 +1946,16 @@ class ArchiveIndex:
         return out
 
     def nbytes(self) -> int:
-        return (self.tokens.itemsize * len(self.tokens) + sum(a.itemsize * len(a) for a in self._base.values())
-                + sum(len(d) * 100 + sum(len(v) for v in d.values()) * 8 for d in self._delta.values()))
+        """Memory of the tokens and the sorted entries (the delta, a dict, is roughly
+        100 bytes per n-gram more; it is folded in once it is a quarter of the base)."""
+        return self.tokens.itemsize * len(self.tokens) + sum(a.itemsize * len(a) for a in list(self._base.values()))
 
 
 def pal_segments(path: str) -> List[str]:
     """An archive directory's segment files, oldest first."""
     try:
         return sorted(f for f in os.listdir(path) if f.startswith("seg-") and f.endswith(".pal"))
-    except FileNotFoundError:
+    except OSError:  # none yet, or unreadable (then nothing to draft from)
         return []
 
 
@@ -2057,8 +2060,9 @@ class Palimpsest:
         self.max_bytes = max_bytes
         self._scopes: dict = {}   # scope -> _ScopeArchive (the scheduler's)
         self._pending: "queue.Queue" = queue.Queue(maxsize=256)
-        self.n_stored = 0         # runs queued for the disk (counter)
-        self.n_dropped = 0        # runs not stored: the writer was behind, or failed
+        self.n_stored = 0         # runs queued for the disk (the scheduler's counter)
+        self.n_skipped = 0        # runs not queued: the writer was behind (the scheduler's)
+        self.n_failed = 0         # runs the writer could not append (the writer's)
         self._thread = threading.Thread(target=self._writer, name="reame-archive-writer", daemon=True)
         self._thread.start()
 
@@ -2082,7 +2086,7 @@ class Palimpsest:
             self._pending.put_nowait((name, pal_record(ctx + list(output), len(ctx))))
             self.n_stored += 1
         except queue.Full:
-            self.n_dropped += 1
+            self.n_skipped += 1
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until the queued runs are on disk (tests, bench)."""
@@ -2101,8 +2105,9 @@ class Palimpsest:
             try:
                 pal_append(os.path.join(self.dir, name), record, self.max_bytes)
             except OSError as e:
-                self.n_dropped += 1
-                log.warning("archive: could not append to %s (%s)", self.dir, e)
+                self.n_failed += 1
+                if self.n_failed == 1:  # once: an unwritable disk would say it on every request
+                    log.warning("archive: could not append to %s (%s); generations are not archived", self.dir, e)
 
     def stats(self) -> dict:
         return {name: {"runs": sa.index.n_runs, "tokens": len(sa.index.tokens), "index_bytes": sa.index.nbytes(),
@@ -3002,7 +3007,7 @@ class Engine:
                 "kv_cells_total": self.n_ctx * self.n_slots, "spec": self.spec.stats(),
                 "fast_verify_steps": self.n_fast_verify_steps,
                 "archive": None if self.archive is None else {
-                    "stored": self.archive.n_stored, "dropped": self.archive.n_dropped,
+                    "stored": self.archive.n_stored, "dropped": self.archive.n_skipped + self.archive.n_failed,
                     "scopes": self.archive.stats()}}
 
     def close(self) -> None:
@@ -3373,7 +3378,154 @@ class Engine:
                     req._finish(None, error)
 
 
-# == 13. HTTP server ============================================================
+# == 13. The Conclave: best-of-N in one batch, voted =============================
+# N candidates of one prompt: one prefill, its KV copied to N-1 more slots
+# (Engine.submit_n), all decoded in the same steps with different seeds. As each
+# finishes, its answer is extracted and tallied; once one answer holds an absolute
+# majority of the N, the rest cannot change the outcome and are cancelled. Voting
+# fixes variance (a small model's random slips), not bias: an answer the model gets
+# wrong most of the time wins the vote too.
+
+VOTE_EXTRACTORS = ("last_number", "last_line", "text", "json:<field>", "regex:<pattern>")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def check_extractor(how: str) -> str:
+    """A valid extractor name, or a RequestError naming what is wrong."""
+    if how in ("last_number", "last_line", "text"):
+        return how
+    if how.startswith("json:") and len(how) > 5:
+        return how
+    if how.startswith("regex:"):
+        try:
+            if re.compile(how[6:]).groups < 1:
+                raise RequestError("'vote' regex %r needs a group: the answer is its first group" % how[6:],
+                                   code="invalid_value")
+        except re.error as e:
+            raise RequestError("'vote' regex %r does not compile: %s" % (how[6:], e), code="invalid_value")
+        return how
+    raise RequestError("'vote' must be one of %s" % ", ".join(VOTE_EXTRACTORS), code="invalid_value")
+
+
+def extract_answer(text: str, how: str) -> Optional[str]:
+    """The answer a candidate gave, normalized so equal answers compare equal; None when
+    it has none (it does not vote). last_number: the last number (commas dropped, 42.0
+    is 42); last_line: the last non-empty line; text: the whole text, whitespace and
+    case normalized; json:FIELD: FIELD of the last JSON object in the text that has it;
+    regex:PATTERN: the first group of the pattern's last match."""
+    if how == "last_number":
+        nums = _NUMBER.findall(text)
+        if not nums:
+            return None
+        num = nums[-1].replace(",", "")
+        try:
+            v = float(num)
+        except ValueError:
+            return None
+        return "%d" % v if v == int(v) and abs(v) < 1e15 else repr(v)
+    if how == "last_line":
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return lines[-1] if lines else None
+    if how == "text":
+        return " ".join(text.split()).lower() or None
+    if how.startswith("json:"):
+        field, found, dec = how[5:], None, json.JSONDecoder()
+        for i, ch in enumerate(text):
+            if ch == "{":
+                try:
+                    obj, _ = dec.raw_decode(text, i)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict) and field in obj:
+                    found = obj[field]
+        if found is None:
+            return None
+        return " ".join(found.split()) if isinstance(found, str) else json.dumps(found, sort_keys=True)
+    if how.startswith("regex:"):
+        last = None
+        for last in re.finditer(how[6:], text):
+            pass
+        return last.group(1).strip() if last is not None and last.group(1) is not None else None
+    raise RequestError("unknown extractor %r" % how)
+
+
+def conclave_vote(answers: Sequence[Optional[str]], n: int) -> tuple:
+    """(winner, counts, decided) from the answers in the order their candidates finished
+    (None: not extracted, does not vote), out of n candidates. decided: the winner holds
+    more than n/2 votes, so the unfinished cannot change it. Otherwise the plurality
+    wins, a tie going to the answer that finished first; (None, {}, False) without votes."""
+    counts: dict = {}
+    for a in answers:
+        if a is not None:
+            counts[a] = counts.get(a, 0) + 1
+            if 2 * counts[a] > n:
+                return a, counts, True
+    if not counts:
+        return None, counts, False
+    best = max(counts.values())
+    return next(a for a in answers if a is not None and counts[a] == best), counts, False
+
+
+@dataclasses.dataclass
+class ConclaveResult:
+    id: str                         # the first candidate's request id
+    winner: Optional[Result]        # the earliest-finished candidate with the winning answer
+    answer: Optional[str]
+    votes: dict                     # answer -> candidates that gave it
+    results: List[Result]           # every candidate, by index (cancelled ones included)
+    n_finished: int
+    n_cancelled: int
+    n_saved_tok: int                # an estimate: tokens the cancelled ones did not generate
+
+
+def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vote: str = "last_number",
+                 early_stop: bool = True, on_event=None, **submit_kw) -> ConclaveResult:
+    """Submit n candidates (one prefill), tally them as they finish, cancel the rest once
+    an answer has an absolute majority (early_stop). ``on_event(kind, payload, index)``
+    sees every engine event (streaming). Raises the first candidate error."""
+    check_extractor(vote)
+    if params.temperature <= 0:
+        raise RequestError("best_of needs a temperature above 0 (identical greedy candidates cannot vote)",
+                           code="invalid_value")
+    reqs = engine.submit_n(prompt, params, n, **submit_kw)
+    results: List[Optional[Result]] = [None] * n
+    order: List[int] = []                # finished candidates, in order
+    answers: List[Optional[str]] = []
+    decided, left = False, n
+    try:
+        while left:
+            kind, payload, i = reqs[0].events.get()
+            if on_event is not None:
+                on_event(kind, payload, i)
+            if kind == "error":
+                raise payload
+            if kind != "done":
+                continue
+            left -= 1
+            results[i] = payload
+            if payload.finish_reason == "cancelled":
+                continue
+            order.append(i)
+            answers.append(extract_answer(payload.text, vote))
+            if early_stop and not decided and conclave_vote(answers, n)[2]:
+                decided = True
+                for r in reqs:
+                    r.cancel()  # finished ones ignore it; the others free their slots next step
+    finally:
+        for r in reqs:
+            if results[r.index] is None:
+                r.cancel()
+    answer, counts, _ = conclave_vote(answers, n)
+    winner = next((results[i] for i, a in zip(order, answers) if a == answer), None) if answer is not None else (
+        results[order[0]] if order else None)
+    done = [results[i] for i in order]
+    cancelled = [r for r in results if r is not None and r.finish_reason == "cancelled"]
+    mean = sum(r.n_gen_tok for r in done) / len(done) if done else 0
+    return ConclaveResult(reqs[0].id, winner, answer, counts, [r for r in results if r is not None], len(done), len(cancelled),
+                          int(sum(max(0.0, mean - r.n_gen_tok) for r in cancelled)))
+
+
+# == 14. HTTP server ============================================================
 # OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
 # thread per connection: it validates, templates, submits to the Engine, and writes
 # JSON or SSE from the Request's events. It never touches the llama context.
@@ -3428,7 +3580,7 @@ def params_from_body(body: dict, max_tokens_cap: int) -> SamplingParams:
     ).validate()
 
 
-_EXTENSION_FIELDS = ("spec", "spec_max", "spec_sources", "archive")
+_EXTENSION_FIELDS = ("spec", "spec_max", "spec_sources", "archive", "vote", "early_stop", "candidates")
 _SPEC_SOURCES = ("lookup", "archive", "draft")
 
 
@@ -3686,6 +3838,7 @@ class Server:
         self.h_ttft = _Histogram((0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.h_token = _Histogram((0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.t_request = 0.0   # mean request time, for Retry-After (EMA)
+        self.conclave: dict = collections.Counter()  # conclaves, candidates started/finished/cancelled, saved
         # Slow-client watchdog: connection -> deadline while reading a request head or body.
         self._reading: dict = {}
         self._stop = threading.Event()
@@ -3943,6 +4096,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if sid is not None and n != 1:
             raise RequestError("a session continues one answer: 'n' must be 1 with 'session_id'",
                                code="invalid_value")
+        best_of = _field(body, "best_of", int, 1, check=lambda v: 1 <= v <= eng.n_slots,
+                         why="an integer from 1 to %d (the server's --parallel)" % eng.n_slots)
+        ext = _extension(body)
+        if best_of > 1:
+            if n != 1 or sid is not None:
+                raise RequestError("'best_of' answers with one voted choice: not with 'n' > 1 or a session",
+                                   code="invalid_value")
+            check_extractor(_field(ext, "vote", str, "last_number", why="an extractor name"))
+            if body.get("temperature") is None:  # candidates must differ to vote
+                params = dataclasses.replace(params, temperature=0.7)
+            if params.temperature <= 0:
+                raise RequestError("'best_of' needs a temperature above 0 (greedy candidates would all agree)",
+                                   code="invalid_value")
         if chat:
             messages = _messages_from_body(body)
         else:
@@ -3969,6 +4135,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 raise RequestError("prompt (%d tokens) plus max_tokens (%d) is over the context (%d tokens "
                                    "per sequence)" % (len(tokens), params.max_tokens, eng.n_ctx),
                                    code="context_length_exceeded")
+            if best_of > 1:
+                self._conclave(tokens, params, best_of, ext, chat, stream, bool(opts.get("include_usage")),
+                               snap_at=eng.prefix_boundary(history, tokens) if chat else (), spec=spec,
+                               archive=archive)
+                return
             reqs = eng.submit_n(tokens, params, n, cache_tag=session.tag if session else None,
                                 snap_at=eng.prefix_boundary(history, tokens) if chat else (), spec=spec,
                                 archive=archive)
@@ -3996,6 +4167,77 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         finally:
             if session is not None:
                 srv.sessions.end(session)
+
+    def _conclave(self, tokens, params, n, ext, chat, stream, include_usage, **submit_kw) -> None:
+        """best_of: n candidates voted (section 13). The response has one choice, the
+        winner, and a "conclave" object: the answer, the votes, candidates finished and
+        cancelled (and each candidate with "reame": {"candidates": true}). Streaming
+        sends the winner once decided, or, with candidates, every candidate's text as
+        it comes, tagged by its index, then the result."""
+        srv = self.server_ref
+        vote = _field(ext, "vote", str, "last_number")
+        early = _field(ext, "early_stop", bool, True, why="a boolean")
+        want = _field(ext, "candidates", bool, False, why="a boolean")
+        obj = "chat.completion" if chat else "text_completion"
+        rid = ("chatcmpl-" if chat else "cmpl-") + "conclave-" + os.urandom(6).hex()
+        base = {"id": rid, "object": obj + (".chunk" if chat and stream else ""), "created": int(time.time()),
+                "model": srv.model_name}
+
+        def choice(r, i=0, delta=False):
+            if chat:
+                return {"index": i, ("delta" if delta else "message"): {"role": "assistant", "content": r.text},
+                        "finish_reason": r.finish_reason, "logprobs": None}
+            return {"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
+
+        def send(payload):
+            self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+            self.wfile.flush()
+
+        def on_event(kind, payload, i):  # candidates streamed as they come, tagged by index
+            if kind == "text":
+                c = {"index": i, "finish_reason": None, "logprobs": None}
+                c.update({"delta": {"content": payload}} if chat else {"text": payload})
+                send(dict(base, choices=[c]))
+        if stream:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()
+            self.close_connection = True
+        try:
+            res = run_conclave(srv.engine, tokens, params, n, vote=vote, early_stop=early,
+                               on_event=on_event if stream and want else None, **submit_kw)
+        except ReameError as e:
+            if not stream:
+                raise
+            send(_openai_error(e))
+            self.wfile.write(b"data: [DONE]\n\n")
+            srv.count(e.status)
+            self._status = e.status
+            return
+        with srv._lock:
+            c = srv.conclave
+            c["runs"] += 1
+            c["started"] += n
+            c["finished"] += res.n_finished
+            c["cancelled"] += res.n_cancelled
+            c["saved_tokens"] += res.n_saved_tok
+        info = {"answer": res.answer, "votes": res.votes, "vote": vote, "candidates_total": n,
+                "finished": res.n_finished, "cancelled": res.n_cancelled, "tokens_saved_estimate": res.n_saved_tok}
+        if want:
+            info["candidates"] = [dict(choice(r, r.index), answer=extract_answer(r.text, vote)
+                                       if r.finish_reason != "cancelled" else None) for r in res.results]
+        winner = res.winner or Result("", [], "cancelled", len(tokens), 0)
+        usage = _usage(res.results) if res.results else _usage([winner])
+        self._results = [winner]
+        srv.count(200, [winner])
+        if not stream:
+            self._send_json(200, dict(base, choices=[choice(winner)], usage=usage, conclave=info))
+            return
+        send(dict(base, choices=[choice(winner, delta=True)]))
+        send(dict(base, choices=[], conclave=info, **({"usage": usage} if include_usage else {})))
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
 
     def _stream(self, reqs: List[Request], rid: str, chat: bool, include_usage: bool) -> List[Result]:
         """SSE in OpenAI's chunk format for all n choices. Returns the results ([] if cut short)."""
@@ -4113,6 +4355,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                   ("estimated_speedup", "gain", "gauge")):
             lines.append("# TYPE reame_spec_%s %s" % (metric, kind))
             lines += ['reame_spec_%s{source="%s"} %s' % (metric, name, c[key]) for name, c in sorted(spec.items())]
+        with self.server_ref._lock:
+            conc = dict(self.server_ref.conclave)
+        lines += ["# TYPE reame_conclaves_total counter", "reame_conclaves_total %d" % conc.get("runs", 0),
+                  "# TYPE reame_conclave_candidates_total counter"]
+        lines += ['reame_conclave_candidates_total{state="%s"} %d' % (k, conc.get(k, 0))
+                  for k in ("started", "finished", "cancelled")]
+        lines += ["# TYPE reame_conclave_tokens_saved_total counter",
+                  "reame_conclave_tokens_saved_total %d" % conc.get("saved_tokens", 0)]
         arc = st["archive"]
         if arc is not None:  # Palimpsest: runs stored, and what this process has read, per scope
             lines += ["# TYPE reame_archive_stored_total counter", "reame_archive_stored_total %d" % arc["stored"],
@@ -4128,7 +4378,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-# == 14. Command line ===========================================================
+# == 15. Command line ===========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
@@ -4224,6 +4474,11 @@ def _build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=None, help="sampling seed (default random)")
     r.add_argument("--system", default=None, help="a system message")
     r.add_argument("--raw", action="store_true", help="complete PROMPT as plain text, without the chat template")
+    r.add_argument("--best-of", type=int, default=1, metavar="N", help="the Conclave: N candidates decoded "
+                   "together from one prefill, answers voted, the rest cancelled once one answer has a majority; "
+                   "prints the winner and the votes (needs --temperature > 0)")
+    r.add_argument("--vote", default="last_number", help="--best-of's answer extractor: last_number (default), "
+                   "last_line, text, json:FIELD or regex:PATTERN (its first group)")
 
     sv = sub.add_parser("serve", help="serve MODEL over an OpenAI-compatible HTTP API",
                         description="Serve MODEL at /v1/chat/completions, /v1/completions, /v1/models, "
@@ -4295,7 +4550,13 @@ def _cmd_run(args) -> int:
     _ensure_library()
     path = resolve_model(args.model)
     params = SamplingParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens).validate()
-    engine = Engine(path, n_slots=1, **_engine_kwargs(args))
+    if args.best_of < 1 or args.best_of > 16:
+        raise RequestError("--best-of must be between 1 and 16")
+    if args.best_of > 1:
+        check_extractor(args.vote)
+        if args.temperature <= 0:
+            raise RequestError("--best-of needs --temperature above 0 (greedy candidates would all agree)")
+    engine = Engine(path, n_slots=args.best_of, **_engine_kwargs(args))
     try:
         prompt = args.prompt
         if prompt is None and not sys.stdin.isatty():
@@ -4303,6 +4564,13 @@ def _cmd_run(args) -> int:
         if prompt is not None:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             messages.append({"role": "user", "content": prompt})
+            if args.best_of > 1:
+                tokens = engine.model.tokenize(prompt) if args.raw else engine.chat_prompt(messages)
+                res = run_conclave(engine, tokens, params, args.best_of, vote=args.vote)
+                sys.stdout.write((res.winner.text if res.winner else "") + "\n")
+                sys.stderr.write("conclave: answer %r, votes %s; %d finished, %d cancelled\n" % (
+                    res.answer, json.dumps(res.votes), res.n_finished, res.n_cancelled))
+                return 0
             _answer(engine, messages, params, raw=args.raw)
             return 0
         return _chat_loop(engine, params, args.system)

@@ -1464,6 +1464,59 @@ def test_archive_scopes_never_cross_and_opt_out(qwen_archive):
         eng.submit(prompt, archive="../etc")
 
 
+# == 13. The Conclave ===========================================================
+
+
+def test_conclave_extractors():
+    x = reame.extract_answer
+    assert x("So 3 + 4 = 7.\nThe answer is 1,234.0", "last_number") == "1234"
+    assert x("-2.50 then 3.25", "last_number") == "3.25" and x("no digits", "last_number") is None
+    assert x("a\n\n  Paris  \n\n", "last_line") == "Paris" and x("  \n", "last_line") is None
+    assert x("  The  ANSWER\n is  Yes ", "text") == "the answer is yes"
+    assert x('x {"a": 1} y {"answer": "Rome ", "b": 2} z', "json:answer") == "Rome"
+    assert x('{"answer": [1, 2]}', "json:answer") == "[1, 2]" and x("{broken", "json:answer") is None
+    assert x("Answer: B. Later, Answer: C", r"regex:Answer: (\w)") == "C"
+    for bad in ("nope", "json:", "regex:(", "regex:abc"):
+        with pytest.raises(reame.RequestError):
+            reame.check_extractor(bad)
+
+
+def test_conclave_vote_majority_ties_and_unextractable():
+    vote = reame.conclave_vote
+    assert vote(["7", "7", "7"], 5) == ("7", {"7": 3}, True)          # 3 of 5: decided, stop the rest
+    assert vote(["7", "8", "7"], 5) == ("7", {"7": 2, "8": 1}, False)  # no majority yet: plurality
+    assert vote(["8", "7", "7", "8"], 5) == ("8", {"8": 2, "7": 2}, False)  # tie: the earliest finished
+    assert vote([None, None, "3"], 5) == ("3", {"3": 1}, False)        # unextractable answers do not vote
+    assert vote([None, None], 5) == (None, {}, False)
+    assert vote(["a", "a"], 3)[2] and not vote(["a", "a"], 4)[2]       # more than half of N
+
+
+@pytest.fixture(scope="module")
+def qwen5():
+    eng = reame.Engine(_model_path("qwen2.5-coder-0.5b"), n_ctx=1024, n_slots=5)
+    yield eng
+    eng.close()
+
+
+def test_conclave_one_prefill_shared_steps_early_stop(qwen5):
+    eng = qwen5
+    prompt = _chat(eng, "A shop sells pens at 3 dollars each. How much do 14 pens cost? Think step by step, "
+                        "then give the final answer as a number.")
+    before = eng.stats()
+    res = reame.run_conclave(eng, prompt, reame.SamplingParams(temperature=0.7, seed=3, max_tokens=160), 5)
+    after = eng.stats()
+    assert after["prefills"] - before["prefills"] == 1                  # one prefill for five candidates
+    assert after["steps"] - before["steps"] < sum(r.n_gen_tok for r in res.results)  # decoded in shared steps
+    assert res.answer == "42" and res.votes["42"] >= 3 and res.winner.text
+    assert res.n_cancelled >= 1 and res.n_finished + res.n_cancelled == 5  # early stop cut the stragglers
+    assert any(r.finish_reason == "cancelled" for r in res.results)
+    full = reame.run_conclave(eng, prompt, reame.SamplingParams(temperature=0.7, seed=3, max_tokens=160), 5,
+                              early_stop=False)
+    assert full.n_finished == 5 and full.n_cancelled == 0 and full.answer == "42"
+    with pytest.raises(reame.RequestError):
+        reame.run_conclave(eng, prompt, reame.SamplingParams(temperature=0), 3)
+
+
 # == 11. HTTP server (real socket on port 0, real model) ========================
 
 
@@ -2032,3 +2085,24 @@ def test_server_archive_scoped_per_key_and_opt_out(gemma, tmp_path):
     finally:
         srv.shutdown()
         eng.close()
+
+
+def test_server_best_of(server):
+    body = {"messages": [{"role": "user", "content": "What is 2 plus 2? Answer with a number."}],
+            "max_tokens": 24, "best_of": 3, "seed": 1, "reame": {"vote": "last_number", "candidates": True}}
+    status, payload = _http(server, "POST", "/v1/chat/completions", body)
+    assert status == 200, payload
+    out = json.loads(payload)
+    c = out["conclave"]
+    assert len(out["choices"]) == 1 and c["candidates_total"] == 3 and len(c["candidates"]) == 3
+    assert c["finished"] + c["cancelled"] == 3 and sum(c["votes"].values()) <= c["finished"]
+    if c["answer"] is not None:
+        assert reame.extract_answer(out["choices"][0]["message"]["content"], "last_number") == c["answer"]
+    status, payload = _http(server, "POST", "/v1/chat/completions", dict(body, stream=True))
+    events = _sse(payload)
+    assert status == 200 and any("conclave" in e for e in events if isinstance(e, dict))
+    for bad in ({"n": 2}, {"temperature": 0}, {"reame": {"vote": "nope"}}, {"best_of": 99}):
+        status, payload = _http(server, "POST", "/v1/chat/completions", dict(body, **bad))
+        assert status == 400, (bad, payload)
+    status, payload = _http(server, "GET", "/metrics")
+    assert b"reame_conclaves_total 2" in payload and b'reame_conclave_candidates_total{state="started"} 6' in payload
