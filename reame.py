@@ -1962,7 +1962,8 @@ def pal_segments(path: str) -> List[str]:
 def pal_append(path: str, record: bytes, max_bytes: int) -> None:
     """Append one record under the directory's lock: a new segment when the last one
     is full (an eighth of the bound), then the oldest segments go while over the bound."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    for d in (os.path.dirname(os.path.dirname(path)), os.path.dirname(path), path):  # root, vocabulary, scope
+        os.makedirs(d, mode=0o700, exist_ok=True)  # (makedirs gives the mode to the last one only)
     seg_bytes = max(1 << 20, max_bytes // 8)
     with _FileLock(os.path.join(path, ".lock")):
         segs = pal_segments(path)
