@@ -1723,11 +1723,16 @@ _PAL_CONTEXT_TOK = 48                # prompt tokens kept before each generation
 _VOCAB_PROBE = "Reame drafts: def f(x):\n    return {'a': [1, 2.5]}  # ünïcode 東京 🙂"
 
 
+def _vocab_sample(n_vocab: int) -> List[int]:
+    """The token ids whose pieces stand for a vocabulary (every 509th, and the last)."""
+    return list(range(0, n_vocab, 509)) + [n_vocab - 1]
+
+
 def vocab_fingerprint(model: "Model") -> str:
     """A tokenizer's identity: models that tokenize alike share an archive."""
     h = hashlib.sha256(b"%d|" % model.n_vocab)
     h.update(repr(model.tokenize(_VOCAB_PROBE, add_special=False)).encode())
-    for i in list(range(0, model.n_vocab, 509)) + [model.n_vocab - 1]:
+    for i in _vocab_sample(model.n_vocab):
         h.update(model.piece(i) + b"|")
     return h.hexdigest()[:16]
 
@@ -1794,6 +1799,17 @@ def ngram_key(tokens: Sequence[int]) -> int:
     return h >> 32
 
 
+def _ngrams(tokens: Sequence[int], n: int, start: int = 0) -> Iterator[tuple]:
+    """(key, position after it) of every n-gram of tokens[start:] not crossing a
+    separator (a negative token); tokens[start - 1], if any, ends a run."""
+    run_start = start
+    for i in range(start, len(tokens)):
+        if tokens[i] < 0:
+            run_start = i + 1
+        elif i + 1 - run_start >= n:
+            yield ngram_key(tokens[i + 1 - n:i + 1]), i + 1
+
+
 class ArchiveIndex:
     """Token runs (generations with their context) -> drafts: the longest archived
     n-gram ending the sequence, then the continuation most runs took after it.
@@ -1831,16 +1847,11 @@ class ArchiveIndex:
 
     def index_tail(self) -> None:
         """Index the appended tokens not indexed yet into the delta (pure Python)."""
-        toks, start = self.tokens, self._indexed
         for n in self.lengths:
             d = self._delta[n]
-            run_start = start
-            for i in range(start, len(toks)):
-                if toks[i] < 0:
-                    run_start = i + 1
-                elif i + 1 - run_start >= n:
-                    d.setdefault(ngram_key(toks[i + 1 - n:i + 1]), []).append(i + 1)
-        self._indexed = len(toks)
+            for key, pos in _ngrams(self.tokens, n, self._indexed):
+                d.setdefault(key, []).append(pos)
+        self._indexed = len(self.tokens)
 
     @property
     def n_unbuilt(self) -> int:
@@ -1878,14 +1889,7 @@ class ArchiveIndex:
                 out[n] = array.array("Q", e.tobytes())
             return out
         for n in lengths:  # the standard library way: slower, same entries
-            ent, run_start = [], 0
-            for i, tok in enumerate(tokens):
-                if tok < 0:
-                    run_start = i + 1
-                elif i + 1 - run_start >= n:
-                    ent.append(ngram_key(tokens[i + 1 - n:i + 1]) << 32 | (i + 1))
-            ent.sort()
-            out[n] = array.array("Q", ent)
+            out[n] = array.array("Q", sorted(key << 32 | pos for key, pos in _ngrams(tokens, n)))
         return out
 
     def install(self, built: dict, upto: int) -> None:
@@ -2404,8 +2408,7 @@ def check_draft_pair(target: Model, draft: Model) -> None:
         if target.tokenize(_VOCAB_PROBE) != draft.tokenize(_VOCAB_PROBE):
             why = "they tokenize text differently"
         else:
-            ids = list(range(0, target.n_vocab, 509)) + [target.n_vocab - 1]
-            bad = next((i for i in ids if target.piece(i) != draft.piece(i)), None)
+            bad = next((i for i in _vocab_sample(target.n_vocab) if target.piece(i) != draft.piece(i)), None)
             if bad is not None:
                 why = "token %d is %r for the target, %r for the draft" % (bad, target.piece(bad), draft.piece(bad))
     if why:
@@ -2570,7 +2573,7 @@ class SpecController:
                 draft_s = src.cost_s_per_tok(self.cost.cost(1))
                 if src.free:  # free to ask: see what it has first, and score it
                     draft = src.propose([st], [st.opts.max_k])[0]
-                    self._shadow(st, name, acc, draft)
+                    self._shadow(st, name, draft)
                     draft = draft[:k_max]
                     if not draft or (not forced and src.per_sequence and acc.n[0] < self.min_evidence):
                         continue  # (the engine-wide prior alone is not trusted with a verify's cost)
@@ -2626,7 +2629,14 @@ class SpecController:
                 plans[i] = (name, d)
         return plans
 
-    def _shadow(self, st: SpecState, name: str, acc: Acceptance, proposal: List[int]) -> None:
+    def _observe(self, st: SpecState, name: str, k: int, n_accepted: int, first: int = 0) -> None:
+        """Acceptance.observe on the sequence's estimate and the engine-wide one (once
+        when they are the same object: an engine-wide source)."""
+        if st.acc[name] is not self.acc[name]:
+            st.acc[name].observe(k, n_accepted, first)
+        self.acc[name].observe(k, n_accepted, first)
+
+    def _shadow(self, st: SpecState, name: str, proposal: List[int]) -> None:
         """Score a free source's whole proposals, position by position, against what
         the sequence generated after them, and keep the new one: every step's proposal
         is scored, so the estimate follows the text within a few tokens."""
@@ -2638,9 +2648,7 @@ class SpecController:
                 keep.append((start, toks, scored))  # nothing new came
                 continue
             done = n < len(came) or n == len(toks)
-            k = len(toks) if done else n  # not done: only the right ones so far are known
-            for a in {id(acc): acc, id(self.acc[name]): self.acc[name]}.values():
-                a.observe(k, n, scored)
+            self._observe(st, name, len(toks) if done else n, n, scored)  # not done: the right ones so far
             if not done:
                 keep.append((start, toks, n))
         if proposal and (not keep or keep[-1][0] < len(hist)):
@@ -2652,10 +2660,7 @@ class SpecController:
         the next was wrong (rejected) or not needed (the sequence ended). A free
         source's acceptance comes from the shadow scoring, not from here."""
         if not self.sources[name].free:
-            tested = min(n_accepted + 1, k) if rejected else n_accepted
-            if st.acc[name] is not self.acc[name]:
-                st.acc[name].observe(tested, n_accepted)
-            self.acc[name].observe(tested, n_accepted)
+            self._observe(st, name, min(n_accepted + 1, k) if rejected else n_accepted, n_accepted)
         c = self.counters[name]
         c["proposed"] += k
         c["accepted"] += n_accepted
@@ -4190,9 +4195,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         "finish_reason": r.finish_reason, "logprobs": None}
             return {"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
 
-        def send(payload):
-            self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-            self.wfile.flush()
+        send = self._sse_send
 
         def on_event(kind, payload, i):  # candidates streamed as they come, tagged by index
             if kind == "text":
@@ -4200,11 +4203,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 c.update({"delta": {"content": payload}} if chat else {"text": payload})
                 send(dict(base, choices=[c]))
         if stream:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.end_headers()
-            self.close_connection = True
+            self._sse_start()
         try:
             res = run_conclave(srv.engine, tokens, params, n, vote=vote, early_stop=early,
                                on_event=on_event if stream and want else None, **submit_kw)
@@ -4240,14 +4239,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
-    def _stream(self, reqs: List[Request], rid: str, chat: bool, include_usage: bool) -> List[Result]:
-        """SSE in OpenAI's chunk format for all n choices. Returns the results ([] if cut short)."""
-        srv = self.server_ref
+    def _sse_start(self) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
         self.close_connection = True  # the stream ends when the socket closes
+
+    def _sse_send(self, obj) -> None:
+        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        self.wfile.flush()
+
+    def _stream(self, reqs: List[Request], rid: str, chat: bool, include_usage: bool) -> List[Result]:
+        """SSE in OpenAI's chunk format for all n choices. Returns the results ([] if cut short)."""
+        srv = self.server_ref
+        self._sse_start()
         base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": srv.model_name}
 
@@ -4259,10 +4265,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 c["choices"] = [{"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}]
             return c
 
-        def send(obj):
-            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-            self.wfile.flush()
-
+        send = self._sse_send
         results: List[Optional[Result]] = [None] * len(reqs)
         events = reqs[0].events
         try:
@@ -4566,8 +4569,8 @@ def _cmd_run(args) -> int:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             messages.append({"role": "user", "content": prompt})
             if args.best_of > 1:
-                tokens = engine.model.tokenize(prompt) if args.raw else engine.chat_prompt(messages)
-                res = run_conclave(engine, tokens, params, args.best_of, vote=args.vote)
+                res = run_conclave(engine, _prompt_tokens(engine, messages, args.raw), params, args.best_of,
+                                   vote=args.vote)
                 sys.stdout.write((res.winner.text if res.winner else "") + "\n")
                 sys.stderr.write("conclave: answer %r, votes %s; %d finished, %d cancelled\n" % (
                     res.answer, json.dumps(res.votes), res.n_finished, res.n_cancelled))
@@ -4579,14 +4582,19 @@ def _cmd_run(args) -> int:
         engine.close()
 
 
-def _answer(engine: Engine, messages: List[dict], params: SamplingParams, raw: bool = False) -> str:
-    """Stream one answer to stdout; Ctrl-C stops it. Returns the text."""
+def _prompt_tokens(engine: Engine, messages: List[dict], raw: bool) -> List[int]:
+    """The chat template around messages, or the last message as plain text (--raw, or
+    a model without a template)."""
     if raw or not engine.model.chat_template:
         if not raw:
             log.warning("this model has no chat template: completing the prompt as plain text")
-        tokens = engine.model.tokenize(messages[-1]["content"])
-    else:
-        tokens = engine.chat_prompt(messages)
+        return engine.model.tokenize(messages[-1]["content"])
+    return engine.chat_prompt(messages)
+
+
+def _answer(engine: Engine, messages: List[dict], params: SamplingParams, raw: bool = False) -> str:
+    """Stream one answer to stdout; Ctrl-C stops it. Returns the text."""
+    tokens = _prompt_tokens(engine, messages, raw)
     req = engine.submit_n(tokens, params, snap_at=engine.prefix_boundary(messages, tokens))[0]
     out = []
     try:
