@@ -1675,14 +1675,19 @@ class CpuBurner:
         self.proc.wait()
 
 
+def result_tok_s(r) -> Optional[float]:
+    """Decode tok/s of a Result: tokens after the first over the time after the first."""
+    span = r.total_s - r.ttft_s
+    return (r.n_gen_tok - 1) / span if span > 0 and r.n_gen_tok > 1 else None
+
+
 def spec_decode(eng, tokens: list, max_tokens: int, opts) -> dict:
     before = eng.stats()["spec"]
     r = eng.submit(tokens, reame.SamplingParams(temperature=0, max_tokens=max_tokens), spec=opts).wait()
     after = eng.stats()["spec"]
-    span = r.total_s - r.ttft_s
     acc = {name: (after[name]["accepted"] - before[name]["accepted"],
                   after[name]["proposed"] - before[name]["proposed"]) for name in after}
-    return {"tok_s": (r.n_gen_tok - 1) / span if span > 0 and r.n_gen_tok > 1 else None,
+    return {"tok_s": result_tok_s(r),
             "tokens": r.tokens, "n": r.n_gen_tok, "accepted": acc}
 
 
@@ -1820,22 +1825,18 @@ PAL_WORKLOADS = [
 
 def archive_index_cost(n_tok: int) -> dict:
     """Build time and bytes of the archive index for n_tok tokens of text-like runs."""
-    import array as _array
     rng = random.Random(3)
     words = [rng.randrange(150000) for _ in range(5000)]
     idx = reame.ArchiveIndex()
-    toks = _array.array("i")
-    while len(toks) < n_tok:  # runs of 200-600 tokens, Zipf-ish word choice
-        run = [words[min(int(rng.paretovariate(1.1)) - 1, 4999)] for _ in range(rng.randrange(200, 600))]
-        toks.extend(run)
-        toks.append(-1)
+    while len(idx.tokens) < n_tok:  # runs of 200-600 tokens, Zipf-ish word choice
+        idx.append([words[min(int(rng.paretovariate(1.1)) - 1, 4999)] for _ in range(rng.randrange(200, 600))])
     t0 = time.perf_counter()
-    built = reame.ArchiveIndex.build(toks, idx.lengths)
+    built = reame.ArchiveIndex.build(idx.tokens, idx.lengths)
     dt = time.perf_counter() - t0
-    idx.tokens = toks
-    idx.install(built, len(toks))
-    return {"tokens": len(toks), "build_s": dt, "bytes": idx.nbytes(),
-            "bytes_per_mtok": idx.nbytes() / len(toks) * 1e6, "numpy": reame._np is not None}
+    idx.install(built, len(idx.tokens))
+    n = len(idx.tokens)
+    return {"tokens": n, "build_s": dt, "bytes": idx.nbytes(), "bytes_per_mtok": idx.nbytes() / n * 1e6,
+            "numpy": reame._np is not None}
 
 
 def run_palimpsest(args) -> dict:
@@ -1867,8 +1868,7 @@ def run_palimpsest(args) -> dict:
                     before = eng.stats()["spec"]
                     r = eng.submit(toks, params, archive="shared" if cfg == "on" else None).wait()
                     after = eng.stats()["spec"]
-                    span = r.total_s - r.ttft_s
-                    runs[cfg].append((r.n_gen_tok - 1) / span if span > 0 and r.n_gen_tok > 1 else None)
+                    runs[cfg].append(result_tok_s(r))
                     acc[cfg][0] += after["archive"]["accepted"] - before["archive"]["accepted"]
                     acc[cfg][1] += after["archive"]["proposed"] - before["archive"]["proposed"]
                     outs[cfg].append(r.tokens)
