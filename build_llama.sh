@@ -104,7 +104,7 @@ else
   fi
 fi
 
-# -- two patches, so that a token's logits never depend on who shares its batch (the
+# -- three patches, so that a token's logits never depend on who shares its batch (the
 # greedy contract: plain, batched and speculative output are the same tokens).
 # 1. ggml's CPU flash attention splits the KV of a lone one-token query (one sequence,
 #    512+ cells) across threads and merges partial softmaxes: a different rounding from
@@ -114,8 +114,15 @@ fi
 #    row-by-row kernel (logits off by 0.45 with 8 tokens verified at once). It is 3x
 #    faster for prompt chunks, so it stays, behind a switch: reame_set_tiled_min_rows(n),
 #    which Reame sets to 64 for decode steps and back to 8 for prompt chunks.
-PATCH_ID="reame-p2"
-patch_tree() {  # $1: a llama.cpp tree we own; 0 if both patches are in
+# 3. Below that, ggml runs the one-row Q4_K/Q6_K dot product once per (weight row,
+#    token): every extra token in a step (a verified draft, another user, a Conclave
+#    candidate) pays the weight unpacking again. On x86 with AVX2, a multi-token kernel
+#    unpacks each weight block once and runs the one-row kernel's exact integer and
+#    float operations per token, so each result is bit-identical to the one-row kernel's
+#    (test_rows_of_one_step_get_the_logits_they_get_alone) and an extra token costs about
+#    half as much.
+PATCH_ID="reame-p3"
+patch_tree() {  # $1: a llama.cpp tree we own; 0 if all patches are in
   python3 - "$1" <<'PYEOF'
 import sys
 root = sys.argv[1] + "/ggml/src/ggml-cpu/"
@@ -141,6 +148,166 @@ ok = patch("tiled/tiled.cpp", "static bool ggml_tiled_min_batch(int64_t rows) {"
            "    reame_tiled_min_rows.store(n, std::memory_order_relaxed);\n"
            "}\n\n"
            "static bool ggml_tiled_min_batch(int64_t rows) {", "reame_set_tiled_min_rows") and ok
+MC_KERNELS = r"""
+#if defined(__AVX2__)
+// reame: multi-column K-quant dot products. Each column's result is bit-identical to the
+// one-column kernel (same integer sums, same float operations in the same order); the
+// weight-side work (scale decode, nibble/bit unpacking) is done once for all columns.
+#define REAME_MC_MAX 16
+void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
+    const block_q4_K * x = vx;
+    const block_q8_K * y0 = vy;
+    const int nb = n / QK_K;
+    static const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc[REAME_MC_MAX];
+    __m128 acc_m[REAME_MC_MAX];
+    for (int c = 0; c < nc; ++c) { acc[c] = _mm256_setzero_ps(); acc_m[c] = _mm_setzero_ps(); }
+    for (int i = 0; i < nb; ++i) {
+        const float dx = GGML_CPU_FP16_TO_FP32(x[i].d);
+        const float dminx = GGML_CPU_FP16_TO_FP32(x[i].dmin);
+        uint32_t utmp[4];
+        memcpy(utmp, x[i].scales, 12);
+        utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+        const uint32_t uaux = utmp[1] & kmask1;
+        utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+        utmp[2] = uaux;
+        utmp[0] &= kmask1;
+        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+        const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
+        const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+        const __m256i scales = MM256_SET_M128I(sc128, sc128);
+        __m256i sl[4], sh[4], ql[4], qh[4];
+        const uint8_t * q4 = x[i].qs;
+        for (int j = 0; j < 4; ++j) {
+            sl[j] = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2*j+0));
+            sh[j] = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2*j+1));
+            const __m256i q4bits = _mm256_loadu_si256((const __m256i*)q4); q4 += 32;
+            ql[j] = _mm256_and_si256(q4bits, m4);
+            qh[j] = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+        }
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_K * y = (const block_q8_K *)((const char *)y0 + c*by);
+            const float d = y[i].d * dx;
+            const float dmin = -y[i].d * dminx;
+            const __m256i q8sums = _mm256_loadu_si256((const __m256i*)y[i].bsums);
+            const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+            const __m128i prod = _mm_madd_epi16(mins, q8s);
+            acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[c]);
+            const int8_t * q8 = y[i].qs;
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 4; ++j) {
+                const __m256i q8l = _mm256_loadu_si256((const __m256i*)q8); q8 += 32;
+                __m256i p16l = _mm256_maddubs_epi16(ql[j], q8l);
+                p16l = _mm256_madd_epi16(sl[j], p16l);
+                const __m256i q8h = _mm256_loadu_si256((const __m256i*)q8); q8 += 32;
+                __m256i p16h = _mm256_maddubs_epi16(qh[j], q8h);
+                p16h = _mm256_madd_epi16(sh[j], p16h);
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
+            }
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; ++c) {
+        __m128 am = acc_m[c];
+        am = _mm_add_ps(am, _mm_movehl_ps(am, am));
+        am = _mm_add_ss(am, _mm_movehdup_ps(am));
+        s[c*bs] = hsum_float_8(acc[c]) + _mm_cvtss_f32(am);
+    }
+}
+
+void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
+    const block_q6_K * x = vx;
+    const block_q8_K * y0 = vy;
+    const int nb = n / QK_K;
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i m15 = _mm256_set1_epi8(15);
+    __m256 acc[REAME_MC_MAX];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float dx = GGML_CPU_FP16_TO_FP32(x[i].d);
+        const uint8_t * q4 = x[i].ql;
+        const uint8_t * qh = x[i].qh;
+        const __m128i scales = _mm_loadu_si128((const __m128i*)x[i].scales);
+        const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
+        __m256i w[8], sc[8];
+        int is = 0;
+        for (int j = 0; j < 2; ++j) {
+            const __m256i q4bits1 = _mm256_loadu_si256((const __m256i*)q4); q4 += 32;
+            const __m256i q4bits2 = _mm256_loadu_si256((const __m256i*)q4); q4 += 32;
+            const __m256i q4bitsH = _mm256_loadu_si256((const __m256i*)qh); qh += 32;
+            const __m256i q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, m3), 4);
+            const __m256i q4h_1 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(12)), 2);
+            const __m256i q4h_2 = _mm256_and_si256(q4bitsH, _mm256_set1_epi8(48));
+            const __m256i q4h_3 = _mm256_srli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(-64)), 2);
+            w[4*j+0] = _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0);
+            w[4*j+1] = _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1);
+            w[4*j+2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2);
+            w[4*j+3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3);
+            for (int k = 0; k < 4; ++k) {
+                sc[4*j+k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + k)));
+            }
+            is += 4;
+        }
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_K * y = (const block_q8_K *)((const char *)y0 + c*by);
+            const float d = y[i].d * dx;
+            const int8_t * q8 = y[i].qs;
+            const __m256i q8sums = _mm256_loadu_si256((const __m256i*)y[i].bsums);
+            const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 2; ++j) {
+                __m256i p[4];
+                for (int k = 0; k < 4; ++k) {
+                    const __m256i q8k = _mm256_loadu_si256((const __m256i*)q8); q8 += 32;
+                    p[k] = _mm256_madd_epi16(sc[4*j+k], _mm256_maddubs_epi16(w[4*j+k], q8k));
+                }
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[0], p[1]));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p[2], p[3]));
+            }
+            sumi = _mm256_sub_epi32(sumi, q8sclsub);
+            acc[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(&d), _mm256_cvtepi32_ps(sumi), acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; ++c) s[c*bs] = hsum_float_8(acc[c]);
+}
+#endif // reame multi-column
+"""
+ok = patch("arch/x86/quants.c", "ggml_vec_dot_iq4_xs_q8_K_generic(n, s, bs, vx, bx, vy, by, nrc);\n#endif\n}\n",
+           "ggml_vec_dot_iq4_xs_q8_K_generic(n, s, bs, vx, bx, vy, by, nrc);\n#endif\n}\n" + MC_KERNELS,
+           "reame_vec_dot_q4_K_q8_K_mc") and ok
+ok = patch("ggml-cpu.c", "    // block-tiling attempt\n    const int64_t blck_0 = 16;",
+           """#if defined(__AVX2__) && defined(__x86_64__)
+    // reame: Q4_K/Q6_K with several tokens: one weight unpack for up to 16 tokens, each
+    // token's result bit-identical to the one-row kernel's (see reame_vec_dot_*_mc)
+    if ((type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) && num_rows_per_vec_dot == 1 &&
+        src1->type != vec_dot_type && ne12 == 1 && ne13 == 1 && ne02 == 1 && ne03 == 1) {
+        for (int64_t iir1 = ir1_start; iir1 < ir1_end; iir1 += 16) {
+            const int nc = (int) (MIN(iir1 + 16, ir1_end) - iir1);
+            const char * src1_cols = (const char *) wdata + iir1 * row_size;
+            float * dst_cols = (float *) ((char *) dst->data + iir1 * nb1);
+            for (int64_t ir0 = ir0_start; ir0 < ir0_end; ++ir0) {
+                const char * src0_row = (const char *) src0->data + ir0 * nb01;
+                if (nc == 1) {
+                    vec_dot(ne00, &dst_cols[ir0], 0, src0_row, 0, src1_cols, 0, 1);
+                } else if (type == GGML_TYPE_Q4_K) {
+                    reame_vec_dot_q4_K_q8_K_mc(ne00, nc, &dst_cols[ir0], nb1 / sizeof(float), src0_row, src1_cols, row_size);
+                } else {
+                    reame_vec_dot_q6_K_q8_K_mc(ne00, nc, &dst_cols[ir0], nb1 / sizeof(float), src0_row, src1_cols, row_size);
+                }
+            }
+        }
+        return;
+    }
+#endif
+
+    // block-tiling attempt
+    const int64_t blck_0 = 16;""", "reame: Q4_K/Q6_K with several tokens") and ok
+ok = patch("ggml-cpu.c", "static void ggml_compute_forward_mul_mat_one_chunk(",
+           "#if defined(__AVX2__) && defined(__x86_64__)\n"
+           "void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);\n"
+           "void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);\n"
+           "#endif\n\nstatic void ggml_compute_forward_mul_mat_one_chunk(", "void reame_vec_dot_q6_K_q8_K_mc(int n") and ok
 sys.exit(0 if ok else 1)
 PYEOF
 }

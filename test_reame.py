@@ -422,6 +422,44 @@ def test_batched_equals_alone(fixture, request):
     assert eng.n_steps - steps0 < 2 * 32 + 8
 
 
+def test_rows_of_one_step_get_the_logits_they_get_alone(qwen):
+    """Each row of a k-row decode step (verified drafts, batched users) gets bit-identical
+    logits to the same token decoded alone: the multi-token Q4_K/Q6_K kernel of
+    build_llama.sh's patch 3 (and, past 16 rows, a second column block) included."""
+    import ctypes
+    L, m = reame.lib(), qwen.model
+    if os.uname().machine == "x86_64" and " avx2 " in open("/proc/cpuinfo").read():
+        loaded = {line.split()[-1] for line in open("/proc/self/maps") if "libggml-cpu" in line}
+        assert any(hasattr(ctypes.CDLL(p), "reame_vec_dot_q4_K_q8_K_mc") for p in loaded), loaded
+    ctx = reame.Context(m, n_ctx=512, n_seq_max=1, n_batch=64)
+    try:
+        prompt = _chat(qwen, "Write a Python function that adds two numbers.")
+        follow = m.tokenize("def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # 5\n", add_special=False) * 2
+        b = reame.Batch(64)
+        for i, t in enumerate(prompt):
+            b.add(t, i, 0, False)
+        ctx.decode(b)
+        P, nbytes = len(prompt), 4 * m.n_vocab
+
+        def logits(i):
+            return ctypes.string_at(L.llama_get_logits_ith(ctx.ptr, i), nbytes)
+        alone = []
+        for j in range(20):
+            b.clear()
+            b.add(follow[j], P + j, 0, True)
+            ctx.decode(b, rowwise=True)
+            alone.append(logits(0))
+        for k in (2, 5, 16, 20):
+            ctx.seq_rm(0, P, -1)
+            b.clear()
+            for j in range(k):
+                b.add(follow[j], P + j, 0, True)
+            ctx.decode(b, rowwise=True)
+            assert [logits(j) for j in range(k)] == alone[:k], "rows of a %d-token step differ from alone" % k
+    finally:
+        ctx.close()
+
+
 def test_utf8_streams_whole_characters(qwen):
     p = _chat(qwen, "Translate to Chinese and add two emoji at the end: 'I love sunny mornings.'")
     req = qwen.submit(p, temperature=0, max_tokens=40)
