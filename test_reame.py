@@ -1526,7 +1526,13 @@ def test_conclave_vote_majority_ties_and_unextractable():
     assert vote(["8", "7", "7", "8"], 5) == ("8", {"8": 2, "7": 2}, False)  # tie: the earliest finished
     assert vote([None, None, "3"], 5) == ("3", {"3": 1}, False)        # unextractable answers do not vote
     assert vote([None, None], 5) == (None, {}, False)
-    assert vote(["a", "a"], 3)[2] and not vote(["a", "a"], 4)[2]       # more than half of N
+    assert vote(["a", "a"], 3)[2] and not vote(["a", "b"], 4)[2]
+    # decided before a majority when the rest cannot change the winner, ties included
+    assert vote(["a", "a"], 4)[2]                                      # 2 more "b": a 2-2 tie a wins
+    assert vote(["7", "8", "9", "7"], 5) == ("7", {"7": 2, "8": 1, "9": 1}, True)
+    assert not vote(["8", "7", "9", "7"], 5)[2]                        # one more "8": a tie 8 wins
+    assert not vote(["7", None, "8"], 5)[2] and vote(["7", "7", None, "8"], 5)[2]
+    assert vote(["1", "2", "3", "4", "5"], 5) == ("1", {"1": 1, "2": 1, "3": 1, "4": 1, "5": 1}, True)
 
 
 @pytest.fixture(scope="module")
