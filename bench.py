@@ -21,6 +21,11 @@
                                           fresh prose), and the index's build time and memory
     python3 bench.py --conclave           only the Conclave section: an 8-question quiz, one greedy
                                           answer vs 5 sequential samples voted vs the Conclave of 5
+    python3 bench.py --step-cost          only the decode step cost by tokens in the step (the
+                                          row-by-row kernels that keep greedy output exact)
+    python3 bench.py --suggest            only the Suggeritore section: a numbered list, JSON records,
+                                          a markdown table, prose, and JSON records under a json_schema,
+                                          Il Suggeritore on vs off
 
 What it measures (every number is client-side wall clock, taken the same way for both):
 
@@ -1794,6 +1799,134 @@ def run_spec_only(args) -> dict:
                                                "reame_version": getattr(reame, "__version__", "?")}}
 
 
+# -- decode step cost by tokens (--step-cost) -------------------------------------------------
+
+def run_step_cost(args) -> dict:
+    """Seconds of one decode llama_decode (row by row, as decode steps run) with k tokens
+    of one sequence after a 300-token prompt, k = 1..16, rounds alternating, medians."""
+    model = reame.Model(reame.resolve_model(args.model))
+    ctx = reame.Context(model, n_ctx=2048, n_seq_max=1, n_batch=512, n_threads=args.threads)
+    sizes, times = (1, 2, 3, 4, 5, 8, 12, 16), {}
+    try:
+        toks = model.tokenize("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 30)[:300]
+        b = reame.Batch(512)
+        for i, tok in enumerate(toks):
+            b.add(tok, i, 0, i == len(toks) - 1)
+        ctx.decode(b)
+        for rnd in range(args.repeats):
+            for k in (sizes if rnd % 2 == 0 else sizes[::-1]):
+                b.clear()
+                for j in range(k):
+                    b.add(toks[j], len(toks) + j, 0, True)
+                t0 = time.perf_counter()
+                ctx.decode(b, rowwise=True)
+                times.setdefault(k, []).append(time.perf_counter() - t0)
+                ctx.seq_rm(0, len(toks), -1)
+    finally:
+        ctx.close()
+        model.close()
+    one = median(times[1])
+    return {"config": {"model": args.model, "threads": args.threads, "repeats": args.repeats},
+            "step_s": {k: median(v) for k, v in times.items()}, "ratio": {k: median(v) / one for k, v in times.items()}}
+
+
+def print_step_cost(sc: dict, w) -> None:
+    c = sc["config"]
+    w("Decode step cost: %s, %d threads, medians of %d; one token %.1f ms; k tokens in one step as a "
+      "multiple of one token:\n  %s\n" % (c["model"], c["threads"], c["repeats"], 1e3 * sc["step_s"][1],
+                                          "  ".join("%d: %.2fx" % (k, r) for k, r in sc["ratio"].items())))
+
+
+# -- Il Suggeritore (--suggest) ----------------------------------------------------------------
+
+SUGGEST_RECORD = {"type": "object", "required": ["name", "city", "age", "job", "email"], "properties": {
+    "name": {"type": "string", "maxLength": 40}, "city": {"type": "string", "maxLength": 40},
+    "age": {"type": "integer"}, "job": {"type": "string", "maxLength": 40},
+    "email": {"type": "string", "maxLength": 60}}}
+SUGGEST_SCHEMA = {"type": "array", "items": SUGGEST_RECORD, "minItems": 10, "maxItems": 10}
+SUGGEST_JSON = ("Invent 10 people. Reply with only a JSON array of 10 objects, each with the fields name, city, "
+                "age, job and email.")
+# (name, prompt, json_schema or None); each measured run asks about other things (the
+# prompt's %s), so no run repeats an earlier one's content
+SUGGEST_WORKLOADS = [
+    ("numbered list", "List 20 %s, as a numbered list, one per line, a short phrase each, nothing else.", None,
+     ["things to pack for a week of hiking", "ideas for a rainy Sunday", "ways to save water at home"]),
+    ("JSON records", SUGGEST_JSON + " They all live in %s.", None, ["Norway", "Chile", "Japan"]),
+    ("markdown table", "Make a markdown table of 12 %s with the columns Name, Origin, Year and Note. "
+     "Reply with only the table.", None, ["famous bridges", "old board games", "classic cars"]),
+    ("prose", "Write a short story (about 200 words) about %s. Do not use any lists.", None,
+     ["a lighthouse keeper and a lost kite", "a baker who can hear bread rise", "a map that redraws itself"]),
+    ("JSON records, json_schema", SUGGEST_JSON + " They all live in %s.", SUGGEST_SCHEMA,
+     ["Peru", "Kenya", "Iceland"]),
+]
+
+
+def run_suggest(args) -> dict:
+    """Il Suggeritore on (auto, its rules as the only sources) vs off (no speculation)
+    on five workloads, alternating, in one run; greedy outputs compared."""
+    model = reame.Model(reame.resolve_model(args.model))
+    eng = reame.Engine(model, n_ctx=args.ctx, n_slots=2, n_threads=args.threads, draft=None)
+    configs = [("off", reame.SpecOptions("off")), ("on", reame.SpecOptions("auto", args.spec_max, ("suggest",)))]
+    out = {"config": {"model": args.model, "threads": args.threads, "repeats": args.repeats,
+                      "gen_tokens": args.gen_tokens}, "workloads": {}}
+    noise = CpuNoise()
+    try:
+        for name, prompt, schema, topics in SUGGEST_WORKLOADS:
+            grammar = reame.json_schema_grammar(schema) if schema else None
+            runs = {c: [] for c, _ in configs}
+            acc, n_gen, equal = {}, 0, True
+            for rep in range(args.repeats):
+                toks = chat_tokens(eng, prompt % topics[rep % len(topics)])
+                eng.submit(toks, reame.SamplingParams(temperature=0, max_tokens=1), archive=None).wait()  # warm KV
+                ref = None
+                for cname, opts in (configs if rep % 2 == 0 else configs[::-1]):
+                    before = eng.stats()["spec"]
+                    r = eng.submit(toks, reame.SamplingParams(temperature=0, max_tokens=args.gen_tokens,
+                                                              grammar=grammar, schema=schema),
+                                   spec=opts, archive=None).wait()
+                    after = eng.stats()["spec"]
+                    runs[cname].append(result_tok_s(r))
+                    if cname == "on":
+                        n_gen += r.n_gen_tok
+                        for src in after:
+                            if src.startswith("suggest."):
+                                a = acc.setdefault(src, [0, 0])
+                                a[0] += after[src]["accepted"] - before[src]["accepted"]
+                                a[1] += after[src]["proposed"] - before[src]["proposed"]
+                    equal = equal and (ref is None or r.tokens == ref)
+                    ref = r.tokens if ref is None else ref
+                    log("suggest: %s / %s: %.2f tok/s (%d tokens)" % (name, cname, result_tok_s(r) or 0, r.n_gen_tok))
+            base = median(runs["off"])
+            n_acc = sum(a for a, _ in acc.values())
+            out["workloads"][name] = {"tok_s": runs, "off": base, "on": median(runs["on"]),
+                                      "ratio": median(runs["on"]) / base if base else None,
+                                      "accepted": acc, "accepted_share": n_acc / n_gen if n_gen else None,
+                                      "greedy_equal": equal, "constrained": schema is not None}
+    finally:
+        eng.close()
+        model.close()
+    out["noise"] = noise.report()
+    return out
+
+
+def print_suggest(sg: dict, w) -> None:
+    c = sg["config"]
+    w("Il Suggeritore: %s, %d threads, up to %d tokens, %d repeats (a new topic each); decode tok/s, "
+      "on = its rules as the only draft sources (auto), off = no speculation\n" % (
+          c["model"], c["threads"], c["gen_tokens"], c["repeats"]))
+    for name, r in sg["workloads"].items():
+        acc = ", ".join("%s %d/%d" % (s[8:], a, p) for s, (a, p) in sorted(r["accepted"].items()) if p)
+        w("  %-28s off %s  on %s  (x%s)  drafted share %s  [%s]  greedy %s\n" % (
+            name, _fmt(r["off"], 2), _fmt(r["on"], 2), _fmt(r["ratio"], 2),
+            "-" if r["accepted_share"] is None else "%.0f%%" % (100 * r["accepted_share"]), acc or "no drafts",
+            "equal" if r["greedy_equal"] else "MISMATCH (a bug)"))
+
+
+def run_suggest_only(args) -> dict:
+    return {"suggest": run_suggest(args), "config": {"model": args.model, "threads": args.threads,
+                                                     "reame_version": getattr(reame, "__version__", "?")}}
+
+
 # -- Palimpsest (--palimpsest) -------------------------------------------------------------
 
 PAL_FUNCTION = ("Write a Python function `load_inventory(path)` of about 40 lines that reads a CSV file of "
@@ -2260,7 +2393,7 @@ def _fmt(x, digits=1):
 
 
 def print_table(out: dict, stream=sys.stdout) -> None:
-    c = out["config"]
+    c = out.get("config")
     w = stream.write
     if "spec" in out:  # Reame against itself; the burner's CPU time is the point, not noise
         print_spec(out["spec"], w)
@@ -2270,6 +2403,12 @@ def print_table(out: dict, stream=sys.stdout) -> None:
         return
     if "conclave" in out:
         print_conclave(out["conclave"], w)
+        return
+    if "suggest" in out:
+        print_suggest(out["suggest"], w)
+        return
+    if "step_cost" in out:
+        print_step_cost(out["step_cost"], w)
         return
     w("Reame vs llama-server: %s, %d threads, median of %d alternating repeats, temperature 0\n"
       % (c["model"], c["threads"], c["repeats"]))
@@ -2383,6 +2522,12 @@ def parse_args(argv=None):
                    help="only the Conclave section: an 8-question quiz answered greedily, by 5 sequential "
                         "samples voted, and by the Conclave of 5 (correct answers and wall time)")
     p.add_argument("--best-of", type=int, default=5, help="--conclave: candidates (default 5)")
+    p.add_argument("--step-cost", action="store_true",
+                   help="only the decode step cost by tokens in the step, 1 to 16 (repeats default 7)")
+    p.add_argument("--suggest", action="store_true",
+                   help="only the Suggeritore section: a 20-item numbered list, 10 JSON records, a markdown "
+                        "table, prose, and the JSON records under a json_schema, Il Suggeritore on vs off "
+                        "(repeats default 2, gen-tokens 400)")
     p.add_argument("--archive-index-tokens", type=int, default=25_000_000,
                    help="--palimpsest: tokens of the synthetic archive whose index build is timed "
                         "(default 25M: a 100 MB archive)")
@@ -2405,6 +2550,11 @@ def parse_args(argv=None):
         args.gen_tokens = args.gen_tokens or (48 if q else 96)
     if args.conclave:
         args.gen_tokens = args.gen_tokens or (64 if q else 160)
+    if args.step_cost:
+        args.repeats = args.repeats or 7
+    if args.suggest:
+        args.repeats = args.repeats or 2
+        args.gen_tokens = args.gen_tokens or (96 if q else 400)
     if args.palimpsest:
         args.repeats = args.repeats or 2
         args.gen_tokens = args.gen_tokens or (64 if q else 160)
@@ -2443,7 +2593,8 @@ def main(argv=None) -> int:
     try:
         out = (run_prefix_only(args) if args.prefix_cache else run_http_only(args) if args.http else
                run_spec_only(args) if args.spec else run_palimpsest_only(args) if args.palimpsest else
-               run_conclave_only(args) if args.conclave else run(args))
+               run_conclave_only(args) if args.conclave else run_suggest_only(args) if args.suggest else
+               {"step_cost": run_step_cost(args)} if args.step_cost else run(args))
     except KeyboardInterrupt:
         log("interrupted")
         return 130

@@ -23,10 +23,11 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
     9. Prefix KV cache: disk tier
    10. Palimpsest: the archive of generations
    11. Speculation: draft sources and the controller
-   12. Engine: the scheduler thread and continuous batching
-   13. The Conclave: best-of-N in one batch, voted
-   14. HTTP server (OpenAI-compatible)
-   15. Command line
+   12. Il Suggeritore: structure as drafts, and structured output
+   13. Engine: the scheduler thread and continuous batching
+   14. The Conclave: best-of-N in one batch, voted
+   15. HTTP server (OpenAI-compatible)
+   16. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -50,6 +51,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -425,6 +427,15 @@ class _llama_batch(ctypes.Structure):
     ]
 
 
+class _llama_token_data_array(ctypes.Structure):
+    _fields_ = [  # typedef struct llama_token_data_array
+        ("data", _c_void_p),      # llama_token_data * data; (each: int32 id, float logit, float p)
+        ("size", _c_size),        # size_t size;
+        ("selected", ctypes.c_int64),  # int64_t selected;
+        ("sorted", _c_bool),      # bool sorted;
+    ]
+
+
 class _llama_sampler_chain_params(ctypes.Structure):
     _fields_ = [("no_perf", _c_bool)]  # typedef struct llama_sampler_chain_params
 
@@ -530,6 +541,8 @@ _SIGNATURES = [
      [_c_char_p, ctypes.POINTER(_llama_chat_message), _c_size, _c_bool, _c_char_p, _c_i32]),
     # void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
     ("llama_sampler_accept", None, [_P, _c_i32]),
+    # void llama_sampler_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p);
+    ("llama_sampler_apply", None, [_P, ctypes.POINTER(_llama_token_data_array)]),
     # void llama_sampler_reset(struct llama_sampler * smpl);
     ("llama_sampler_reset", None, [_P]),
     # void llama_sampler_free(struct llama_sampler * smpl);
@@ -538,6 +551,9 @@ _SIGNATURES = [
     ("llama_sampler_chain_init", _P, [_llama_sampler_chain_params]),
     # void llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);
     ("llama_sampler_chain_add", None, [_P, _P]),
+    # struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab,
+    #                                                  const char * grammar_str, const char * grammar_root);
+    ("llama_sampler_init_grammar", _P, [_P, _c_char_p, _c_char_p]),
     # struct llama_sampler * llama_sampler_init_greedy(void);
     ("llama_sampler_init_greedy", _P, []),
     # struct llama_sampler * llama_sampler_init_dist(uint32_t seed);
@@ -755,6 +771,11 @@ class Model:
         if not self._ptr:
             raise EngineError("model is closed")
         return self._ptr
+
+    @property
+    def vocab_ptr(self):
+        self.ptr  # noqa: B018 - raises once the model is closed
+        return self._vocab
 
     def meta(self, key: str) -> Optional[str]:
         buf = ctypes.create_string_buffer(512)
@@ -989,6 +1010,8 @@ class SamplingParams:
     seed: Optional[int] = None       # None: random
     max_tokens: Optional[int] = None  # None: until the context is full
     stop: tuple = ()
+    grammar: Optional[str] = None    # GBNF: only text it accepts (json_schema_grammar, a raw grammar)
+    schema: Optional[dict] = None    # the json_schema the grammar came from (Il Suggeritore's hints)
 
     def validate(self) -> "SamplingParams":
         def bad(field, why):
@@ -1016,6 +1039,48 @@ class SamplingParams:
         return self
 
 
+def grammar_sampler(model: Model, gbnf: str):
+    """llama.cpp's grammar sampler for GBNF text (root rule "root"); RequestError with
+    the parser's message when the grammar does not parse. The caller owns the pointer."""
+    L = lib()
+    L.take_errors()
+    ptr = L.llama_sampler_init_grammar(model.vocab_ptr, gbnf.encode("utf-8"), b"root")
+    if not ptr:
+        why = " ".join(L.take_errors().split()) or "it does not parse"
+        raise RequestError("invalid grammar: %s" % why[:500], code="invalid_grammar")
+    return ptr
+
+
+_STDERR_LOCK = threading.Lock()
+
+
+def check_grammar(model: Model, gbnf: str) -> None:
+    """RequestError (400), with the parser's reason, unless the GBNF grammar parses.
+    llama.cpp prints the reason to stderr, not to its log: fd 2 goes to a temporary
+    file for the call (what other threads wrote meanwhile is written back)."""
+    with _STDERR_LOCK:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with tempfile.TemporaryFile() as f:
+            os.dup2(f.fileno(), 2)
+            try:
+                lib().llama_sampler_free(grammar_sampler(model, gbnf))
+                err = None
+            except RequestError as e:
+                err = e
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            f.seek(0)
+            said = f.read().decode("utf-8", "replace")
+    why = re.search(r"error parsing grammar: (.*)", said)
+    if err is None or why is None:
+        sys.stderr.write(said)
+    if err is not None:
+        raise RequestError("invalid grammar: %s" % (why.group(1).strip()[:500] if why else err.message),
+                           code="invalid_grammar") from None
+
+
 class Sampler:
     """A llama.cpp sampler chain for one sequence (penalties, top-k/p, min-p, temperature).
 
@@ -1028,15 +1093,23 @@ class Sampler:
         L = lib()
         self._L = L
         self._n_vocab = model.n_vocab
-        self._argmax = (_np is not None and params.temperature <= 0 and params.repeat_penalty == 1.0
-                        and not params.presence_penalty and not params.frequency_penalty)
+        penalties = params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+        self._greedy = _np is not None and params.temperature <= 0 and not penalties
+        self._argmax = self._greedy and not params.grammar
+        self._penalties = self._grammar = None
         self._logits_ith = L.llama_get_logits_ith
         self._ptr = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         add = lambda s: L.llama_sampler_chain_add(self._ptr, s)  # noqa: E731 - the chain owns s
         p = params
-        if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            add(L.llama_sampler_init_penalties(model.n_vocab, p.penalty_last_n, p.repeat_penalty,
-                                               p.frequency_penalty, p.presence_penalty))
+        if p.grammar and _np is not None and not penalties:  # checked after the choice (sample)
+            self._grammar = grammar_sampler(model, p.grammar)
+            self._cand = _np.zeros(self._n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+        elif p.grammar:  # first in the chain: the other samplers choose among what it allows
+            add(grammar_sampler(model, p.grammar))
+        if penalties:
+            self._penalties = L.llama_sampler_init_penalties(model.n_vocab, p.penalty_last_n, p.repeat_penalty,
+                                                             p.frequency_penalty, p.presence_penalty)
+            add(self._penalties)
         if p.temperature <= 0:
             add(L.llama_sampler_init_greedy())
         else:
@@ -1055,15 +1128,65 @@ class Sampler:
         if self._argmax:
             logits = _np.ctypeslib.as_array(self._logits_ith(ctx.ptr, idx), shape=(self._n_vocab,))
             return int(logits.argmax())
+        if self._grammar:
+            logits = _np.ctypeslib.as_array(self._logits_ith(ctx.ptr, idx), shape=(self._n_vocab,))
+            tok = self._greedy_in_grammar(logits) if self._greedy else self._sample_in_grammar(ctx, idx, logits)
+            self._L.llama_sampler_accept(self._grammar, tok)
+            return tok
         return self._sample(self._ptr, ctx.ptr, idx)
 
-    def accept(self, token: int) -> None:
-        self._L.llama_sampler_accept(self._ptr, token)
+    def _allowed(self, ids, logits) -> tuple:
+        """The grammar applied to the candidates ids (in that order): (their array, whose
+        logits it set to -inf where it forbids, and the llama_token_data_array over it)."""
+        cand = self._cand[:len(ids)]
+        cand["id"], cand["logit"], cand["p"] = ids, logits[ids], 0.0
+        arr = _llama_token_data_array(cand.ctypes.data, len(ids), -1, False)
+        self._L.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+        return cand, arr
+
+    def _greedy_in_grammar(self, logits) -> int:
+        """The highest-logit token the grammar allows (the lowest id among equals, as
+        llama.cpp's greedy sampler), without running the grammar over the whole
+        vocabulary: the argmax, then the best 64, 4096, then all, in descending order."""
+        ids, order = _np.array([int(logits.argmax())]), None
+        for n in (64, 4096, self._n_vocab, 0):
+            cand, _ = self._allowed(ids, logits)
+            ok = _np.flatnonzero(cand["logit"] > -_np.inf)
+            if len(ok):
+                return int(cand["id"][ok[0]])  # candidates in descending order: the first allowed is the best
+            if not n:
+                break
+            if order is None:
+                order = _np.lexsort((_np.arange(self._n_vocab), -logits))
+            ids = order[:n]
+        raise EngineError("the grammar allows no token here")
+
+    def _sample_in_grammar(self, ctx: Context, idx: int, logits) -> int:
+        """Sample with the chain alone, keep the token if the grammar allows it, else
+        sample again from what the grammar allows over the whole vocabulary (as
+        llama.cpp's common sampler: the allowed tokens keep their relative chances)."""
+        tok = self._sample(self._ptr, ctx.ptr, idx)  # (the chain has no penalties: accepting is free)
+        cand, _ = self._allowed(_np.array([tok]), logits)
+        if cand["logit"][0] > -_np.inf:
+            return tok
+        cand, arr = self._allowed(_np.arange(self._n_vocab), logits)
+        self._L.llama_sampler_apply(self._ptr, ctypes.byref(arr))
+        if not 0 <= arr.selected < arr.size or not cand["logit"][arr.selected] > -_np.inf:
+            raise EngineError("the grammar allows no token here")
+        return int(cand["id"][arr.selected])
+
+    def accept_prompt(self, token: int) -> None:
+        """A prompt token for the penalties to see (the grammar starts after the prompt)."""
+        if self._penalties:
+            self._L.llama_sampler_accept(self._penalties, token)
 
     def close(self) -> None:
         if self._ptr:
             self._L.llama_sampler_free(self._ptr)
             self._ptr = None
+        if self._grammar:
+            self._L.llama_sampler_free(self._grammar)
+            self._grammar = None
 
 
 # == 8. Model registry and download =============================================
@@ -2319,11 +2442,15 @@ class SpecState:
     history (prompt + output, appended by the engine), the sources' per-sequence
     state, and its own acceptance estimates (seeded from the source's global ones)."""
 
-    __slots__ = ("slot", "history", "opts", "scope", "state", "acc", "shadow", "probe_at", "probe_gap")
+    __slots__ = ("slot", "history", "opts", "scope", "schema", "n_prompt", "state", "acc", "shadow",
+                 "probe_at", "probe_gap")
 
-    def __init__(self, slot: int, history: List[int], opts: SpecOptions, scope: Optional[str] = None):
+    def __init__(self, slot: int, history: List[int], opts: SpecOptions, scope: Optional[str] = None,
+                 schema: Optional[dict] = None):
         self.slot, self.history, self.opts = slot, history, opts
         self.scope = scope         # the archive scope it may draft from (None: none)
+        self.schema = schema       # the request's json_schema (Il Suggeritore proposes its keys)
+        self.n_prompt = len(history)
         self.state: dict = {}      # source name -> that source's state for this sequence
         self.acc: dict = {}        # source name -> Acceptance
         self.shadow: dict = {}     # free source name -> [(len(history) then, whole proposal, positions scored)]
@@ -2538,15 +2665,18 @@ class SpecController:
         self.probe_gap: dict = {}
 
     def begin(self, slot: int, history: List[int], opts: Optional[SpecOptions],
-              scope: Optional[str] = None) -> Optional[SpecState]:
+              scope: Optional[str] = None, schema: Optional[dict] = None) -> Optional[SpecState]:
         opts = opts or self.default
         if opts.mode == "off" or not self.sources:
             return None
-        return SpecState(slot, history, opts, scope)
+        return SpecState(slot, history, opts, scope, schema)
 
     def allowed(self, st: SpecState) -> List[DraftSource]:
-        names = st.opts.sources or tuple(self.sources)
-        return [self.sources[n] for n in names if n in self.sources]
+        names = st.opts.sources
+        if not names:
+            return list(self.sources.values())
+        # a group name ("suggest") allows its members ("suggest.list", ...)
+        return [s for n, s in self.sources.items() if any(n == x or n.startswith(x + ".") for x in names)]
 
     def plan(self, items: Sequence[tuple], n_batch: int, max_rows: int = 512) -> List[Optional[tuple]]:
         """items: (SpecState or None, room: most drafts the sequence can still take).
@@ -2673,7 +2803,504 @@ class SpecController:
         return {name: dict(c) for name, c in self.counters.items()}
 
 
-# == 12. Engine: the scheduler thread and continuous batching ===================
+# == 12. Il Suggeritore: structure as drafts, and structured output ==============
+# The prompter of the opera house: it whispers what structure comes next, and the
+# model, verifying in the batch, takes it or not. Rules are pure functions of the text
+# generated so far (a numbered list's next number, a table's separator row, a record's
+# next field, the punctuation and keys the previous JSON object had); a request's
+# json_schema adds its keys and punctuation. Each rule is its own free draft source,
+# shadow-scored by the controller (section 11), so a rule that keeps missing on a
+# request stops costing verify rows. Proposed text becomes tokens only where they line
+# up with what the model would emit (align_proposal). The same section turns a
+# json_schema into a GBNF grammar for llama.cpp's grammar sampler (real constraints).
+
+_LIST_ITEM = re.compile(r"^([ \t]*)(\d{1,4})([.)])[ \t]+\S")
+_BULLET = re.compile(r"^([ \t]*)([-*+\u2022])[ \t]+\S")
+_FIELD = re.compile(r"^([A-Za-z][\w ()/-]{0,40}):[ \t]")
+
+
+def _lines_before(text: str) -> List[str]:
+    """The complete lines of text when it ends at a line start (else [])."""
+    if not text.endswith("\n"):
+        return []
+    return text[:-1].split("\n")[-64:]
+
+
+def suggest_list(text: str) -> str:
+    """After a numbered item's line (``3. ...`` or ``3) ...``, any indentation, blank
+    lines between items kept): the next number. After a bullet: the same bullet."""
+    lines = _lines_before(text)
+    blank = 0
+    while lines and not lines[-1].strip():
+        lines.pop()
+        blank += 1
+    if not lines or blank > 1:
+        return ""
+    last = lines[-1]
+    # the item this line belongs to (an item's text may wrap over indented lines)
+    for line in reversed(lines[-8:]):
+        m = _LIST_ITEM.match(line)
+        if m:
+            indent, num, sep = m.groups()
+            return "\n" * blank + "%s%d%s" % (indent, int(num) + 1, sep)
+        m = _BULLET.match(line)
+        if m and blank == 0:
+            return "%s%s" % m.groups()
+        if line is last and line[:1] not in (" ", "\t"):
+            break  # an unindented line that is no item: not in a list
+    return ""
+
+
+def suggest_markdown(text: str) -> str:
+    """Tables: after the header row, the separator row (a cell per column); after a
+    row, the next row's opening pipe. Headings: after a blank line in a document whose
+    sections so far each started with a heading of one level, that heading marker.
+    (Not code fences: where a code block ends cannot be seen from its text.)"""
+    lines = _lines_before(text)
+    if not lines:
+        return ""
+    last = lines[-1].strip()
+    if last.startswith("|") and last.endswith("|") and last.count("|") >= 3:
+        prev = lines[-2].strip() if len(lines) > 1 else ""
+        if not prev.startswith("|"):  # the header row: the separator comes
+            return "|" + "---|" * (last.count("|") - 1)
+        return "|"
+    if last == "" and len(lines) > 1:
+        heads = [ln for ln in lines if ln.startswith("#")]
+        if len(heads) >= 2:
+            level = {len(h) - len(h.lstrip("#")) for h in heads[-3:]}
+            if len(level) == 1:
+                return "#" * level.pop()
+    return ""
+
+
+def suggest_fields(text: str) -> str:
+    """Key/value records (``Name: ...`` lines, records apart by blank lines): after a
+    field's line, the field that followed it in the previous record; after the blank
+    line ending a record, the previous record's first field."""
+    lines = _lines_before(text)
+    if len(lines) < 2:
+        return ""
+    last = lines[-1]
+    m = _FIELD.match(last)
+    seen = []  # fields of earlier lines, oldest first: (line index, name)
+    for i, line in enumerate(lines[:-1]):
+        f = _FIELD.match(line)
+        if f:
+            seen.append((i, f.group(1)))
+    if m:
+        name = m.group(1)
+        for j in range(len(seen) - 1, -1, -1):
+            i, f = seen[j]
+            if f == name and i + 1 < len(lines) - 1:
+                nxt = _FIELD.match(lines[i + 1])
+                return nxt.group(1) + ":" if nxt else ""
+        return ""
+    if not last.strip() and seen:  # a record ended: the previous record's first field
+        start = seen[-1][0]
+        while start > 0 and _FIELD.match(lines[start - 1]):
+            start -= 1
+        first = _FIELD.match(lines[start])
+        return first.group(1) + ":" if first and start < seen[-1][0] else ""
+    return ""
+
+
+class _Frame:
+    """An open JSON container: the gaps between its values so far (gaps[0] runs from
+    the bracket to the first value; the last one ends with the closing bracket)."""
+
+    __slots__ = ("kind", "gaps", "cur", "in_value", "model", "schema", "key", "last_elem")
+
+    def __init__(self, kind: str, model: Optional[list], schema: Optional[dict]):
+        self.kind, self.model, self.schema = kind, model, schema
+        self.gaps: List[str] = []
+        self.cur = kind             # the gap being written
+        self.in_value = False       # inside one of its values
+        self.key: Optional[str] = None
+        self.last_elem: Optional[list] = None  # arrays: the gaps of the last container element
+
+
+def schema_gaps(node: Optional[dict]) -> Optional[list]:
+    """The gaps a json_schema forces on an object or array in json_schema_grammar's
+    layout ('{"a": ', ', "b": ', '}'; '[', ', ', ']'), optional properties assumed
+    present; None for anything else."""
+    if not isinstance(node, dict):
+        return None
+    if node.get("type") == "object" and node.get("properties"):
+        keys = list(node["properties"])
+        return (['{%s: ' % json.dumps(keys[0])] + [', %s: ' % json.dumps(k) for k in keys[1:]] + ["}"])
+    if node.get("type") == "array":
+        return ["[", ", ", "]"]
+    return None
+
+
+class JsonScan:
+    """An incremental JSON reader over generated text that remembers the structure of
+    each container: the text between its values (keys, punctuation, layout), values
+    left out. ``suggest()`` proposes the rest of the current gap as the previous
+    element of the enclosing array wrote it (the next record of a list repeats its
+    predecessor's keys and layout), or as a json_schema forces it; inside a string
+    with an enum, the rest of the first value that fits. Text before the first ``{``
+    or ``[``, and after JSON that went wrong, is skipped until the next one."""
+
+    def __init__(self, schema: Optional[dict] = None):
+        self.schema = schema
+        self.stack: List[_Frame] = []
+        self.in_str = self.in_key = self.esc = False
+        self.scalar = ""     # a number or literal being read
+        self.str_val = ""    # the string value being read
+
+    def feed(self, text: str) -> None:
+        for ch in text:
+            self._char(ch)
+
+    def _child_schema(self) -> Optional[dict]:
+        if not self.stack:
+            return self.schema
+        top = self.stack[-1]
+        node = top.schema
+        if not isinstance(node, dict):
+            return None
+        sub = node.get("items") if top.kind == "[" else (node.get("properties") or {}).get(top.key)
+        return sub if isinstance(sub, dict) else None
+
+    def _start_value(self, top: _Frame) -> None:
+        top.gaps.append(top.cur)
+        top.cur, top.in_value = "", True
+
+    def _char(self, ch: str) -> None:
+        stack = self.stack
+        if not stack:
+            if ch in "{[":
+                stack.append(_Frame(ch, None, self.schema))
+            return
+        top = stack[-1]
+        if self.in_str:  # a key (part of the gap) or a string value
+            if self.in_key:
+                top.cur += ch
+            else:
+                self.str_val += ch
+            if self.esc:
+                self.esc = False
+            elif ch == "\\":
+                self.esc = True
+            elif ch == '"':
+                self.in_str = False
+                if self.in_key:
+                    self.in_key = False
+                    start = top.cur.rfind('"', 0, len(top.cur) - 1)
+                    top.key = top.cur[start + 1:-1]
+                else:
+                    top.in_value = False
+            return
+        if self.scalar:
+            if ch.isalnum() or ch in ".+-":
+                self.scalar += ch
+                return
+            self.scalar, top.in_value = "", False
+        if ch == '"':
+            if top.kind == "{" and top.cur.rstrip()[-1:] in ("{", ","):
+                self.in_str = self.in_key = True
+                top.cur += ch
+            else:
+                self._start_value(top)
+                self.in_str, self.str_val = True, ""
+        elif ch in "{[":
+            model = top.last_elem if top.kind == "[" else None
+            schema = self._child_schema()
+            self._start_value(top)
+            stack.append(_Frame(ch, model if model and model[0][:1] == ch else None, schema))
+        elif ch in "}]":
+            if ch != ("}" if top.kind == "{" else "]"):
+                stack.clear()
+                return
+            top.cur += ch
+            top.gaps.append(top.cur)
+            stack.pop()
+            if stack:
+                parent = stack[-1]
+                parent.in_value = False
+                if parent.kind == "[":
+                    parent.last_elem = top.gaps
+        elif ch.isalnum() or ch == "-":
+            self._start_value(top)
+            self.scalar = ch
+        elif ch in " \t\r\n,:":
+            top.cur += ch
+        else:
+            stack.clear()  # not JSON: wait for the next container
+
+    def suggest(self) -> str:
+        if not self.stack or self.scalar:
+            return ""
+        top = self.stack[-1]
+        if self.in_str and not self.in_key:  # an enum value, once its start fits one
+            node = self._child_schema()
+            for v in (node or {}).get("enum") or ():
+                if isinstance(v, str) and v.startswith(self.str_val) and v != self.str_val:
+                    return json.dumps(v)[1 + len(json.dumps(self.str_val)[1:-1]):]
+            return ""
+        if top.in_value:
+            return ""
+        i, cur = len(top.gaps), top.cur
+        forced = schema_gaps(top.schema)
+        if top.kind == "{":
+            if forced or top.model:
+                gap = (forced or top.model)[i] if i < len((forced or top.model)) else None
+            elif i >= 1:  # no model: the separator its own earlier gaps used, up to the next key
+                gap = top.gaps[1] if i >= 2 else "," + top.gaps[0][1:]
+                gap = gap[:gap.find('"')] if '"' in gap else None
+            else:
+                gap = None
+            return gap[len(cur):] if gap is not None and gap.startswith(cur) else ""
+        # an array: the gap between elements as before (after the first element: a comma
+        # and the whitespace that followed the bracket), then the next element's opening
+        if forced:
+            gap, nxt = (cur if i == 0 else forced[1]), schema_gaps(self._child_schema())
+        else:
+            gap, nxt = (None if i == 0 else top.gaps[-1] if i >= 2 else "," + top.gaps[0][1:]), top.last_elem
+        if gap is None or not gap.startswith(cur):
+            return ""
+        return gap[len(cur):] + (nxt[0] if nxt else "")
+
+
+def align_proposal(model: Model, tail: Sequence[int], text: str, probes: Sequence[str] = (" ", "\n")) -> List[int]:
+    """The tokens of proposed text, as the model would emit them after ``tail`` (the
+    sequence's last tokens): the tail's text and the proposal are tokenized together
+    (a proposal starting with what merges into the tail's last token proposes nothing),
+    and only the proposal's tokens that stay the same whatever of ``probes`` (what may
+    follow the proposal) comes after them are kept: a draft is never split differently
+    from how the text it proposes would be tokenized."""
+    try:
+        head = b"".join(model.piece(t) for t in tail).decode("utf-8")
+    except UnicodeDecodeError:
+        return []  # the tail ends inside a character
+    whole = model.tokenize(head + text, add_special=False, parse_special=False)
+    n = len(tail)
+    if whole[:n] != list(tail):
+        return []
+    keep = len(whole)
+    for p in probes:
+        keep = min(keep, common_prefix(model.tokenize(head + text + p, add_special=False, parse_special=False), whole))
+        if keep <= n:
+            return []
+    return whole[n:keep]
+
+
+class _Written:
+    """A sequence's generated text for the rules, extended by the tokens appended to its
+    history since the last look (a character split over tokens waits in the decoder),
+    and its JSON reader."""
+
+    __slots__ = ("done", "dec", "text", "json")
+
+    def __init__(self, n_prompt: int, schema: Optional[dict]):
+        self.done = n_prompt
+        self.dec = codecs.getincrementaldecoder("utf-8")("replace")
+        self.text = ""
+        self.json = JsonScan(schema)
+
+    def update(self, model: Model, history: List[int]) -> bool:
+        """Read the new tokens; False while a character is unfinished (no proposal then)."""
+        if self.done < len(history):
+            new = self.dec.decode(b"".join(model.piece(t) for t in history[self.done:]))
+            self.done = len(history)
+            self.text = (self.text + new)[-4096:]
+            self.json.feed(new)
+        return not self.dec.getstate()[0]
+
+
+# rule -> (proposal from the written text, what may follow a proposal: align_proposal's probes)
+SUGGEST_RULES = {
+    "list": (lambda w: suggest_list(w.text), (" A", " 1")),
+    "markdown": (lambda w: suggest_markdown(w.text), (" a", "\n")),
+    "fields": (lambda w: suggest_fields(w.text), (" A", " 1")),
+    "json": (lambda w: w.json.suggest(), ('"', "0", "-", "t", "{", "[", " ", "\n")),
+}
+
+
+class Suggestion(DraftSource):
+    """One rule of Il Suggeritore as a free draft source ("suggest.<rule>"): its own
+    acceptance per sequence in the controller, so a rule that misses on a request is
+    not verified there. The sequence's text is shared by the rules (SpecState.state)."""
+
+    free = True
+    per_sequence = True
+
+    def __init__(self, model: Model, rule: str):
+        self.model, self.rule = model, rule
+        self.name = "suggest." + rule
+        self._fn, self._probes = SUGGEST_RULES[rule]
+
+    def propose(self, seqs, ks):
+        out = []
+        for seq, k in zip(seqs, ks):
+            w = seq.state.get("suggest")
+            if w is None:
+                w = seq.state["suggest"] = _Written(seq.n_prompt, seq.schema)
+            text = self._fn(w) if w.update(self.model, seq.history) else ""
+            out.append(align_proposal(self.model, seq.history[-4:], text, self._probes)[:k] if text else [])
+        return out
+
+
+# -- structured output: json_schema -> GBNF for llama.cpp's grammar sampler
+
+_GBNF_BASE = r'''
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""
+number ::= integer ( "." [0-9]+ )? ( [eE] [-+]? [0-9]{1,3} )?
+integer ::= "-"? ( [0-9] | [1-9] [0-9]{1,15} )
+boolean ::= "true" | "false"
+null ::= "null"
+value ::= object | array | string | number | boolean | null
+object ::= "{" ( string ": " value ( ", " string ": " value )* )? "}"
+array ::= "[" ( value ( ", " value )* )? "]"
+'''
+JSON_OBJECT_GRAMMAR = "root ::= object\n" + _GBNF_BASE
+_SCHEMA_IGNORED = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
+                   "additionalProperties", "strict", "$defs", "definitions", "nullable", "deprecated",
+                   "readOnly", "writeOnly"}
+_SCHEMA_KNOWN = {"type", "properties", "required", "items", "minItems", "maxItems", "enum", "const",
+                 "anyOf", "oneOf", "$ref", "minLength", "maxLength"} | _SCHEMA_IGNORED
+
+
+def _gbnf_literal(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r") + '"'
+
+
+def _bounds(node: dict, lo_key: str, hi_key: str, cap: int) -> tuple:
+    lo, hi = node.get(lo_key, 0), node.get(hi_key)
+    for k, v in ((lo_key, lo), (hi_key, hi)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= cap):
+            raise RequestError("json_schema: '%s' must be an integer from 0 to %d" % (k, cap), code="invalid_schema")
+    if hi is not None and hi < lo:
+        raise RequestError("json_schema: '%s' is below '%s'" % (hi_key, lo_key), code="invalid_schema")
+    return lo, hi
+
+
+class _SchemaGrammar:
+    """json_schema_grammar's worker: one GBNF rule per schema node that needs one."""
+
+    def __init__(self, root: dict):
+        self.root, self.rules, self.refs = root, [], {}
+
+    def add(self, body: str) -> str:
+        name = "n%d" % len(self.rules)
+        self.rules.append((name, body))
+        return name
+
+    def expr(self, node, path: str) -> str:
+        if node is True or node == {}:
+            return "value"
+        if not isinstance(node, dict):
+            raise RequestError("json_schema at %s: a schema must be an object" % path, code="invalid_schema")
+        unknown = sorted(set(node) - _SCHEMA_KNOWN)
+        if unknown:
+            raise RequestError("json_schema at %s: %s not supported (supported: type, properties, required, "
+                               "items, minItems, maxItems, enum, const, anyOf, oneOf, $ref, minLength, maxLength)"
+                               % (path, ", ".join(repr(k) for k in unknown)), code="invalid_schema")
+        if "$ref" in node:
+            return self.ref(node["$ref"], path)
+        if "const" in node:
+            return _gbnf_literal(json.dumps(node["const"], ensure_ascii=False))
+        if "enum" in node:
+            if not isinstance(node["enum"], list) or not node["enum"]:
+                raise RequestError("json_schema at %s: 'enum' must be a non-empty list" % path, code="invalid_schema")
+            return "( " + " | ".join(_gbnf_literal(json.dumps(v, ensure_ascii=False)) for v in node["enum"]) + " )"
+        for key in ("anyOf", "oneOf"):
+            if key in node:
+                subs = node[key]
+                if not isinstance(subs, list) or not subs:
+                    raise RequestError("json_schema at %s: '%s' must be a non-empty list" % (path, key),
+                                       code="invalid_schema")
+                return "( " + " | ".join(self.expr(s, "%s/%s/%d" % (path, key, i)) for i, s in enumerate(subs)) + " )"
+        typ = node.get("type")
+        if isinstance(typ, list):
+            return "( " + " | ".join(self.expr(dict(node, type=t), path) for t in typ) + " )"
+        if typ is None:
+            return "object" if "properties" in node else "value"
+        if typ in ("number", "integer", "boolean", "null"):
+            return typ
+        if typ == "string":
+            lo, hi = _bounds(node, "minLength", "maxLength", 100000)
+            if not lo and hi is None:
+                return "string"
+            return self.add(r'"\"" ( [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) ){%d,%s} "\""'
+                            % (lo, "" if hi is None else hi))
+        if typ == "array":
+            item = self.expr(node.get("items", True), path + "/items")
+            lo, hi = _bounds(node, "minItems", "maxItems", 1000)
+            more = '( ", " %s ){%d,%s}' % (item, max(lo - 1, 0), "" if hi is None else max(hi - 1, 0))
+            if hi == 0:
+                return '"[]"'
+            body = "%s %s" % (item, more)
+            return self.add('"[" ' + (body if lo else "( %s )?" % body) + ' "]"')
+        if typ == "object":
+            return self.obj(node, path)
+        raise RequestError("json_schema at %s: unknown type %r" % (path, typ), code="invalid_schema")
+
+    def ref(self, ref, path: str) -> str:
+        if ref in self.refs:
+            return self.refs[ref]
+        parts = ref.split("/") if isinstance(ref, str) else []
+        if len(parts) != 3 or parts[0] != "#" or parts[1] not in ("$defs", "definitions"):
+            raise RequestError("json_schema at %s: only local refs '#/$defs/NAME' are supported, not %r"
+                               % (path, ref), code="invalid_schema")
+        target = (self.root.get(parts[1]) or {}).get(parts[2])
+        if target is None:
+            raise RequestError("json_schema at %s: %r points to nothing" % (path, ref), code="invalid_schema")
+        name = self.refs[ref] = "n%d" % len(self.rules)
+        self.rules.append((name, None))  # reserved first: a recursive ref names itself
+        body = self.expr(target, ref)
+        self.rules[int(name[1:])] = (name, body)
+        return name
+
+    def obj(self, node: dict, path: str) -> str:
+        props = node.get("properties") or {}
+        required = node.get("required") or []
+        if not isinstance(props, dict) or not isinstance(required, list):
+            raise RequestError("json_schema at %s: 'properties' must be an object, 'required' a list" % path,
+                               code="invalid_schema")
+        missing = [k for k in required if k not in props]
+        if missing:
+            raise RequestError("json_schema at %s: required %s not in 'properties'" % (path, missing),
+                               code="invalid_schema")
+        if not props:
+            return "object"
+        keys = list(props)
+        kv = ['%s ": " %s' % (_gbnf_literal(json.dumps(k, ensure_ascii=False)), self.expr(props[k], path + "/" + k))
+              for k in keys]
+        req = [k in required for k in keys]
+        # rest(i): what may follow once something was written; first(i): before anything
+        rest = [""] * (len(keys) + 1)
+        for i in range(len(keys) - 1, -1, -1):
+            tail = rest[i + 1]
+            one = '", " %s' % kv[i]
+            rest[i] = ("%s %s" % (one, tail) if req[i] else "( %s )? %s" % (one, tail)).strip()
+            if rest[i] and i < len(keys) - 1:
+                rest[i] = self.add(rest[i])
+        first = ""
+        for i in range(len(keys) - 1, -1, -1):
+            here = ("%s %s" % (kv[i], rest[i + 1])).strip()
+            first = here if req[i] else ("( %s | %s )" % (here, first) if first else "( %s )?" % here)
+            if i and first:
+                first = self.add(first)
+        return self.add('"{" %s "}"' % first)
+
+
+def json_schema_grammar(schema: dict) -> str:
+    """A GBNF grammar for JSON that validates against ``schema`` (the subset named in
+    _SCHEMA_KNOWN), laid out as schema_gaps expects (", " and ": ", no other
+    whitespace), so keys and punctuation are forced and Il Suggeritore proposes them.
+    RequestError (400) for what it cannot express."""
+    if not isinstance(schema, dict):
+        raise RequestError("json_schema: the schema must be an object", code="invalid_schema")
+    g = _SchemaGrammar(schema)
+    top = g.expr(schema, "#")
+    lines = ["root ::= " + top] + ["%s ::= %s" % (n, b) for n, b in g.rules]
+    return "\n".join(lines) + "\n" + _GBNF_BASE
+
+
+# == 13. Engine: the scheduler thread and continuous batching ===================
 # HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
 # thread owns the llama context: each step it admits waiting requests into free
 # slots, runs ONE llama_decode with the next token of every generating sequence,
@@ -2816,7 +3443,7 @@ class Engine:
                  n_batch: int = 512, prefill_chunk: int = 128, cache_reuse: str = "exact", repack: bool = False,
                  disk_cache: int = 0, disk_dir: Optional[str] = None, spec: str = "auto", spec_max: int = 16,
                  draft=None, spec_verify: str = "exact", archive: int = 0, archive_dir: Optional[str] = None,
-                 **context_kw):
+                 suggest: bool = True, **context_kw):
         if cache_reuse not in ("exact", "all"):
             raise RequestError("cache_reuse must be 'exact' or 'all'")
         if spec_verify not in ("exact", "fast"):
@@ -2847,6 +3474,8 @@ class Engine:
             root = disk_dir or os.path.join(Config.from_env().home, "kv")
             self.disk = DiskCache(root, model_fingerprint(self.model), params, disk_cache, self.chunk)
         sources: List[DraftSource] = [PromptLookup()]
+        if suggest:  # Il Suggeritore: one free source per rule
+            sources += [Suggestion(self.model, rule) for rule in SUGGEST_RULES]
         self.archive: Optional[Palimpsest] = None
         if archive:  # archive: its bound in bytes (0: no archive)
             root = archive_dir or os.path.join(Config.from_env().home, "palimpsest")
@@ -3092,13 +3721,13 @@ class Engine:
             sampler = Sampler(self.model, p)
             if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 for t in req.prompt[-p.penalty_last_n:]:  # penalties see the prompt, as in llama-server
-                    sampler.accept(t)
+                    sampler.accept_prompt(t)
             room = self.n_ctx - len(req.prompt)
             s = _Seq(req, slot, sampler, min(p.max_tokens or room, room), n_cached, n_exact)
             scope = req.archive if self.archive is not None else None
             if scope is not None and i == 0:
                 self.archive.refresh(scope)  # what any process appended since
-            s.spec = self.spec.begin(slot, list(req.prompt), req.spec, scope)
+            s.spec = self.spec.begin(slot, list(req.prompt), req.spec, scope, p.schema)
             seqs.append(s)
         seqs[0].followers = seqs[1:]
         if seqs[0].n_cached:
@@ -3384,7 +4013,7 @@ class Engine:
                     req._finish(None, error)
 
 
-# == 13. The Conclave: best-of-N in one batch, voted =============================
+# == 14. The Conclave: best-of-N in one batch, voted ============================
 # N candidates of one prompt: one prefill, its KV copied to N-1 more slots
 # (Engine.submit_n), all decoded in the same steps with different seeds. As each
 # finishes, its answer is extracted and tallied; once the rest cannot change the
@@ -3541,7 +4170,7 @@ def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vo
                           int(sum(max(0.0, mean - r.n_gen_tok) for r in cancelled)))
 
 
-# == 14. HTTP server ============================================================
+# == 15. HTTP server ============================================================
 # OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
 # thread per connection: it validates, templates, submits to the Engine, and writes
 # JSON or SSE from the Request's events. It never touches the llama context.
@@ -3582,6 +4211,7 @@ def params_from_body(body: dict, max_tokens_cap: int) -> SamplingParams:
         raise RequestError("'stop' must be a string or a list of strings", code="invalid_type")
     max_tokens = _field(body, "max_completion_tokens", int, None, check=lambda v: v >= 1, why="an integer >= 1")
     max_tokens = _field(body, "max_tokens", int, max_tokens, check=lambda v: v >= 1, why="an integer >= 1")
+    grammar, schema = structure_from_body(body)
     return SamplingParams(
         temperature=float(_field(body, "temperature", num, 1.0, why="a number in [0, 2]")),
         top_p=float(_field(body, "top_p", num, 1.0, why="a number in (0, 1]")),
@@ -3593,11 +4223,37 @@ def params_from_body(body: dict, max_tokens_cap: int) -> SamplingParams:
         seed=_field(body, "seed", int, None, why="an integer"),
         max_tokens=min(max_tokens or max_tokens_cap, max_tokens_cap),
         stop=stop,
+        grammar=grammar,
+        schema=schema,
     ).validate()
 
 
+def structure_from_body(body: dict) -> tuple:
+    """(GBNF grammar or None, json_schema or None) from ``response_format``
+    (json_object; json_schema with its schema, converted by json_schema_grammar) or a
+    raw GBNF ``grammar`` (llama-server's field). The grammar still has to parse
+    (check_grammar, which needs the model's vocabulary)."""
+    fmt = _field(body, "response_format", dict, {"type": "text"}, why="an object")
+    grammar = _field(body, "grammar", str, None, why="a GBNF grammar (a string)")
+    kind = fmt.get("type")
+    if kind == "text" or (kind is None and not fmt):
+        return grammar, None
+    if grammar is not None:
+        raise RequestError("give either 'grammar' or a JSON 'response_format', not both", code="invalid_value")
+    if kind == "json_object":
+        schema = fmt.get("schema")  # llama-server's extension: a schema on json_object
+        return (json_schema_grammar(schema), schema) if schema is not None else (JSON_OBJECT_GRAMMAR, None)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise RequestError("'response_format.json_schema' must be an object with a 'schema' object",
+                               code="invalid_value")
+        return json_schema_grammar(spec["schema"]), spec["schema"]
+    raise RequestError("'response_format.type' must be 'text', 'json_object' or 'json_schema'", code="invalid_value")
+
+
 _EXTENSION_FIELDS = ("spec", "spec_max", "spec_sources", "archive", "vote", "early_stop", "candidates")
-_SPEC_SOURCES = ("lookup", "archive", "draft")
+_SPEC_SOURCES = ("lookup", "archive", "draft", "suggest") + tuple("suggest." + r for r in SUGGEST_RULES)
 
 
 def _extension(body: dict) -> dict:
@@ -3612,7 +4268,8 @@ def _extension(body: dict) -> dict:
 
 def spec_from_body(body: dict, default: SpecOptions) -> Optional[SpecOptions]:
     """The request's speculation override, from the extension object
-    ``"reame": {"spec": "auto|on|off", "spec_max": N, "spec_sources": ["lookup", "archive", "draft"]}``."""
+    ``"reame": {"spec": "auto|on|off", "spec_max": N, "spec_sources": [...]}``, the sources
+    among lookup, archive, draft, suggest (all of Il Suggeritore's rules) or one rule."""
     ext = _extension(body)
     if not set(ext) & {"spec", "spec_max", "spec_sources"}:
         return None
@@ -4102,6 +4759,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         srv, eng = self.server_ref, self.server_ref.engine
         chat = path == "/v1/chat/completions"
         params = params_from_body(body, srv.max_tokens_cap)
+        if params.grammar:
+            check_grammar(eng.model, params.grammar)
         spec = spec_from_body(body, eng.spec.default)
         archive = archive_from_body(body, owner)
         n = _field(body, "n", int, 1, check=lambda v: 1 <= v <= eng.n_slots,
@@ -4392,7 +5051,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-# == 15. Command line ===========================================================
+# == 16. Command line ===========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
@@ -4419,6 +5078,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "of generations in $REAME_HOME/palimpsest that later requests draft from (default 256M); "
                    "the oldest segments go first")
     p.add_argument("--no-archive", action="store_true", help="do not store generations nor draft from them")
+    p.add_argument("--no-suggest", action="store_true", help="turn off Il Suggeritore, the draft source that "
+                   "proposes structure (list numbers, table rows, JSON keys and punctuation, a json_schema's keys)")
     p.add_argument("--spec", choices=SPEC_MODES, default="auto", help="speculative decoding: auto (default) "
                    "measures on this machine whether verifying drafted tokens pays and speculates only then; "
                    "on: always; off: never. Greedy output is the same tokens either way")
@@ -4458,7 +5119,8 @@ def _engine_kwargs(args) -> dict:
     if not args.no_archive and archive < 1 << 20:
         raise RequestError("--archive-size must be at least 1M (or use --no-archive)")
     return dict(n_ctx=args.ctx, n_threads=args.threads, disk_cache=_disk_cache_bytes(args), spec=args.spec,
-                spec_max=args.spec_max, spec_verify=args.spec_verify, draft=_draft_path(args), archive=archive)
+                spec_max=args.spec_max, spec_verify=args.spec_verify, draft=_draft_path(args), archive=archive,
+                suggest=not args.no_suggest)
 
 
 def _disk_cache_bytes(args) -> int:

@@ -1502,6 +1502,169 @@ def test_archive_scopes_never_cross_and_opt_out(qwen_archive):
         eng.submit(prompt, archive="../etc")
 
 
+# == 12. Il Suggeritore and structured output =====================================
+
+
+def test_suggest_rules_lists_markdown_fields():
+    L, M, F = reame.suggest_list, reame.suggest_markdown, reame.suggest_fields
+    assert L("Fruits:\n1. Apple\n") == "2."
+    assert L("1) one\n2) two\n") == "3)"
+    assert L("1. a\n   1. nested\n") == "   2."                 # nested: its own indentation
+    assert L("1. a\n   more of a\n") == "2."                  # an item wrapped over an indented line
+    assert L("1. a\n\n") == "\n2."                            # blank lines between items kept
+    assert L("- milk\n") == "-" and L("  * eggs\n") == "  *"
+    assert L("1. a") == "" and L("Hello\n") == "" and L("1. a\n\n\n") == ""
+    assert M("| Name | Age |\n") == "|---|---|"                # the header row: its separator
+    assert M("| Name | Age |\n|---|---|\n| Bo | 3 |\n") == "|"  # a row: the next row's pipe
+    assert M("# A\ntext\n\n# B\ntext\n\n") == "#"               # a document of level-1 headings
+    assert M("plain text\n") == "" and M("| a |") == ""
+    assert F("Name: Ann\nAge: 3\nCity: Rome\n\nName: Bob\n") == "Age:"
+    assert F("Name: Ann\nAge: 3\n\n") == "Name:"
+    assert F("Name: Ann\n") == "" and F("no fields here\n") == ""
+
+
+def test_json_scan_repeats_the_previous_records_layout():
+    s = reame.JsonScan()
+    s.feed('Here:\n[\n  {\n    "name": "Alice",\n    "age": 30\n  },\n  {\n    "name": "Bob"')
+    assert s.suggest() == ',\n    "age": '                      # the next key, as the last record had it
+    s.feed(',\n    "a')
+    assert s.suggest() == 'ge": '                              # the rest of the key being written
+    s.feed('ge": 41')
+    assert s.suggest() == ""                                   # inside a value: nothing
+    s.feed("\n")
+    assert s.suggest() == "  }"                                # the record's closing, as before
+    s.feed("  }")
+    assert s.suggest() == ',\n  {\n    "name": '                # the next record's opening
+    s.feed("\n]")
+    assert s.suggest() == ""
+    bad = reame.JsonScan()
+    bad.feed('{"a": 1} and {"b": ]')                          # JSON that goes wrong is dropped
+    assert bad.suggest() == ""
+
+
+def test_json_scan_schema_hints_and_enums():
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "color": {"enum": ["red", "green"]},
+                                               "tags": {"type": "array", "items": {"type": "string"}}}}
+    s = reame.JsonScan(schema)
+    s.feed("{")
+    assert s.suggest() == '"name": '
+    s.feed('"name": "Al"')
+    assert s.suggest() == ', "color": '
+    s.feed(', "color": "g')
+    assert s.suggest() == 'reen"'                              # the enum value its start fits
+    s.feed('reen", "tags": [')
+    assert s.suggest() == ""                                   # the first string: unknown
+    s.feed('"x"')
+    assert s.suggest() == ", "
+    assert reame.schema_gaps({"type": "string"}) is None
+
+
+@pytest.mark.parametrize("alias", ["qwen2.5-coder-0.5b", "gemma3-270m"])
+def test_align_proposal_tokens_line_up(alias):
+    """Proposed text becomes the tokens the whole text tokenizes to; a proposal that
+    would merge into the tail's last token, or whose end depends on what follows, is
+    cut there."""
+    m = reame.Model(_model_path(alias), vocab_only=True)
+    try:
+        cases = [("Fruits:\n1. Apple\n", "2.", " Banana"), ("| a | b |\n", "|---|---|", "\n"),
+                 ('[\n  {"name": "A", "age": 1},\n', '  {"name": ', '"B"'), ("Name: A\nAge: 3\n\nName: B\n", "Age:", " 4")]
+        for head, prop, follow in cases:
+            tail = m.tokenize(head, add_special=False)
+            got = reame.align_proposal(m, tail[-4:], prop, (follow,))
+            whole = m.tokenize(head + prop + follow, add_special=False)
+            assert got and whole[:len(tail) + len(got)] == tail + got, (head, prop, [m.piece(x) for x in got])
+            assert m.detokenize(got) == prop[:len(m.detokenize(got))]
+        tail = m.tokenize("The answer is: Hel", add_special=False)
+        assert reame.align_proposal(m, tail[-4:], "lo world", (" ",)) == []  # "Hel"+"lo" merge
+    finally:
+        m.close()
+
+
+def test_json_schema_grammar_converts_and_rejects(qwen):
+    schema = {"type": "object", "required": ["name", "n"], "$defs": {"S": {"type": "object", "properties": {
+        "x": {"type": ["number", "null"]}, "kids": {"type": "array", "items": {"$ref": "#/$defs/S"}}}}},
+        "properties": {"name": {"type": "string", "maxLength": 20}, "n": {"type": "integer"},
+                       "color": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}, "c": {"const": 3},
+                       "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3},
+                       "sub": {"$ref": "#/$defs/S"}, "any": {}, "either": {"anyOf": [{"type": "string"},
+                                                                                     {"type": "integer"}]}}}
+    reame.check_grammar(qwen.model, reame.json_schema_grammar(schema))
+    reame.check_grammar(qwen.model, reame.JSON_OBJECT_GRAMMAR)
+    for bad, why in [({"type": "string", "pattern": "^a"}, "'pattern'"), ({"type": "object", "properties": {},
+                      "required": ["x"]}, "required"), ({"$ref": "http://x"}, "local refs"),
+                     ({"type": "strng"}, "unknown type"), ({"type": "array", "minItems": 3, "maxItems": 1}, "below"),
+                     ({"enum": []}, "enum"), ("nope", "object")]:
+        with pytest.raises(reame.RequestError, match=why) as e:
+            reame.json_schema_grammar(bad)
+        assert e.value.status == 400
+    with pytest.raises(reame.RequestError, match="Undefined rule identifier") as e:
+        reame.check_grammar(qwen.model, "root ::= foo")
+    assert e.value.status == 400
+
+
+LIST_PROMPT = "List 15 different fruits as a numbered list, one word each, nothing else."
+
+
+def test_suggeritore_equals_plain_greedy_and_drafts_list_numbers(qwen):
+    prompt = _chat(qwen, LIST_PROMPT)
+    plain = _spec_run(qwen, prompt, "off", max_tokens=70)
+    assert "\n3." in plain.text, plain.text
+    before = qwen.stats()["spec"]["suggest.list"]["accepted"]
+    spec = _spec_run(qwen, prompt, "on", ["suggest"], max_tokens=70)
+    assert spec.tokens == plain.tokens
+    assert qwen.stats()["spec"]["suggest.list"]["accepted"] - before >= 10   # "N." after each item
+    prose = _chat(qwen, "Write two sentences about the sea.")
+    assert _spec_run(qwen, prose, "auto", max_tokens=40).tokens == _spec_run(qwen, prose, "off", max_tokens=40).tokens
+
+
+PERSON = {"type": "object", "required": ["name", "age", "color", "skills"], "properties": {
+    "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},
+    "color": {"enum": ["red", "green", "blue"]}, "skills": {"type": "array", "items": {"type": "string",
+                                                                                      "maxLength": 30},
+                                                            "minItems": 1, "maxItems": 3},
+    "email": {"type": "string", "maxLength": 60}}}
+
+
+def _valid(v, schema) -> bool:
+    """A validator for the subset of JSON schema PERSON uses."""
+    if "enum" in schema:
+        return v in schema["enum"]
+    t = schema.get("type")
+    if t == "object":
+        return (isinstance(v, dict) and set(v) <= set(schema["properties"]) and set(schema["required"]) <= set(v)
+                and all(_valid(v[k], schema["properties"][k]) for k in v))
+    if t == "array":
+        return (isinstance(v, list) and schema.get("minItems", 0) <= len(v) <= schema.get("maxItems", 1 << 30)
+                and all(_valid(x, schema["items"]) for x in v))
+    if t == "string":
+        return isinstance(v, str) and len(v) <= schema.get("maxLength", 1 << 30)
+    if t == "integer":
+        return isinstance(v, int) and not isinstance(v, bool)
+    return False
+
+
+def test_json_schema_output_always_validates(qwen):
+    """20 requests with a json_schema: every output parses and validates (greedy ones
+    through the fast grammar path, sampled ones through the grammar in the chain), and
+    the schema's keys come as accepted Suggeritore drafts."""
+    grammar = reame.json_schema_grammar(PERSON)
+    people = ["a pirate", "a chef from Lyon", "a retired astronaut", "a teenage chess player", "a beekeeper"]
+    before = qwen.stats()["spec"]["suggest.json"]["accepted"]
+    for i in range(20):
+        prompt = _chat(qwen, "Invent a person: %s. Reply with JSON." % people[i % len(people)])
+        p = reame.SamplingParams(temperature=0 if i < 10 else 0.9, seed=i, max_tokens=120, grammar=grammar,
+                                 schema=PERSON)
+        r = qwen.submit(prompt, p).wait()
+        assert r.finish_reason == "stop", r.text
+        assert _valid(json.loads(r.text), PERSON), r.text
+    assert qwen.stats()["spec"]["suggest.json"]["accepted"] - before > 20
+    prompt = _chat(qwen, "Invent a person: a pirate. Reply with JSON.")
+    p = reame.SamplingParams(temperature=0, max_tokens=120, grammar=grammar, schema=PERSON)
+    on = qwen.submit(prompt, p, spec=reame.SpecOptions("on", 16, ("suggest",))).wait()
+    off = qwen.submit(prompt, p, spec=reame.SpecOptions("off")).wait()
+    assert on.tokens == off.tokens
+
+
 # == 13. The Conclave ===========================================================
 
 
@@ -1615,6 +1778,31 @@ def test_server_streaming_equals_non_streaming(server):
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == full
     assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
     assert chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_server_structured_output_and_its_errors(server):
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "hex": {"type": "string", "maxLength": 7}}, "required": ["colour", "hex"]}
+    body = {"messages": [{"role": "user", "content": "Name a colour as JSON."}], "temperature": 0, "max_tokens": 40,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}}
+    status, payload = _http(server, "POST", "/v1/chat/completions", body)
+    assert status == 200, payload
+    out = json.loads(json.loads(payload)["choices"][0]["message"]["content"])
+    assert out["colour"] in ("red", "green", "blue") and set(out) == {"colour", "hex"}
+    status, payload = _http(server, "POST", "/v1/chat/completions", dict(body, response_format={"type": "json_object"}))
+    assert status == 200 and isinstance(json.loads(json.loads(payload)["choices"][0]["message"]["content"]), dict)
+    status, payload = _http(server, "POST", "/v1/completions", {"prompt": "Yes or no?", "max_tokens": 5,
+                                                                 "grammar": 'root ::= "yes" | "no"'})
+    assert status == 200 and json.loads(payload)["choices"][0]["text"] in ("yes", "no")
+    for bad, why in [({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string",
+                                                                                             "format": "email"}}}},
+                      "'format'"),
+                     ({"grammar": "root ::= foo"}, "Undefined rule"),
+                     ({"grammar": "root ::= \"a\"", "response_format": {"type": "json_object"}}, "not both"),
+                     ({"response_format": {"type": "xml"}}, "response_format.type")]:
+        status, payload = _http(server, "POST", "/v1/chat/completions", dict(body, **bad))
+        assert status == 400, payload
+        assert why in json.loads(payload)["error"]["message"]
 
 
 def test_server_auth(server):
