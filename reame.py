@@ -2560,14 +2560,16 @@ class DraftModel(DraftSource):
         self._batch = Batch(self.ctx.n_batch)
         self._greedy = Sampler(model, SamplingParams(temperature=0.0))
         self._kv: dict = {}            # slot -> the tokens in that slot's draft KV
-        self.step_s = None             # EMA: seconds of one drafting step (one token per sequence)
+        self.tok_s = None              # EMA: seconds of a propose call per token it drafted
 
     def cost_s_per_tok(self, step_s):
-        """Measured; before that, the target's step scaled by the weights' sizes."""
-        return self.step_s if self.step_s is not None else step_s * self.model.n_bytes / self.target_bytes
+        """Measured (catching the KV up with the accepted tokens included); before that,
+        the target's step scaled by the weights' sizes."""
+        return self.tok_s if self.tok_s is not None else step_s * self.model.n_bytes / self.target_bytes
 
     def propose(self, seqs, ks):
         b, ctx = self._batch, self.ctx
+        t0 = time.perf_counter()
         # 1. catch up: make each slot's KV the sequence's history but its last token
         feed = []
         for seq in seqs:
@@ -2594,12 +2596,10 @@ class DraftModel(DraftSource):
                     rest.append((seq, toks[room:]))
             ctx.decode(b)
             pending = rest
-        t1 = time.perf_counter()
         # 2. draft: one token per sequence per step, greedily
         drafts = [[] for _ in seqs]
         feed_tok = [seq.history[-1] for seq in seqs]
         live = [i for i, k in enumerate(ks) if k > 0]
-        steps = 0
         while live:
             b.clear()
             for i in live:
@@ -2607,7 +2607,6 @@ class DraftModel(DraftSource):
                 b.add(feed_tok[i], len(kv), seqs[i].slot, True)
                 kv.append(feed_tok[i])
             ctx.decode(b)
-            steps += 1
             nxt = []
             for row, i in enumerate(live):
                 t = self._greedy.sample(ctx, row)
@@ -2616,9 +2615,10 @@ class DraftModel(DraftSource):
                 if len(drafts[i]) < ks[i] and not self.model.is_eog(t):
                     nxt.append(i)
             live = nxt
-        if steps:
-            took = (time.perf_counter() - t1) / steps
-            self.step_s = took if self.step_s is None else self.step_s + 0.2 * (took - self.step_s)
+        n = sum(len(d) for d in drafts)
+        if n:
+            took = (time.perf_counter() - t0) / n
+            self.tok_s = took if self.tok_s is None else self.tok_s + 0.2 * (took - self.tok_s)
         for seq in seqs:  # what of the draft KV is known to be the history (the rest is checked next time)
             seq.state[self.name] = len(seq.history)
         return drafts
