@@ -2851,6 +2851,28 @@ def suggest_list(text: str) -> str:
     return ""
 
 
+def suggest_item_end(text: str) -> str:
+    """Inside a numbered item: the line break and the next number, once the item has as
+    many words as the item before it and ends like it (a letter, or punctuation), so a
+    list of one-word or same-length items gets its line ends proposed too."""
+    lines = text.split("\n")[-64:]
+    m = _LIST_ITEM.match(lines[-1])
+    if not m or lines[-1] != lines[-1].rstrip():
+        return ""
+    indent, num, sep = m.groups()
+    body = lines[-1][m.end() - 1:]
+    j = len(lines) - 2
+    while j >= 0 and not lines[j].strip():
+        j -= 1
+    prev = _LIST_ITEM.match(lines[j]) if j >= 0 else None
+    if prev is None or prev.group(1) != indent or int(prev.group(2)) + 1 != int(num):
+        return ""
+    before = lines[j][prev.end() - 1:].rstrip()
+    if len(body.split()) < len(before.split()) or body[-1].isalnum() != before[-1].isalnum():
+        return ""
+    return "\n" * (len(lines) - 1 - j) + "%s%d%s" % (indent, int(num) + 1, sep)
+
+
 def suggest_markdown(text: str) -> str:
     """Tables: after the header row, the separator row (a cell per column); after a
     row, the next row's opening pipe. Headings: after a blank line in a document whose
@@ -2909,28 +2931,41 @@ class _Frame:
     """An open JSON container: the gaps between its values so far (gaps[0] runs from
     the bracket to the first value; the last one ends with the closing bracket)."""
 
-    __slots__ = ("kind", "gaps", "cur", "in_value", "model", "schema", "key", "last_elem")
+    __slots__ = ("kind", "gaps", "kinds", "cur", "in_value", "model", "schema", "key", "last_elem")
 
-    def __init__(self, kind: str, model: Optional[list], schema: Optional[dict]):
-        self.kind, self.model, self.schema = kind, model, schema
+    def __init__(self, kind: str, model: Optional[tuple], schema: Optional[dict]):
+        self.kind, self.model, self.schema = kind, model, schema  # model: a sibling's (gaps, kinds)
         self.gaps: List[str] = []
+        self.kinds: List[str] = []  # each value's first character ('"' a string, '{', '1', 't', ...)
         self.cur = kind             # the gap being written
         self.in_value = False       # inside one of its values
         self.key: Optional[str] = None
-        self.last_elem: Optional[list] = None  # arrays: the gaps of the last container element
+        self.last_elem: Optional[tuple] = None  # arrays: (gaps, kinds) of the last container element
 
 
-def schema_gaps(node: Optional[dict]) -> Optional[list]:
-    """The gaps a json_schema forces on an object or array in json_schema_grammar's
-    layout ('{"a": ', ', "b": ', '}'; '[', ', ', ']'), optional properties assumed
-    present; None for anything else."""
+def _opens(node) -> str:
+    """The first character a json_schema node's value always starts with ("" if not one)."""
+    if not isinstance(node, dict):
+        return ""
+    enum = node.get("enum")
+    if node.get("type") == "string" or (enum and all(isinstance(v, str) for v in enum)):
+        return '"'
+    return {"object": "{", "array": "["}.get(node.get("type"), "")
+
+
+def schema_gaps(node: Optional[dict]) -> Optional[tuple]:
+    """(gaps, kinds) a json_schema forces on an object or array in json_schema_grammar's
+    layout (gaps '{"a": ', ', "b": ', '}' or '[', ', ', ']'; kinds: what each value
+    opens with, one for all of an array's items), optional properties assumed present;
+    None for anything else."""
     if not isinstance(node, dict):
         return None
     if node.get("type") == "object" and node.get("properties"):
         keys = list(node["properties"])
-        return (['{%s: ' % json.dumps(keys[0])] + [', %s: ' % json.dumps(k) for k in keys[1:]] + ["}"])
+        return (['{%s: ' % json.dumps(keys[0])] + [', %s: ' % json.dumps(k) for k in keys[1:]] + ["}"],
+                [_opens(node["properties"][k]) for k in keys])
     if node.get("type") == "array":
-        return ["[", ", ", "]"]
+        return ["[", ", ", "]"], [_opens(node.get("items"))]
     return None
 
 
@@ -2964,8 +2999,9 @@ class JsonScan:
         sub = node.get("items") if top.kind == "[" else (node.get("properties") or {}).get(top.key)
         return sub if isinstance(sub, dict) else None
 
-    def _start_value(self, top: _Frame) -> None:
+    def _start_value(self, top: _Frame, ch: str) -> None:
         top.gaps.append(top.cur)
+        top.kinds.append(ch)
         top.cur, top.in_value = "", True
 
     def _char(self, ch: str) -> None:
@@ -3003,13 +3039,13 @@ class JsonScan:
                 self.in_str = self.in_key = True
                 top.cur += ch
             else:
-                self._start_value(top)
+                self._start_value(top, ch)
                 self.in_str, self.str_val = True, ""
         elif ch in "{[":
             model = top.last_elem if top.kind == "[" else None
             schema = self._child_schema()
-            self._start_value(top)
-            stack.append(_Frame(ch, model if model and model[0][:1] == ch else None, schema))
+            self._start_value(top, ch)
+            stack.append(_Frame(ch, model if model and model[0][0][:1] == ch else None, schema))
         elif ch in "}]":
             if ch != ("}" if top.kind == "{" else "]"):
                 stack.clear()
@@ -3021,9 +3057,9 @@ class JsonScan:
                 parent = stack[-1]
                 parent.in_value = False
                 if parent.kind == "[":
-                    parent.last_elem = top.gaps
+                    parent.last_elem = (top.gaps, top.kinds)
         elif ch.isalnum() or ch == "-":
-            self._start_value(top)
+            self._start_value(top, ch)
             self.scalar = ch
         elif ch in " \t\r\n,:":
             top.cur += ch
@@ -3045,23 +3081,29 @@ class JsonScan:
         i, cur = len(top.gaps), top.cur
         forced = schema_gaps(top.schema)
         if top.kind == "{":
-            if forced or top.model:
-                gap = (forced or top.model)[i] if i < len((forced or top.model)) else None
+            model, opening = forced or top.model, ""
+            if model:  # a string value's opening quote comes with its key
+                gap = model[0][i] if i < len(model[0]) else None
+                opening = '"' if i < len(model[1]) and model[1][i] == '"' else ""
             elif i >= 1:  # no model: the separator its own earlier gaps used, up to the next key
                 gap = top.gaps[1] if i >= 2 else "," + top.gaps[0][1:]
                 gap = gap[:gap.find('"')] if '"' in gap else None
             else:
                 gap = None
-            return gap[len(cur):] if gap is not None and gap.startswith(cur) else ""
+            return gap[len(cur):] + opening if gap is not None and gap.startswith(cur) else ""
         # an array: the gap between elements as before (after the first element: a comma
         # and the whitespace that followed the bracket), then the next element's opening
         if forced:
-            gap, nxt = (cur if i == 0 else forced[1]), schema_gaps(self._child_schema())
+            gap, nxt = (cur if i == 0 else forced[0][1]), schema_gaps(self._child_schema())
+            opening = forced[1][0] if forced[1][0] == '"' else ""
         else:
             gap, nxt = (None if i == 0 else top.gaps[-1] if i >= 2 else "," + top.gaps[0][1:]), top.last_elem
+            opening = '"' if top.kinds and top.kinds[-1] == '"' else ""
         if gap is None or not gap.startswith(cur):
             return ""
-        return gap[len(cur):] + (nxt[0] if nxt else "")
+        if nxt:  # the next element's opening, up to its first value
+            return gap[len(cur):] + nxt[0][0] + ('"' if nxt[1] and nxt[1][0] == '"' else "")
+        return gap[len(cur):] + opening
 
 
 def align_proposal(model: Model, tail: Sequence[int], text: str, probes: Sequence[str] = (" ", "\n")) -> List[int]:
@@ -3113,9 +3155,11 @@ class _Written:
 # rule -> (proposal from the written text, what may follow a proposal: align_proposal's probes)
 SUGGEST_RULES = {
     "list": (lambda w: suggest_list(w.text), (" A", " 1")),
+    "item": (lambda w: suggest_item_end(w.text), (" A", " 1")),
     "markdown": (lambda w: suggest_markdown(w.text), (" a", "\n")),
     "fields": (lambda w: suggest_fields(w.text), (" A", " 1")),
-    "json": (lambda w: w.json.suggest(), ('"', "0", "-", "t", "{", "[", " ", "\n")),
+    "json": (lambda w: w.json.suggest(), lambda text: (("a", "A", "1", " a") if text.endswith('"') else
+                                                        ('"', "0", "-", "t", "{", "[", " ", "\n"))),
 }
 
 
@@ -3139,7 +3183,8 @@ class Suggestion(DraftSource):
             if w is None:
                 w = seq.state["suggest"] = _Written(seq.n_prompt, seq.schema)
             text = self._fn(w) if w.update(self.model, seq.history) else ""
-            out.append(align_proposal(self.model, seq.history[-4:], text, self._probes)[:k] if text else [])
+            probes = self._probes(text) if callable(self._probes) else self._probes
+            out.append(align_proposal(self.model, seq.history[-4:], text, probes)[:k] if text else [])
         return out
 
 

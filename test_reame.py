@@ -1514,6 +1514,10 @@ def test_suggest_rules_lists_markdown_fields():
     assert L("1. a\n\n") == "\n2."                            # blank lines between items kept
     assert L("- milk\n") == "-" and L("  * eggs\n") == "  *"
     assert L("1. a") == "" and L("Hello\n") == "" and L("1. a\n\n\n") == ""
+    E = reame.suggest_item_end                                  # inside an item: its end, like the last one
+    assert E("1. Apple\n2. Banana") == "\n3." and E("1. Apple\n\n2. Pear") == "\n\n3."
+    assert E("1. Red apple\n2. Banana") == "" and E("1. Apple.\n2. Pear") == "" and E("1. Apple.\n2. Pear.") == "\n3."
+    assert E("1. Apple\n2. Pear ") == "" and E("Pear") == "" and E("1. Apple\n3. Pear") == ""
     assert M("| Name | Age |\n") == "|---|---|"                # the header row: its separator
     assert M("| Name | Age |\n|---|---|\n| Bo | 3 |\n") == "|"  # a row: the next row's pipe
     assert M("# A\ntext\n\n# B\ntext\n\n") == "#"               # a document of level-1 headings
@@ -1534,7 +1538,7 @@ def test_json_scan_repeats_the_previous_records_layout():
     s.feed("\n")
     assert s.suggest() == "  }"                                # the record's closing, as before
     s.feed("  }")
-    assert s.suggest() == ',\n  {\n    "name": '                # the next record's opening
+    assert s.suggest() == ',\n  {\n    "name": "'               # the next record's opening, to its string
     s.feed("\n]")
     assert s.suggest() == ""
     bad = reame.JsonScan()
@@ -1547,15 +1551,15 @@ def test_json_scan_schema_hints_and_enums():
                                                "tags": {"type": "array", "items": {"type": "string"}}}}
     s = reame.JsonScan(schema)
     s.feed("{")
-    assert s.suggest() == '"name": '
+    assert s.suggest() == '"name": "'                          # a string's opening quote comes with its key
     s.feed('"name": "Al"')
-    assert s.suggest() == ', "color": '
+    assert s.suggest() == ', "color": "'
     s.feed(', "color": "g')
     assert s.suggest() == 'reen"'                              # the enum value its start fits
     s.feed('reen", "tags": [')
-    assert s.suggest() == ""                                   # the first string: unknown
+    assert s.suggest() == '"'                                  # an array of strings
     s.feed('"x"')
-    assert s.suggest() == ", "
+    assert s.suggest() == ', "'
     assert reame.schema_gaps({"type": "string"}) is None
 
 
