@@ -2851,28 +2851,6 @@ def suggest_list(text: str) -> str:
     return ""
 
 
-def suggest_item_end(text: str) -> str:
-    """Inside a numbered item: the line break and the next number, once the item has as
-    many words as the item before it and ends like it (a letter, or punctuation), so a
-    list of one-word or same-length items gets its line ends proposed too."""
-    lines = text.split("\n")[-64:]
-    m = _LIST_ITEM.match(lines[-1])
-    if not m or lines[-1] != lines[-1].rstrip():
-        return ""
-    indent, num, sep = m.groups()
-    body = lines[-1][m.end() - 1:]
-    j = len(lines) - 2
-    while j >= 0 and not lines[j].strip():
-        j -= 1
-    prev = _LIST_ITEM.match(lines[j]) if j >= 0 else None
-    if prev is None or prev.group(1) != indent or int(prev.group(2)) + 1 != int(num):
-        return ""
-    before = lines[j][prev.end() - 1:].rstrip()
-    if len(body.split()) < len(before.split()) or body[-1].isalnum() != before[-1].isalnum():
-        return ""
-    return "\n" * (len(lines) - 1 - j) + "%s%d%s" % (indent, int(num) + 1, sep)
-
-
 def suggest_markdown(text: str) -> str:
     """Tables: after the header row, the separator row (a cell per column); after a
     row, the next row's opening pipe. Headings: after a blank line in a document whose
@@ -3155,7 +3133,6 @@ class _Written:
 # rule -> (proposal from the written text, what may follow a proposal: align_proposal's probes)
 SUGGEST_RULES = {
     "list": (lambda w: suggest_list(w.text), (" A", " 1")),
-    "item": (lambda w: suggest_item_end(w.text), (" A", " 1")),
     "markdown": (lambda w: suggest_markdown(w.text), (" a", "\n")),
     "fields": (lambda w: suggest_fields(w.text), (" A", " 1")),
     "json": (lambda w: w.json.suggest(), lambda text: (("a", "A", "1", " a") if text.endswith('"') else

@@ -1514,10 +1514,6 @@ def test_suggest_rules_lists_markdown_fields():
     assert L("1. a\n\n") == "\n2."                            # blank lines between items kept
     assert L("- milk\n") == "-" and L("  * eggs\n") == "  *"
     assert L("1. a") == "" and L("Hello\n") == "" and L("1. a\n\n\n") == ""
-    E = reame.suggest_item_end                                  # inside an item: its end, like the last one
-    assert E("1. Apple\n2. Banana") == "\n3." and E("1. Apple\n\n2. Pear") == "\n\n3."
-    assert E("1. Red apple\n2. Banana") == "" and E("1. Apple.\n2. Pear") == "" and E("1. Apple.\n2. Pear.") == "\n3."
-    assert E("1. Apple\n2. Pear ") == "" and E("Pear") == "" and E("1. Apple\n3. Pear") == ""
     assert M("| Name | Age |\n") == "|---|---|"                # the header row: its separator
     assert M("| Name | Age |\n|---|---|\n| Bo | 3 |\n") == "|"  # a row: the next row's pipe
     assert M("# A\ntext\n\n# B\ntext\n\n") == "#"               # a document of level-1 headings
