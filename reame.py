@@ -78,7 +78,9 @@ __all__ = [
     "lookup_draft", "NgramIndex", "SpecState", "DraftSource", "PromptLookup", "check_draft_pair", "DraftModel",
     "SpecController", "vocab_fingerprint", "pal_record", "pal_parse", "pal_segments", "pal_append", "ngram_key",
     "ArchiveIndex", "Palimpsest", "ArchiveSource", "VOTE_EXTRACTORS", "check_extractor", "extract_answer",
-    "conclave_vote", "ConclaveResult", "run_conclave",
+    "conclave_vote", "ConclaveResult", "run_conclave", "suggest_list", "suggest_markdown", "suggest_fields",
+    "schema_gaps", "JsonScan", "align_proposal", "SUGGEST_RULES", "Suggestion", "JSON_OBJECT_GRAMMAR",
+    "json_schema_grammar", "grammar_sampler", "check_grammar", "structure_from_body",
 ]
 
 log = logging.getLogger("reame")
