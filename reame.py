@@ -3288,8 +3288,12 @@ class _SchemaGrammar:
         if missing:
             raise RequestError("json_schema at %s: required %s not in 'properties'" % (path, missing),
                                code="invalid_schema")
-        if not props:
-            return "object"
+        extra = node.get("additionalProperties")
+        if not props:  # any keys; their values as additionalProperties says, if it says
+            if not isinstance(extra, dict) or not extra:
+                return "object"
+            v = self.expr(extra, path + "/additionalProperties")
+            return self.add('"{" ( string ": " %s ( ", " string ": " %s )* )? "}"' % (v, v))
         keys = list(props)
         kv = ['%s ": " %s' % (_gbnf_literal(json.dumps(k, ensure_ascii=False)), self.expr(props[k], path + "/" + k))
               for k in keys]

@@ -1590,6 +1590,9 @@ def test_json_schema_grammar_converts_and_rejects(qwen):
                                                                                      {"type": "integer"}]}}}
     reame.check_grammar(qwen.model, reame.json_schema_grammar(schema))
     reame.check_grammar(qwen.model, reame.JSON_OBJECT_GRAMMAR)
+    counts = reame.json_schema_grammar({"type": "object", "additionalProperties": {"type": "integer"}})
+    reame.check_grammar(qwen.model, counts)
+    assert "integer" in counts.splitlines()[1]             # a map's values keep their schema
     for bad, why in [({"type": "string", "pattern": "^a"}, "'pattern'"), ({"type": "object", "properties": {},
                       "required": ["x"]}, "required"), ({"$ref": "http://x"}, "local refs"),
                      ({"type": "strng"}, "unknown type"), ({"type": "array", "minItems": 3, "maxItems": 1}, "below"),
