@@ -1099,6 +1099,7 @@ class Sampler:
         self._greedy = _np is not None and params.temperature <= 0 and not penalties
         self._argmax = self._greedy and not params.grammar
         self._penalties = self._grammar = None
+        self._last_n = params.penalty_last_n
         self._logits_ith = L.llama_get_logits_ith
         self._ptr = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         add = lambda s: L.llama_sampler_chain_add(self._ptr, s)  # noqa: E731 - the chain owns s
@@ -1177,10 +1178,12 @@ class Sampler:
             raise EngineError("the grammar allows no token here")
         return int(cand["id"][arr.selected])
 
-    def accept_prompt(self, token: int) -> None:
-        """A prompt token for the penalties to see (the grammar starts after the prompt)."""
+    def see_prompt(self, prompt: Sequence[int]) -> None:
+        """Let the penalties see the prompt's last penalty_last_n tokens, as llama-server
+        does (the grammar, if any, starts after the prompt)."""
         if self._penalties:
-            self._L.llama_sampler_accept(self._penalties, token)
+            for t in prompt[-self._last_n:]:
+                self._L.llama_sampler_accept(self._penalties, t)
 
     def close(self) -> None:
         if self._ptr:
@@ -1504,7 +1507,7 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
 # prefix under $REAME_HOME/kv/<model fingerprint>/, named by a hash of the fingerprint,
 # the KV parameters and the prefix's tokens: another process, or this one after a
 # restart, finds a prefix without an index. The engine snapshots only whole prefill
-# chunks on an exact prefix (section 12), so a restored prefix is what a cold prefill
+# chunks on an exact prefix (section 13), so a restored prefix is what a cold prefill
 # computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
 # tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
 # the least recently used files go first when the directory is over its size bound.
@@ -2250,7 +2253,7 @@ class Palimpsest:
 
 # == 11. Speculation: draft sources and the controller ==========================
 # Draft sources propose tokens; the target verifies them in the scheduler's batch
-# step (section 12) and keeps the longest run it would have produced itself. The
+# step (section 13) and keeps the longest run it would have produced itself. The
 # controller measures, live, what a verify step of k+1 tokens costs against one
 # token, and how often each source is right by draft position, and speculates only
 # where that pays. Everything that decides is a pure function, tested without a model.
@@ -2907,22 +2910,6 @@ def suggest_fields(text: str) -> str:
     return ""
 
 
-class _Frame:
-    """An open JSON container: the gaps between its values so far (gaps[0] runs from
-    the bracket to the first value; the last one ends with the closing bracket)."""
-
-    __slots__ = ("kind", "gaps", "kinds", "cur", "in_value", "model", "schema", "key", "last_elem")
-
-    def __init__(self, kind: str, model: Optional[tuple], schema: Optional[dict]):
-        self.kind, self.model, self.schema = kind, model, schema  # model: a sibling's (gaps, kinds)
-        self.gaps: List[str] = []
-        self.kinds: List[str] = []  # each value's first character ('"' a string, '{', '1', 't', ...)
-        self.cur = kind             # the gap being written
-        self.in_value = False       # inside one of its values
-        self.key: Optional[str] = None
-        self.last_elem: Optional[tuple] = None  # arrays: (gaps, kinds) of the last container element
-
-
 def _opens(node) -> str:
     """The first character a json_schema node's value always starts with ("" if not one)."""
     if not isinstance(node, dict):
@@ -2947,6 +2934,23 @@ def schema_gaps(node: Optional[dict]) -> Optional[tuple]:
     if node.get("type") == "array":
         return ["[", ", ", "]"], [_opens(node.get("items"))]
     return None
+
+
+class _Frame:
+    """An open JSON container: the gaps between its values so far (gaps[0] runs from
+    the bracket to the first value; the last one ends with the closing bracket)."""
+
+    __slots__ = ("kind", "gaps", "kinds", "cur", "in_value", "model", "schema", "forced", "key", "last_elem")
+
+    def __init__(self, kind: str, model: Optional[tuple], schema: Optional[dict]):
+        self.kind, self.model, self.schema = kind, model, schema  # model: a sibling's (gaps, kinds)
+        self.forced = schema_gaps(schema)  # what the schema forces on it (None: nothing)
+        self.gaps: List[str] = []
+        self.kinds: List[str] = []  # each value's first character ('"' a string, '{', '1', 't', ...)
+        self.cur = kind             # the gap being written
+        self.in_value = False       # inside one of its values
+        self.key: Optional[str] = None
+        self.last_elem: Optional[tuple] = None  # arrays: (gaps, kinds) of the last container element
 
 
 class JsonScan:
@@ -3058,8 +3062,7 @@ class JsonScan:
             return ""
         if top.in_value:
             return ""
-        i, cur = len(top.gaps), top.cur
-        forced = schema_gaps(top.schema)
+        i, cur, forced = len(top.gaps), top.cur, top.forced
         if top.kind == "{":
             model, opening = forced or top.model, ""
             if model:  # a string value's opening quote comes with its key
@@ -3074,7 +3077,7 @@ class JsonScan:
         # an array: the gap between elements as before (after the first element: a comma
         # and the whitespace that followed the bracket), then the next element's opening
         if forced:
-            gap, nxt = (cur if i == 0 else forced[0][1]), schema_gaps(self._child_schema())
+            gap, nxt = (cur if i == 0 else forced[0][1]), schema_gaps(top.schema.get("items"))
             opening = forced[1][0] if forced[1][0] == '"' else ""
         else:
             gap, nxt = (None if i == 0 else top.gaps[-1] if i >= 2 else "," + top.gaps[0][1:]), top.last_elem
@@ -3170,7 +3173,8 @@ class Suggestion(DraftSource):
 # -- structured output: json_schema -> GBNF for llama.cpp's grammar sampler
 
 _GBNF_BASE = r'''
-string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) )* "\""
+string ::= "\"" char* "\""
+char ::= [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} )
 number ::= integer ( "." [0-9]+ )? ( [eE] [-+]? [0-9]{1,3} )?
 integer ::= "-"? ( [0-9] | [1-9] [0-9]{1,15} )
 boolean ::= "true" | "false"
@@ -3181,10 +3185,10 @@ array ::= "[" ( value ( ", " value )* )? "]"
 '''
 JSON_OBJECT_GRAMMAR = "root ::= object\n" + _GBNF_BASE
 _SCHEMA_IGNORED = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
-                   "additionalProperties", "strict", "$defs", "definitions", "nullable", "deprecated",
+                   "strict", "$defs", "definitions", "nullable", "deprecated",
                    "readOnly", "writeOnly"}
 _SCHEMA_KNOWN = {"type", "properties", "required", "items", "minItems", "maxItems", "enum", "const",
-                 "anyOf", "oneOf", "$ref", "minLength", "maxLength"} | _SCHEMA_IGNORED
+                 "anyOf", "oneOf", "$ref", "minLength", "maxLength", "additionalProperties"} | _SCHEMA_IGNORED
 
 
 def _gbnf_literal(s: str) -> str:
@@ -3220,7 +3224,8 @@ class _SchemaGrammar:
         unknown = sorted(set(node) - _SCHEMA_KNOWN)
         if unknown:
             raise RequestError("json_schema at %s: %s not supported (supported: type, properties, required, "
-                               "items, minItems, maxItems, enum, const, anyOf, oneOf, $ref, minLength, maxLength)"
+                               "items, minItems, maxItems, enum, const, anyOf, oneOf, $ref, minLength, maxLength, "
+                               "additionalProperties)"
                                % (path, ", ".join(repr(k) for k in unknown)), code="invalid_schema")
         if "$ref" in node:
             return self.ref(node["$ref"], path)
@@ -3248,8 +3253,7 @@ class _SchemaGrammar:
             lo, hi = _bounds(node, "minLength", "maxLength", 100000)
             if not lo and hi is None:
                 return "string"
-            return self.add(r'"\"" ( [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} ) ){%d,%s} "\""'
-                            % (lo, "" if hi is None else hi))
+            return self.add(r'"\"" char{%d,%s} "\""' % (lo, "" if hi is None else hi))
         if typ == "array":
             item = self.expr(node.get("items", True), path + "/items")
             lo, hi = _bounds(node, "minItems", "maxItems", 1000)
@@ -3300,18 +3304,16 @@ class _SchemaGrammar:
         req = [k in required for k in keys]
         # rest(i): what may follow once something was written; first(i): before anything
         rest = [""] * (len(keys) + 1)
-        for i in range(len(keys) - 1, -1, -1):
-            tail = rest[i + 1]
+        for i in range(len(keys) - 1, 0, -1):  # (rest(0) is never needed)
             one = '", " %s' % kv[i]
-            rest[i] = ("%s %s" % (one, tail) if req[i] else "( %s )? %s" % (one, tail)).strip()
-            if rest[i] and i < len(keys) - 1:
-                rest[i] = self.add(rest[i])
+            rest[i] = self.add(("%s %s" % (one, rest[i + 1]) if req[i] else "( %s )? %s" % (one, rest[i + 1])).strip())
         first = ""
         for i in range(len(keys) - 1, -1, -1):
             here = ("%s %s" % (kv[i], rest[i + 1])).strip()
-            first = here if req[i] else ("( %s | %s )" % (here, first) if first else "( %s )?" % here)
-            if i and first:
-                first = self.add(first)
+            if req[i]:
+                first = here
+            else:
+                first = "( %s | %s )" % (here, self.add(first)) if first else "( %s )?" % here
         return self.add('"{" %s "}"' % first)
 
 
@@ -3747,9 +3749,7 @@ class Engine:
             slot, n_cached, n_exact = self._take_slot(req, reuse=i == 0)
             p = req.params
             sampler = Sampler(self.model, p)
-            if p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-                for t in req.prompt[-p.penalty_last_n:]:  # penalties see the prompt, as in llama-server
-                    sampler.accept_prompt(t)
+            sampler.see_prompt(req.prompt)
             room = self.n_ctx - len(req.prompt)
             s = _Seq(req, slot, sampler, min(p.max_tokens or room, room), n_cached, n_exact)
             scope = req.archive if self.archive is not None else None
@@ -4872,7 +4872,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 srv.sessions.end(session)
 
     def _conclave(self, tokens, params, n, ext, chat, stream, include_usage, **submit_kw) -> None:
-        """best_of: n candidates voted (section 13). The response has one choice, the
+        """best_of: n candidates voted (section 14). The response has one choice, the
         winner, and a "conclave" object: the answer, the votes, candidates finished and
         cancelled (and each candidate with "reame": {"candidates": true}). Streaming
         sends the winner once decided, or, with candidates, every candidate's text as
