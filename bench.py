@@ -1686,9 +1686,12 @@ def result_tok_s(r) -> Optional[float]:
     return (r.n_gen_tok - 1) / span if span > 0 and r.n_gen_tok > 1 else None
 
 
-def spec_decode(eng, tokens: list, max_tokens: int, opts) -> dict:
+def spec_decode(eng, tokens: list, max_tokens: int, opts=None, archive="shared", **params) -> dict:
+    """One greedy request: its decode tok/s, tokens, and (accepted, proposed) drafts by source.
+    params: more SamplingParams fields (grammar, schema)."""
     before = eng.stats()["spec"]
-    r = eng.submit(tokens, reame.SamplingParams(temperature=0, max_tokens=max_tokens), spec=opts).wait()
+    r = eng.submit(tokens, reame.SamplingParams(temperature=0, max_tokens=max_tokens, **params), spec=opts,
+                   archive=archive).wait()
     after = eng.stats()["spec"]
     acc = {name: (after[name]["accepted"] - before[name]["accepted"],
                   after[name]["proposed"] - before[name]["proposed"]) for name in after}
@@ -1880,22 +1883,18 @@ def run_suggest(args) -> dict:
                 eng.submit(toks, reame.SamplingParams(temperature=0, max_tokens=1), archive=None).wait()  # warm KV
                 ref = None
                 for cname, opts in (configs if rep % 2 == 0 else configs[::-1]):
-                    before = eng.stats()["spec"]
-                    r = eng.submit(toks, reame.SamplingParams(temperature=0, max_tokens=args.gen_tokens,
-                                                              grammar=grammar, schema=schema),
-                                   spec=opts, archive=None).wait()
-                    after = eng.stats()["spec"]
-                    runs[cname].append(result_tok_s(r))
+                    r = spec_decode(eng, toks, args.gen_tokens, opts, archive=None, grammar=grammar, schema=schema)
+                    runs[cname].append(r["tok_s"])
                     if cname == "on":
-                        n_gen += r.n_gen_tok
-                        for src in after:
+                        n_gen += r["n"]
+                        for src, (a, p) in r["accepted"].items():
                             if src.startswith("suggest."):
-                                a = acc.setdefault(src, [0, 0])
-                                a[0] += after[src]["accepted"] - before[src]["accepted"]
-                                a[1] += after[src]["proposed"] - before[src]["proposed"]
-                    equal = equal and (ref is None or r.tokens == ref)
-                    ref = r.tokens if ref is None else ref
-                    log("suggest: %s / %s: %.2f tok/s (%d tokens)" % (name, cname, result_tok_s(r) or 0, r.n_gen_tok))
+                                tot = acc.setdefault(src, [0, 0])
+                                tot[0] += a
+                                tot[1] += p
+                    equal = equal and (ref is None or r["tokens"] == ref)
+                    ref = r["tokens"] if ref is None else ref
+                    log("suggest: %s / %s: %.2f tok/s (%d tokens)" % (name, cname, r["tok_s"] or 0, r["n"]))
             base = median(runs["off"])
             n_acc = sum(a for a, _ in acc.values())
             out["workloads"][name] = {"tok_s": runs, "off": base, "on": median(runs["on"]),
@@ -1998,17 +1997,14 @@ def run_palimpsest(args) -> dict:
                 eng.submit(toks, reame.SamplingParams(temperature=0, max_tokens=2), archive=None).wait()  # warm KV
                 ref = None
                 for cfg in (("off", "on") if rep % 2 == 0 else ("on", "off")):
-                    before = eng.stats()["spec"]
-                    r = eng.submit(toks, params, archive="shared" if cfg == "on" else None).wait()
-                    after = eng.stats()["spec"]
-                    runs[cfg].append(result_tok_s(r))
-                    acc[cfg][0] += after["archive"]["accepted"] - before["archive"]["accepted"]
-                    acc[cfg][1] += after["archive"]["proposed"] - before["archive"]["proposed"]
-                    outs[cfg].append(r.tokens)
-                    equal = equal and (ref is None or r.tokens == ref)
-                    ref = r.tokens
-                    log("palimpsest %s / archive %s: %.2f tok/s (%d tokens)" % (name, cfg, runs[cfg][-1] or 0,
-                                                                               r.n_gen_tok))
+                    r = spec_decode(eng, toks, args.gen_tokens, archive="shared" if cfg == "on" else None)
+                    runs[cfg].append(r["tok_s"])
+                    acc[cfg][0] += r["accepted"]["archive"][0]
+                    acc[cfg][1] += r["accepted"]["archive"][1]
+                    outs[cfg].append(r["tokens"])
+                    equal = equal and (ref is None or r["tokens"] == ref)
+                    ref = r["tokens"]
+                    log("palimpsest %s / archive %s: %.2f tok/s (%d tokens)" % (name, cfg, runs[cfg][-1] or 0, r["n"]))
                     if cfg == "on":
                         eng.archive.flush()
             off, on = median(runs["off"]), median(runs["on"])
