@@ -2039,11 +2039,14 @@ class ArchiveIndex:
         got = [e & 0xFFFFFFFF for e in base[max(lo, hi - self.max_cands):hi]]
         return (got + self._delta[n].get(key, [])[-self.max_cands:])[-self.max_cands:]
 
-    def draft(self, seq: Sequence[int], k: int) -> List[int]:
+    def draft(self, seq: Sequence[int], k: int, cursor: Optional[dict] = None) -> List[int]:
         """Up to k tokens: what followed the longest archived match of seq's end (the
         longest indexed n-gram, extended backwards up to ``back`` tokens), the token
         most of the best-matching runs took at each step, while at least half agree.
-        A match of m tokens proposes at most 2m (a short match predicts less)."""
+        A match of m tokens proposes at most 2m (a short match predicts less).
+        ``cursor``: the caller's dict for this sequence, where the run it follows is
+        remembered, so that after an edit (a renamed function, a changed line) it is
+        picked up again from 2 tokens, not the shortest indexed n-gram (resync)."""
         toks, L = self.tokens, len(seq)
         cands, n = [], 0
         for n in self.lengths:
@@ -2054,7 +2057,7 @@ class ArchiveIndex:
             if cands:
                 break
         if not cands:
-            return []
+            return self._resync(seq, k, cursor) if cursor else []
         best, keep = -1, []
         for p in cands:  # how far back each match goes
             m = n
@@ -2064,6 +2067,8 @@ class ArchiveIndex:
                 best, keep = m, [p]
             elif m == best:
                 keep.append(p)
+        if cursor is not None:
+            cursor["at"] = (toks, keep[-1], L)  # the latest best run: toks[keep[-1]] would come next
         out: List[int] = []
         limit = min(k, 2 * best)
         while len(out) < limit and keep:
@@ -2076,6 +2081,28 @@ class ArchiveIndex:
             out.append(tok)
             keep = [p + 1 for p in keep if toks[p] == tok]
         return out
+
+    def _resync(self, seq: Sequence[int], k: int, cursor: dict) -> List[int]:
+        """After the sequence left the run it followed: its last 2 tokens, found in that
+        run from ``back`` tokens before where it left to 64 after where it would be now
+        (the nearest such place), propose up to 4 tokens of what follows there."""
+        at = cursor.get("at")
+        toks, L = self.tokens, len(seq)
+        if at is None or at[0] is not toks or L < 2:
+            return []
+        _, pos, L0 = at
+        expect = pos + L - L0  # where the sequence would be, had it not left the run
+        lo, hi = max(pos - self.back, 2), min(expect + 64, len(toks))
+        a, b = seq[L - 2], seq[L - 1]
+        found = [q for q in range(lo, hi) if toks[q - 1] == b and toks[q - 2] == a]
+        for q in sorted(found, key=lambda q: abs(q - expect)):
+            if self.SEP not in toks[min(pos, q - 2):max(pos, q)]:  # the same run
+                out = []
+                while len(out) < min(k, 4) and q + len(out) < len(toks) and toks[q + len(out)] != self.SEP:
+                    out.append(toks[q + len(out)])
+                cursor["at"] = (toks, q, L)
+                return out
+        return []
 
     def nbytes(self) -> int:
         """Memory of the tokens and the sorted entries (the delta, a dict, is roughly
@@ -2208,9 +2235,9 @@ class Palimpsest:
     def refresh(self, name: str) -> None:
         self.scope(name).refresh()
 
-    def draft(self, name: str, seq: Sequence[int], k: int) -> List[int]:
+    def draft(self, name: str, seq: Sequence[int], k: int, cursor: Optional[dict] = None) -> List[int]:
         sa = self._scopes.get(name)
-        return sa.index.draft(seq, k) if sa is not None else []
+        return sa.index.draft(seq, k, cursor) if sa is not None else []
 
     def store(self, name: str, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Queue a finished generation with its prompt's tail."""
@@ -2527,8 +2554,8 @@ class ArchiveSource(DraftSource):
         self.archive = archive
 
     def propose(self, seqs, ks):
-        return [self.archive.draft(seq.scope, seq.history, k) if seq.scope is not None else []
-                for seq, k in zip(seqs, ks)]
+        return [self.archive.draft(seq.scope, seq.history, k, seq.state.setdefault(self.name, {}))
+                if seq.scope is not None else [] for seq, k in zip(seqs, ks)]
 
 
 def check_draft_pair(target: Model, draft: Model) -> None:
@@ -2940,27 +2967,33 @@ class _Frame:
     """An open JSON container: the gaps between its values so far (gaps[0] runs from
     the bracket to the first value; the last one ends with the closing bracket)."""
 
-    __slots__ = ("kind", "gaps", "kinds", "cur", "in_value", "model", "schema", "forced", "key", "last_elem")
+    __slots__ = ("kind", "gaps", "kinds", "values", "cur", "in_value", "model", "model2", "schema", "forced",
+                 "key", "last_elem", "prev_elem")
 
-    def __init__(self, kind: str, model: Optional[tuple], schema: Optional[dict]):
-        self.kind, self.model, self.schema = kind, model, schema  # model: a sibling's (gaps, kinds)
+    def __init__(self, kind: str, model: Optional[tuple], model2: Optional[tuple], schema: Optional[dict]):
+        # model, model2: the previous two siblings' (gaps, kinds, values), the last one first
+        self.kind, self.model, self.model2, self.schema = kind, model, model2, schema
         self.forced = schema_gaps(schema)  # what the schema forces on it (None: nothing)
         self.gaps: List[str] = []
         self.kinds: List[str] = []  # each value's first character ('"' a string, '{', '1', 't', ...)
+        self.values: List[Optional[str]] = []  # each scalar value's text (a string's without quotes)
         self.cur = kind             # the gap being written
         self.in_value = False       # inside one of its values
         self.key: Optional[str] = None
-        self.last_elem: Optional[tuple] = None  # arrays: (gaps, kinds) of the last container element
+        self.last_elem: Optional[tuple] = None  # arrays: (gaps, kinds, values) of the last container element
+        self.prev_elem: Optional[tuple] = None  # arrays: the container element before it
 
 
 class JsonScan:
     """An incremental JSON reader over generated text that remembers the structure of
-    each container: the text between its values (keys, punctuation, layout), values
-    left out. ``suggest()`` proposes the rest of the current gap as the previous
+    each container: the text between its values (keys, punctuation, layout) and its
+    scalar values. ``suggest()`` proposes the rest of the current gap as the previous
     element of the enclosing array wrote it (the next record of a list repeats its
     predecessor's keys and layout), or as a json_schema forces it; inside a string
-    with an enum, the rest of the first value that fits. Text before the first ``{``
-    or ``[``, and after JSON that went wrong, is skipped until the next one."""
+    with an enum, the rest of the first value that fits. Where the previous two
+    records agree on a field's value (the same city) or its ending (the same
+    "@example.com"), that too is proposed, and the gaps after it. Text before the
+    first ``{`` or ``[``, and after JSON that went wrong, is skipped until the next one."""
 
     def __init__(self, schema: Optional[dict] = None):
         self.schema = schema
@@ -2986,13 +3019,14 @@ class JsonScan:
     def _start_value(self, top: _Frame, ch: str) -> None:
         top.gaps.append(top.cur)
         top.kinds.append(ch)
+        top.values.append(None)
         top.cur, top.in_value = "", True
 
     def _char(self, ch: str) -> None:
         stack = self.stack
         if not stack:
             if ch in "{[":
-                stack.append(_Frame(ch, None, self.schema))
+                stack.append(_Frame(ch, None, None, self.schema))
             return
         top = stack[-1]
         if self.in_str:  # a key (part of the gap) or a string value
@@ -3012,11 +3046,13 @@ class JsonScan:
                     top.key = top.cur[start + 1:-1]
                 else:
                     top.in_value = False
+                    top.values[-1] = self.str_val[:-1]
             return
         if self.scalar:
             if ch.isalnum() or ch in ".+-":
                 self.scalar += ch
                 return
+            top.values[-1] = self.scalar
             self.scalar, top.in_value = "", False
         if ch == '"':
             if top.kind == "{" and top.cur.rstrip()[-1:] in ("{", ","):
@@ -3026,10 +3062,12 @@ class JsonScan:
                 self._start_value(top, ch)
                 self.in_str, self.str_val = True, ""
         elif ch in "{[":
-            model = top.last_elem if top.kind == "[" else None
+            model, model2 = (top.last_elem, top.prev_elem) if top.kind == "[" else (None, None)
             schema = self._child_schema()
             self._start_value(top, ch)
-            stack.append(_Frame(ch, model if model and model[0][0][:1] == ch else None, schema))
+            model = model if model and model[0][0][:1] == ch else None
+            stack.append(_Frame(ch, model, model2 if model and model2 and model2[0][0][:1] == ch else None,
+                                schema))
         elif ch in "}]":
             if ch != ("}" if top.kind == "{" else "]"):
                 stack.clear()
@@ -3041,7 +3079,7 @@ class JsonScan:
                 parent = stack[-1]
                 parent.in_value = False
                 if parent.kind == "[":
-                    parent.last_elem = (top.gaps, top.kinds)
+                    parent.last_elem, parent.prev_elem = (top.gaps, top.kinds, top.values), parent.last_elem
         elif ch.isalnum() or ch == "-":
             self._start_value(top, ch)
             self.scalar = ch
@@ -3050,12 +3088,20 @@ class JsonScan:
         else:
             stack.clear()  # not JSON: wait for the next container
 
-    def suggest(self) -> str:
+    def suggest(self, values: bool = False) -> str:
+        """The structure that comes next (see the class); with ``values``, only a
+        proposal that includes a value the previous two records agree on (the
+        "suggest.values" rule: its own acceptance, apart from the keys')."""
         if not self.stack or self.scalar:
             return ""
         top = self.stack[-1]
-        if self.in_str and not self.in_key:  # an enum value, once its start fits one
-            node = self._child_schema()
+        if self.in_str and not self.in_key:
+            if values:  # a string value: its rest, if the previous two records agree on it
+                i = len(top.gaps) - 1
+                rest = self._value_rest(top, i, self.str_val)
+                after = self._chain(top, i + 1, "")[0] if rest is not None else ""
+                return rest + '"' + after if after else rest or ""
+            node = self._child_schema()  # an enum value, once its start fits one
             for v in (node or {}).get("enum") or ():
                 if isinstance(v, str) and v.startswith(self.str_val) and v != self.str_val:
                     return json.dumps(v)[1 + len(json.dumps(self.str_val)[1:-1]):]
@@ -3064,16 +3110,13 @@ class JsonScan:
             return ""
         i, cur, forced = len(top.gaps), top.cur, top.forced
         if top.kind == "{":
-            model, opening = forced or top.model, ""
-            if model:  # a string value's opening quote comes with its key
-                gap = model[0][i] if i < len(model[0]) else None
-                opening = '"' if i < len(model[1]) and model[1][i] == '"' else ""
-            elif i >= 1:  # no model: the separator its own earlier gaps used, up to the next key
-                gap = top.gaps[1] if i >= 2 else "," + top.gaps[0][1:]
-                gap = gap[:gap.find('"')] if '"' in gap else None
-            else:
-                gap = None
-            return gap[len(cur):] + opening if gap is not None and gap.startswith(cur) else ""
+            if values:
+                text, n_values = self._chain(top, i, cur)
+                return text if n_values else ""
+            g = self._gap(top, i)
+            return g[0][len(cur):] + g[1] + self._after(top, i) if g and g[0].startswith(cur) else ""
+        if values:
+            return ""
         # an array: the gap between elements as before (after the first element: a comma
         # and the whitespace that followed the bracket), then the next element's opening
         if forced:
@@ -3087,6 +3130,80 @@ class JsonScan:
         if nxt:  # the next element's opening, up to its first value
             return gap[len(cur):] + nxt[0][0] + ('"' if nxt[1] and nxt[1][0] == '"' else "")
         return gap[len(cur):] + opening
+
+    @staticmethod
+    def _gap(top: _Frame, i: int) -> Optional[tuple]:
+        """An object's gap i as the schema or the previous record wrote it, and the next
+        value's opening quote if it is a string: (gap, opening); None if unknown."""
+        model = top.forced or top.model
+        if model:
+            if i >= len(model[0]):
+                return None
+            return model[0][i], '"' if i < len(model[1]) and model[1][i] == '"' else ""
+        if i < 1:
+            return None
+        # no model: the separator its own earlier gaps used, up to the next key
+        gap = top.gaps[1] if i >= 2 else "," + top.gaps[0][1:]
+        return (gap[:gap.find('"')], "") if '"' in gap else None
+
+    def _after(self, top: _Frame, i: int) -> str:
+        """After an object's closing gap i, what the enclosing array writes next as it
+        did before: the separator and the next record's opening, up to its first value."""
+        model = top.forced or top.model
+        if not model or i != len(model[0]) - 1 or len(self.stack) < 2 or self.stack[-1] is not top:
+            return ""
+        parent = self.stack[-2]
+        if parent.kind != "[":
+            return ""
+        if parent.forced:
+            gap = parent.forced[0][1]
+        else:
+            gap = parent.gaps[-1] if len(parent.gaps) >= 2 else "," + parent.gaps[0][1:]
+        return gap + model[0][0] + ('"' if model[1] and model[1][0] == '"' else "")
+
+    @staticmethod
+    def _agreed(top: _Frame, i: int, gap: str) -> Optional[tuple]:
+        """(v1, v2): value i of the previous two records, when both wrote it after the
+        same gap (the same key) and it was a scalar of the same kind; else None."""
+        m1, m2 = top.model, top.model2
+        if not m1 or not m2 or i >= len(m1[2]) or i >= len(m2[2]) or not (gap == m1[0][i] == m2[0][i]):
+            return None
+        v1, v2 = m1[2][i], m2[2][i]
+        return (v1, v2) if v1 is not None and v2 is not None and m1[1][i][0] == m2[1][i][0] else None
+
+    def _value_rest(self, top: _Frame, i: int, written: str) -> Optional[str]:
+        """Inside string value i: the rest of the value both previous records had, or of
+        the ending they share from its first punctuation ('@example.com', '.org');
+        None when they agree on nothing that fits what is written."""
+        vs = self._agreed(top, i, top.gaps[i]) if i < len(top.gaps) else None
+        if vs is None or top.kinds[i] != '"':
+            return None
+        v1, v2 = vs
+        if v1 == v2:
+            return v1[len(written):] if v1.startswith(written) else None
+        n = common_prefix(v1[::-1], v2[::-1])
+        end = v1[len(v1) - n:]
+        cut = next((j for j, ch in enumerate(end) if not ch.isalnum() and not ch.isspace()), None)
+        end = end[cut:] if cut is not None else ""
+        for j in range(min(len(end) - 1, len(written)), 0, -1):
+            if len(end) >= 3 and written.endswith(end[:j]):
+                return end[j:]
+        return None
+
+    def _chain(self, top: _Frame, i: int, cur: str) -> tuple:
+        """From gap i (``cur`` written of it): the gaps and the values the previous two
+        records agree on, up to the first value they do not; (text, values in it)."""
+        out, n = [], 0
+        while True:
+            g = self._gap(top, i)
+            if not g or not g[0].startswith(cur):
+                return "".join(out), n
+            out.append(g[0][len(cur):] + g[1] + self._after(top, i))
+            vs = self._agreed(top, i, g[0])
+            if vs is None or vs[0] != vs[1]:
+                return "".join(out), n
+            out.append(vs[0] + g[1])  # the value, and a string's closing quote
+            i, cur, n = i + 1, "", n + 1
 
 
 def align_proposal(model: Model, tail: Sequence[int], text: str, probes: Sequence[str] = (" ", "\n")) -> List[int]:
@@ -3135,13 +3252,20 @@ class _Written:
         return not self.dec.getstate()[0]
 
 
+def _json_probes(text: str) -> tuple:
+    """What may follow a JSON proposal: a string's content after an opening quote, else a value or layout."""
+    return ("a", "A", "1", " a") if text.endswith('"') else ('"', "0", "-", "t", "{", "[", " ", "\n")
+
+
 # rule -> (proposal from the written text, what may follow a proposal: align_proposal's probes)
 SUGGEST_RULES = {
     "list": (lambda w: suggest_list(w.text), (" A", " 1")),
     "markdown": (lambda w: suggest_markdown(w.text), (" a", "\n")),
     "fields": (lambda w: suggest_fields(w.text), (" A", " 1")),
-    "json": (lambda w: w.json.suggest(), lambda text: (("a", "A", "1", " a") if text.endswith('"') else
-                                                        ('"', "0", "-", "t", "{", "[", " ", "\n"))),
+    "json": (lambda w: w.json.suggest(), _json_probes),
+    "values": (lambda w: w.json.suggest(values=True),
+               lambda text: _json_probes(text) if text.endswith('"') else
+               ('"', "a", "A", "1", ".", ",", " ", "\n", "}", "]")),
 }
 
 

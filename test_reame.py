@@ -1361,6 +1361,24 @@ def test_archive_index_most_frequent_continuation_and_limits(build):
     assert idx.draft(long[:20], 32) == long[20:40]                   # stops at the run's end
 
 
+def test_archive_index_picks_an_edited_run_up_again():
+    """After an edit the 4-token index finds nothing until 4 new tokens match; the
+    cursor finds the run it followed again from the last 2 tokens, near where it left."""
+    code = list(range(100, 160))
+    idx = _index([code, [7, 7, 7, 121, 122, 900, 901, 902]])
+    cur = {}
+    assert idx.draft(code[:10], 8, cur) == code[10:18]
+    edited = code[:20] + [555] + code[21:23]                         # one token changed, then two the same
+    assert idx.draft(edited, 8) == []                                # no 4-gram ends in 555
+    assert idx.draft(edited, 8, cur) == code[23:27]                  # found again: up to 4 tokens
+    assert idx.draft(edited + code[23:27], 16, cur) == code[27:39]   # the index again (6 matched: 12)
+    moved = code[:20] + [555, 556, 557] + code[40:42]                # a longer change, resumed further on
+    cur = {}
+    idx.draft(code[:20], 8, cur)
+    assert idx.draft(moved, 8, cur) == code[42:46]
+    assert idx.draft([1, 2, 121, 122], 8, {}) == []                  # no run followed: nothing
+
+
 def test_archive_index_build_equals_incremental_and_pure_python(monkeypatch):
     import random
     rng = random.Random(5)
@@ -1532,7 +1550,7 @@ def test_json_scan_repeats_the_previous_records_layout():
     s.feed('ge": 41')
     assert s.suggest() == ""                                   # inside a value: nothing
     s.feed("\n")
-    assert s.suggest() == "  }"                                # the record's closing, as before
+    assert s.suggest() == '  },\n  {\n    "name": "'           # the record's closing, the next one's opening
     s.feed("  }")
     assert s.suggest() == ',\n  {\n    "name": "'               # the next record's opening, to its string
     s.feed("\n]")
@@ -1540,6 +1558,26 @@ def test_json_scan_repeats_the_previous_records_layout():
     bad = reame.JsonScan()
     bad.feed('{"a": 1} and {"b": ]')                          # JSON that goes wrong is dropped
     assert bad.suggest() == ""
+
+
+def test_json_scan_values_the_previous_two_records_agree_on():
+    s = reame.JsonScan()
+    s.feed('[\n  {"name": "Ann", "city": "Oslo", "age": 30, "mail": "ann@ex.com"},\n'
+           '  {"name": "Bo", "city": "Oslo", "age": 41, "mail": "bo@ex.com"},\n  {"name": "Cy"')
+    assert s.suggest() == ', "city": "'                        # the keys' rule stops at a value
+    assert s.suggest(values=True) == ', "city": "Oslo", "age": '  # both records had Oslo: up to the next new value
+    s.feed(', "city": "Os')
+    assert s.suggest(values=True) == 'lo", "age": '
+    s.feed('lo", "age": 2')
+    assert s.suggest(values=True) == ""                        # 30 and 41: nothing agreed
+    s.feed('2, "mail": "cy')
+    assert s.suggest(values=True) == ""                        # "@ex.com" is agreed, from its "@" on
+    s.feed('@e')
+    assert s.suggest(values=True) == 'x.com"},\n  {"name": "'   # its rest, the record's end, the next one's start
+    assert s.suggest() == ""                                   # (the keys' rule: nothing inside a value)
+    one = reame.JsonScan()
+    one.feed('[{"a": "x"}, {"a": "')
+    assert one.suggest(values=True) == ""                      # one record before: no agreement yet
 
 
 def test_json_scan_schema_hints_and_enums():
