@@ -1999,8 +1999,9 @@ def run_palimpsest(args) -> dict:
                 for cfg in (("off", "on") if rep % 2 == 0 else ("on", "off")):
                     r = spec_decode(eng, toks, args.gen_tokens, archive="shared" if cfg == "on" else None)
                     runs[cfg].append(r["tok_s"])
-                    acc[cfg][0] += r["accepted"]["archive"][0]
-                    acc[cfg][1] += r["accepted"]["archive"][1]
+                    for src in ("archive", "archive.resync"):
+                        acc[cfg][0] += r["accepted"][src][0]
+                        acc[cfg][1] += r["accepted"][src][1]
                     outs[cfg].append(r["tokens"])
                     equal = equal and (ref is None or r["tokens"] == ref)
                     ref = r["tokens"]

@@ -77,7 +77,7 @@ __all__ = [
     "SPEC_MODES", "SpecOptions", "expected_tokens", "spec_gain", "choose_k", "worth_it", "CostModel", "Acceptance",
     "lookup_draft", "NgramIndex", "SpecState", "DraftSource", "PromptLookup", "check_draft_pair", "DraftModel",
     "SpecController", "vocab_fingerprint", "pal_record", "pal_parse", "pal_segments", "pal_append", "ngram_key",
-    "ArchiveIndex", "Palimpsest", "ArchiveSource", "VOTE_EXTRACTORS", "check_extractor", "extract_answer",
+    "ArchiveIndex", "Palimpsest", "ArchiveSource", "ArchiveResync", "VOTE_EXTRACTORS", "check_extractor", "extract_answer",
     "conclave_vote", "ConclaveResult", "run_conclave", "suggest_list", "suggest_markdown", "suggest_fields",
     "schema_gaps", "JsonScan", "align_proposal", "SUGGEST_RULES", "Suggestion", "JSON_OBJECT_GRAMMAR",
     "json_schema_grammar", "grammar_sampler", "check_grammar", "structure_from_body",
@@ -2044,9 +2044,8 @@ class ArchiveIndex:
         longest indexed n-gram, extended backwards up to ``back`` tokens), the token
         most of the best-matching runs took at each step, while at least half agree.
         A match of m tokens proposes at most 2m (a short match predicts less).
-        ``cursor``: the caller's dict for this sequence, where the run it follows is
-        remembered, so that after an edit (a renamed function, a changed line) it is
-        picked up again from 2 tokens, not the shortest indexed n-gram (resync)."""
+        ``cursor``: the caller's dict for this sequence: where the run it follows is
+        ("at", for resync) and the history length of the last match ("hit")."""
         toks, L = self.tokens, len(seq)
         cands, n = [], 0
         for n in self.lengths:
@@ -2057,7 +2056,7 @@ class ArchiveIndex:
             if cands:
                 break
         if not cands:
-            return self._resync(seq, k, cursor) if cursor else []
+            return []
         best, keep = -1, []
         for p in cands:  # how far back each match goes
             m = n
@@ -2069,6 +2068,7 @@ class ArchiveIndex:
                 keep.append(p)
         if cursor is not None:
             cursor["at"] = (toks, keep[-1], L)  # the latest best run: toks[keep[-1]] would come next
+            cursor["hit"] = L
         out: List[int] = []
         limit = min(k, 2 * best)
         while len(out) < limit and keep:
@@ -2082,10 +2082,12 @@ class ArchiveIndex:
             keep = [p + 1 for p in keep if toks[p] == tok]
         return out
 
-    def _resync(self, seq: Sequence[int], k: int, cursor: dict) -> List[int]:
-        """After the sequence left the run it followed: its last 2 tokens, found in that
-        run from ``back`` tokens before where it left to 64 after where it would be now
-        (the nearest such place), propose up to 4 tokens of what follows there."""
+    def resync(self, seq: Sequence[int], k: int, cursor: dict) -> List[int]:
+        """After an edit (a renamed function, a changed line) no indexed n-gram ends the
+        sequence until 4 new tokens match again. So: its last 2 tokens, looked for in the
+        run it followed (``cursor``, from draft), from ``back`` tokens before where it
+        left to 64 after where it would be now, the nearest place first; up to 4 tokens
+        of what follows there."""
         at = cursor.get("at")
         toks, L = self.tokens, len(seq)
         if at is None or at[0] is not toks or L < 2:
@@ -2238,6 +2240,10 @@ class Palimpsest:
     def draft(self, name: str, seq: Sequence[int], k: int, cursor: Optional[dict] = None) -> List[int]:
         sa = self._scopes.get(name)
         return sa.index.draft(seq, k, cursor) if sa is not None else []
+
+    def resync(self, name: str, seq: Sequence[int], k: int, cursor: dict) -> List[int]:
+        sa = self._scopes.get(name)
+        return sa.index.resync(seq, k, cursor) if sa is not None else []
 
     def store(self, name: str, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Queue a finished generation with its prompt's tail."""
@@ -2554,8 +2560,25 @@ class ArchiveSource(DraftSource):
         self.archive = archive
 
     def propose(self, seqs, ks):
-        return [self.archive.draft(seq.scope, seq.history, k, seq.state.setdefault(self.name, {}))
+        return [self.archive.draft(seq.scope, seq.history, k, seq.state.setdefault("archive", {}))
                 if seq.scope is not None else [] for seq, k in zip(seqs, ks)]
+
+
+class ArchiveResync(ArchiveSource):
+    """The archived run a sequence followed, picked up again after an edit, while no
+    indexed n-gram matches (ArchiveIndex.resync; asked after "archive" in a step, whose
+    cursor it reads). A source of its own: a rewrite that changes most lines makes it
+    guess wrong, and then it stops without costing the archive's own drafts."""
+
+    name = "archive.resync"
+
+    def propose(self, seqs, ks):
+        out = []
+        for seq, k in zip(seqs, ks):
+            cur = seq.state.get("archive")
+            hit = cur is None or seq.scope is None or cur.get("hit") == len(seq.history)
+            out.append([] if hit else self.archive.resync(seq.scope, seq.history, k, cur))
+        return out
 
 
 def check_draft_pair(target: Model, draft: Model) -> None:
@@ -3635,7 +3658,7 @@ class Engine:
             root = archive_dir or os.path.join(Config.from_env().home, "palimpsest")
             self.archive = Palimpsest(root, vocab_fingerprint(self.model), archive)
             self.archive.refresh("shared")  # the archive so far: built in the background
-            sources.append(ArchiveSource(self.archive))
+            sources += [ArchiveSource(self.archive), ArchiveResync(self.archive)]
         self.draft_model: Optional[Model] = None
         if draft is not None:  # a path or a loaded Model of the same vocabulary
             self.draft_model = draft if isinstance(draft, Model) else Model(draft)

@@ -1369,14 +1369,14 @@ def test_archive_index_picks_an_edited_run_up_again():
     cur = {}
     assert idx.draft(code[:10], 8, cur) == code[10:18]
     edited = code[:20] + [555] + code[21:23]                         # one token changed, then two the same
-    assert idx.draft(edited, 8) == []                                # no 4-gram ends in 555
-    assert idx.draft(edited, 8, cur) == code[23:27]                  # found again: up to 4 tokens
+    assert idx.draft(edited, 8, cur) == [] and cur["hit"] == 10      # no 4-gram ends in 555
+    assert idx.resync(edited, 8, cur) == code[23:27]                 # found again: up to 4 tokens
     assert idx.draft(edited + code[23:27], 16, cur) == code[27:39]   # the index again (6 matched: 12)
     moved = code[:20] + [555, 556, 557] + code[40:42]                # a longer change, resumed further on
     cur = {}
     idx.draft(code[:20], 8, cur)
-    assert idx.draft(moved, 8, cur) == code[42:46]
-    assert idx.draft([1, 2, 121, 122], 8, {}) == []                  # no run followed: nothing
+    assert idx.resync(moved, 8, cur) == code[42:46]
+    assert idx.resync([1, 2, 121, 122], 8, {}) == []                 # no run followed: nothing
 
 
 def test_archive_index_build_equals_incremental_and_pure_python(monkeypatch):
