@@ -1658,6 +1658,19 @@ def test_suggeritore_equals_plain_greedy_and_drafts_list_numbers(qwen):
     assert _spec_run(qwen, prose, "auto", max_tokens=40).tokens == _spec_run(qwen, prose, "off", max_tokens=40).tokens
 
 
+def test_suggeritore_values_equal_plain_greedy_and_get_accepted(qwen):
+    """JSON records whose fields repeat (the same city, the same email domain): the
+    values the previous two records agreed on come as accepted drafts, output unchanged."""
+    prompt = _chat(qwen, "Invent 6 employees of Acme. Reply with only a JSON array of objects with the fields "
+                         "name, city and email. They all live in Oslo; their emails are at acme.com.")
+    plain = _spec_run(qwen, prompt, "off", max_tokens=200)
+    assert plain.text.count('"Oslo"') >= 4, plain.text
+    before = qwen.stats()["spec"]["suggest.values"]["accepted"]
+    spec = _spec_run(qwen, prompt, "on", ["suggest"], max_tokens=200)
+    assert spec.tokens == plain.tokens
+    assert qwen.stats()["spec"]["suggest.values"]["accepted"] - before >= 10
+
+
 PERSON = {"type": "object", "required": ["name", "age", "color", "skills"], "properties": {
     "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},
     "color": {"enum": ["red", "green", "blue"]}, "skills": {"type": "array", "items": {"type": "string",
