@@ -2407,28 +2407,31 @@ class CostModel:
 
 class Acceptance:
     """Per draft position j, an EMA of P(draft j right | drafts before it right). The
-    first observations weigh more (1/2, 1/3, ... until ``alpha``), so a sequence's own
-    evidence soon outweighs the prior it was seeded with."""
+    first observations weigh more (1/2, 1/3, ... until ``alpha``; from 1/4 when seeded
+    from a ``parent``, the engine-wide estimate, which is worth two observations), so a
+    sequence's own evidence soon outweighs the prior it was seeded with."""
 
     def __init__(self, k_max: int, prior: float = 0.5, alpha: float = 0.2, parent: "Acceptance" = None):
         self.alpha = alpha
         self.p = list(parent.p) if parent is not None else [prior] * k_max
         self.n = [0] * len(self.p)  # observations per position
+        self.n_prior = 2 if parent is not None else 0
 
     def observe(self, k: int, n_accepted: int, first: int = 0) -> None:
         """k drafts tested, the first n_accepted right: positions 1..n_accepted were
         right, n_accepted+1 (if tested) was wrong; positions before ``first`` were
-        already counted. Positions never tested take the deepest tested one's estimate
-        (a copy that holds for 4 tokens tends to hold on), so a sequence that keeps
-        accepting short drafts is offered longer ones."""
+        already counted. Positions never tested are raised to the deepest tested one's
+        estimate (a copy that holds for 4 tokens tends to hold on), so a sequence that
+        keeps accepting short drafts is offered longer ones; a miss says nothing about
+        positions after it, so they keep theirs."""
         tested = min(n_accepted + 1, k, len(self.p))
         for j in range(first, tested):
             hit = 1.0 if j < n_accepted else 0.0
             self.n[j] += 1
-            self.p[j] += max(self.alpha, 1.0 / (self.n[j] + 1)) * (hit - self.p[j])
+            self.p[j] += max(self.alpha, 1.0 / (self.n[j] + 1 + self.n_prior)) * (hit - self.p[j])
         deepest = max((j for j in range(len(self.p)) if self.n[j]), default=-1)
         for j in range(deepest + 1, len(self.p)):
-            self.p[j] = self.p[deepest]
+            self.p[j] = max(self.p[j], self.p[deepest])
 
 
 # -- draft sources
@@ -2481,7 +2484,7 @@ class SpecState:
     state, and its own acceptance estimates (seeded from the source's global ones)."""
 
     __slots__ = ("slot", "history", "opts", "scope", "schema", "n_prompt", "state", "acc", "shadow",
-                 "probe_at", "probe_gap")
+                 "streak", "probe_at", "probe_gap")
 
     def __init__(self, slot: int, history: List[int], opts: SpecOptions, scope: Optional[str] = None,
                  schema: Optional[dict] = None):
@@ -2492,6 +2495,7 @@ class SpecState:
         self.state: dict = {}      # source name -> that source's state for this sequence
         self.acc: dict = {}        # source name -> Acceptance
         self.shadow: dict = {}     # free source name -> [(len(history) then, whole proposal, positions scored)]
+        self.streak: dict = {}     # free source name -> its last scored proposal (4+ tokens) came true whole
         self.probe_at: dict = {}   # source name -> len(history) at which to try it again
         self.probe_gap: dict = {}  # source name -> tokens between probes (doubles while it loses)
 
@@ -2764,6 +2768,13 @@ class SpecController:
                         continue  # (the engine-wide prior alone is not trusted with a verify's cost)
                     k_max = len(draft)
                 k, gain = choose_k(acc.p, self.cost.cost, n_cur, k_max, draft_s)
+                if draft is not None and k < k_max and st.streak.get(name):
+                    # its last proposal came true whole: a copy going on. A source's misses come
+                    # in runs (an edit in a copy) that its per-position estimate averages over,
+                    # so the whole proposal is taken while it is expected to pay at all.
+                    full = spec_gain(acc.p, k_max, self.cost.cost, n_cur, draft_s)
+                    if worth_it(full, self.margin):
+                        k, gain = k_max, full
                 probe = False
                 if forced:
                     k = k_max
@@ -2834,6 +2845,8 @@ class SpecController:
                 continue
             done = n < len(came) or n == len(toks)
             self._observe(st, name, len(toks) if done else n, n, scored)  # not done: the right ones so far
+            if done and (n < len(toks) or n >= 4):
+                st.streak[name] = n == len(toks)
             if not done:
                 keep.append((start, toks, n))
         if proposal and (not keep or keep[-1][0] < len(hist)):

@@ -1006,7 +1006,11 @@ def test_acceptance_learns_fast_and_extends_to_untested_positions():
     assert acc.p[0] > 0.6 and acc.p[1] > 0.6
     assert acc.p[5] == acc.p[1]            # never tested: as the deepest tested position
     acc.observe(4, 1)                      # the second was wrong; 3 and 4 were not tested
-    assert acc.p[1] < 0.6 and acc.p[3] == acc.p[1]
+    assert acc.p[1] < 0.6 and acc.p[3] > 0.6  # a miss says nothing about the positions after it
+    parent = reame.Acceptance(8, prior=0.98)
+    child = reame.Acceptance(8, parent=parent)
+    child.observe(8, 5)                    # one miss at position 6: the parent's 0.98 is worth two observations
+    assert child.p[5] == pytest.approx(0.98 * 0.75) and child.p[7] == pytest.approx(0.98)
 
 
 def _linear_cost(a, b):
