@@ -3020,6 +3020,21 @@ class _Frame:
         self.prev_elem: Optional[tuple] = None  # arrays: the container element before it
 
 
+def _elem_sep(arr: _Frame) -> str:
+    """An array's gap between two elements (it has one already): as its schema forces
+    it, else as it wrote it last (after its first element: a comma and the whitespace
+    that followed the bracket)."""
+    if arr.forced:
+        return arr.forced[0][1]
+    return arr.gaps[-1] if len(arr.gaps) >= 2 else "," + arr.gaps[0][1:]
+
+
+def _elem_opening(model: tuple) -> str:
+    """A container element's opening up to its first value, a string's quote included,
+    from its (gaps, kinds, ...)."""
+    return model[0][0] + ('"' if model[1] and model[1][0] == '"' else "")
+
+
 class JsonScan:
     """An incremental JSON reader over generated text that remembers the structure of
     each container: the text between its values (keys, punctuation, layout) and its
@@ -3153,19 +3168,16 @@ class JsonScan:
             return g[0][len(cur):] + g[1] + self._after(top, i) if g and g[0].startswith(cur) else ""
         if values:
             return ""
-        # an array: the gap between elements as before (after the first element: a comma
-        # and the whitespace that followed the bracket), then the next element's opening
+        # an array: the gap between elements as before, then the next element's opening
         if forced:
-            gap, nxt = (cur if i == 0 else forced[0][1]), schema_gaps(top.schema.get("items"))
+            gap, nxt = (cur if i == 0 else _elem_sep(top)), schema_gaps(top.schema.get("items"))
             opening = forced[1][0] if forced[1][0] == '"' else ""
         else:
-            gap, nxt = (None if i == 0 else top.gaps[-1] if i >= 2 else "," + top.gaps[0][1:]), top.last_elem
+            gap, nxt = (None if i == 0 else _elem_sep(top)), top.last_elem
             opening = '"' if top.kinds and top.kinds[-1] == '"' else ""
         if gap is None or not gap.startswith(cur):
             return ""
-        if nxt:  # the next element's opening, up to its first value
-            return gap[len(cur):] + nxt[0][0] + ('"' if nxt[1] and nxt[1][0] == '"' else "")
-        return gap[len(cur):] + opening
+        return gap[len(cur):] + (_elem_opening(nxt) if nxt else opening)
 
     @staticmethod
     def _gap(top: _Frame, i: int) -> Optional[tuple]:
@@ -3189,13 +3201,7 @@ class JsonScan:
         if not model or i != len(model[0]) - 1 or len(self.stack) < 2 or self.stack[-1] is not top:
             return ""
         parent = self.stack[-2]
-        if parent.kind != "[":
-            return ""
-        if parent.forced:
-            gap = parent.forced[0][1]
-        else:
-            gap = parent.gaps[-1] if len(parent.gaps) >= 2 else "," + parent.gaps[0][1:]
-        return gap + model[0][0] + ('"' if model[1] and model[1][0] == '"' else "")
+        return _elem_sep(parent) + _elem_opening(model) if parent.kind == "[" else ""
 
     @staticmethod
     def _agreed(top: _Frame, i: int, gap: str) -> Optional[tuple]:
@@ -3221,8 +3227,10 @@ class JsonScan:
         end = v1[len(v1) - n:]
         cut = next((j for j, ch in enumerate(end) if not ch.isalnum() and not ch.isspace()), None)
         end = end[cut:] if cut is not None else ""
+        if len(end) < 3:
+            return None
         for j in range(min(len(end) - 1, len(written)), 0, -1):
-            if len(end) >= 3 and written.endswith(end[:j]):
+            if written.endswith(end[:j]):
                 return end[j:]
         return None
 
