@@ -21,7 +21,7 @@ PIN_VERSION="11434.0.0"
 PIN_SHA256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 # The patches below (patch_tree): bump PATCH_ID whenever they change, so the source is
 # unpacked and patched afresh and the build cache key changes.
-PATCH_ID="reame-p3"
+PATCH_ID="reame-p4"
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="$HERE/_llama"
@@ -119,7 +119,7 @@ fi
 #    which Reame sets to 64 for decode steps and back to 8 for prompt chunks.
 # 3. Below that, ggml runs the one-row Q4_K/Q6_K dot product once per (weight row,
 #    token): every extra token in a step (a verified draft, another user, a Conclave
-#    candidate) pays the weight unpacking again. On x86 with AVX2, a multi-token kernel
+#    candidate) pays the weight unpacking again. On x86 with AVX2 or AVX, a multi-token kernel
 #    unpacks each weight block once and runs the one-row kernel's exact integer and
 #    float operations per token, so each result is bit-identical to the one-row kernel's
 #    (test_rows_of_one_step_get_the_logits_they_get_alone) and an extra token costs about
@@ -273,13 +273,158 @@ void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
     }
     for (int c = 0; c < nc; ++c) s[c*bs] = hsum_float_8(acc[c]);
 }
+#elif defined(__AVX__)
+// reame: the same for AVX without AVX2 (128-bit integer SSSE3/SSE4.1 lanes), mirroring
+// ggml's __AVX__ one-column kernels lane for lane and float operation for operation.
+#define REAME_MC_MAX 16
+void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
+    const block_q4_K * x = vx;
+    const block_q8_K * y0 = vy;
+    const int nb = n / QK_K;
+    static const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    const __m128i m2 = _mm_set1_epi8(0x2);
+    __m256 acc[REAME_MC_MAX];
+    __m128 acc_m[REAME_MC_MAX];
+    for (int c = 0; c < nc; ++c) { acc[c] = _mm256_setzero_ps(); acc_m[c] = _mm_setzero_ps(); }
+    for (int i = 0; i < nb; ++i) {
+        const float dx = GGML_CPU_FP16_TO_FP32(x[i].d);
+        const float dminx = GGML_CPU_FP16_TO_FP32(x[i].dmin);
+        uint32_t utmp[4];
+        memcpy(utmp, x[i].scales, 12);
+        utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+        const uint32_t uaux = utmp[1] & kmask1;
+        utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+        utmp[2] = uaux;
+        utmp[0] &= kmask1;
+        const __m128i utmps = _mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]);
+        const __m128i scales = _mm_cvtepu8_epi16(utmps);
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(utmps, utmps));
+        __m128i sl[4], sh[4], w[16];  // w[4j..4j+3]: low nibbles of 2x16 bytes, then high nibbles
+        __m128i shuffle = _mm_set1_epi16(0x0100);
+        const uint8_t * q4 = x[i].qs;
+        for (int j = 0; j < 4; ++j) {
+            sl[j] = _mm_shuffle_epi8(scales, shuffle);
+            shuffle = _mm_add_epi16(shuffle, m2);
+            sh[j] = _mm_shuffle_epi8(scales, shuffle);
+            shuffle = _mm_add_epi16(shuffle, m2);
+            __m128i q4bits = _mm_loadu_si128((const __m128i*)q4); q4 += 16;
+            w[4*j+0] = _mm_and_si128(q4bits, m4);
+            w[4*j+2] = _mm_and_si128(_mm_srli_epi16(q4bits, 4), m4);
+            q4bits = _mm_loadu_si128((const __m128i*)q4); q4 += 16;
+            w[4*j+1] = _mm_and_si128(q4bits, m4);
+            w[4*j+3] = _mm_and_si128(_mm_srli_epi16(q4bits, 4), m4);
+        }
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_K * y = (const block_q8_K *)((const char *)y0 + c*by);
+            const float d = y[i].d * dx;
+            const float dmin = -y[i].d * dminx;
+            const __m128i q8sums_0 = _mm_loadu_si128((const __m128i*)&y[i].bsums[0]);
+            const __m128i q8sums_1 = _mm_loadu_si128((const __m128i*)&y[i].bsums[8]);
+            const __m128i q8s = _mm_hadd_epi16(q8sums_0, q8sums_1);
+            const __m128i prod = _mm_madd_epi16(mins, q8s);
+            acc_m[c] = _mm_add_ps(_mm_mul_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod)), acc_m[c]);
+            const int8_t * q8 = y[i].qs;
+            __m128i sumi_0 = _mm_setzero_si128();
+            __m128i sumi_1 = _mm_setzero_si128();
+            for (int j = 0; j < 4; ++j) {
+                const __m128i q8l_0 = _mm_loadu_si128((const __m128i*)q8); q8 += 16;
+                sumi_0 = _mm_add_epi32(sumi_0, _mm_madd_epi16(sl[j], _mm_maddubs_epi16(w[4*j+0], q8l_0)));
+                const __m128i q8l_1 = _mm_loadu_si128((const __m128i*)q8); q8 += 16;
+                sumi_1 = _mm_add_epi32(sumi_1, _mm_madd_epi16(sl[j], _mm_maddubs_epi16(w[4*j+1], q8l_1)));
+                const __m128i q8h_0 = _mm_loadu_si128((const __m128i*)q8); q8 += 16;
+                sumi_0 = _mm_add_epi32(sumi_0, _mm_madd_epi16(sh[j], _mm_maddubs_epi16(w[4*j+2], q8h_0)));
+                const __m128i q8h_1 = _mm_loadu_si128((const __m128i*)q8); q8 += 16;
+                sumi_1 = _mm_add_epi32(sumi_1, _mm_madd_epi16(sh[j], _mm_maddubs_epi16(w[4*j+3], q8h_1)));
+            }
+            __m256 vd = _mm256_set1_ps(d);
+            __m256i sumi = MM256_SET_M128I(sumi_1, sumi_0);
+            acc[c] = _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(sumi)), acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; ++c) {
+        __m128 am = acc_m[c];
+        am = _mm_add_ps(am, _mm_movehl_ps(am, am));
+        am = _mm_add_ss(am, _mm_movehdup_ps(am));
+        s[c*bs] = hsum_float_8(acc[c]) + _mm_cvtss_f32(am);
+    }
+}
+
+void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
+    const block_q6_K * x = vx;
+    const block_q8_K * y0 = vy;
+    const int nb = n / QK_K;
+    const __m128i m3 = _mm_set1_epi8(3);
+    const __m128i m15 = _mm_set1_epi8(15);
+    __m256 acc[REAME_MC_MAX];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        const float dx = GGML_CPU_FP16_TO_FP32(x[i].d);
+        const uint8_t * q4 = x[i].ql;
+        const uint8_t * qh = x[i].qh;
+        const __m128i scales = _mm_loadu_si128((const __m128i*)x[i].scales);
+        const __m128i scales_16_0 = _mm_cvtepi8_epi16(scales);
+        const __m128i scales_16_1 = _mm_cvtepi8_epi16(_mm_bsrli_si128(scales, 8));
+        __m128i w[16], sc[16];
+        int is = 0;
+        for (int j = 0; j < 2; ++j) {
+            const __m128i q4bitsH_0 = _mm_loadu_si128((const __m128i*)qh); qh += 16;
+            const __m128i q4bitsH_1 = _mm_loadu_si128((const __m128i*)qh); qh += 16;
+            const __m128i q4bits1_0 = _mm_loadu_si128((const __m128i*)q4); q4 += 16;
+            const __m128i q4bits1_1 = _mm_loadu_si128((const __m128i*)q4); q4 += 16;
+            const __m128i q4bits2_0 = _mm_loadu_si128((const __m128i*)q4); q4 += 16;
+            const __m128i q4bits2_1 = _mm_loadu_si128((const __m128i*)q4); q4 += 16;
+            w[8*j+0] = _mm_or_si128(_mm_and_si128(q4bits1_0, m15), _mm_slli_epi16(_mm_and_si128(q4bitsH_0, m3), 4));
+            w[8*j+1] = _mm_or_si128(_mm_and_si128(q4bits1_1, m15), _mm_slli_epi16(_mm_and_si128(q4bitsH_1, m3), 4));
+            w[8*j+2] = _mm_or_si128(_mm_and_si128(q4bits2_0, m15), _mm_slli_epi16(_mm_and_si128(q4bitsH_0, _mm_set1_epi8(12)), 2));
+            w[8*j+3] = _mm_or_si128(_mm_and_si128(q4bits2_1, m15), _mm_slli_epi16(_mm_and_si128(q4bitsH_1, _mm_set1_epi8(12)), 2));
+            w[8*j+4] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q4bits1_0, 4), m15), _mm_and_si128(q4bitsH_0, _mm_set1_epi8(48)));
+            w[8*j+5] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q4bits1_1, 4), m15), _mm_and_si128(q4bitsH_1, _mm_set1_epi8(48)));
+            w[8*j+6] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q4bits2_0, 4), m15), _mm_srli_epi16(_mm_and_si128(q4bitsH_0, _mm_set1_epi8(-64)), 2));
+            w[8*j+7] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q4bits2_1, 4), m15), _mm_srli_epi16(_mm_and_si128(q4bitsH_1, _mm_set1_epi8(-64)), 2));
+            for (int k = 0; k < 4; ++k) {
+                const __m128i scale_k = _mm_shuffle_epi8(scales, get_scale_shuffle(is + k));
+                sc[8*j+2*k+0] = _mm_cvtepi8_epi16(scale_k);
+                sc[8*j+2*k+1] = _mm_cvtepi8_epi16(_mm_bsrli_si128(scale_k, 8));
+            }
+            is += 4;
+        }
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_K * y = (const block_q8_K *)((const char *)y0 + c*by);
+            const float d = y[i].d * dx;
+            const int8_t * q8 = y[i].qs;
+            const __m128i q8sums_0 = _mm_loadu_si128((const __m128i*)y[i].bsums);
+            const __m128i q8sums_1 = _mm_loadu_si128((const __m128i*)y[i].bsums + 1);
+            const __m128i q8sclsub_0 = _mm_slli_epi32(_mm_madd_epi16(q8sums_0, scales_16_0), 5);
+            const __m128i q8sclsub_1 = _mm_slli_epi32(_mm_madd_epi16(q8sums_1, scales_16_1), 5);
+            __m128i sumi_0 = _mm_setzero_si128();
+            __m128i sumi_1 = _mm_setzero_si128();
+            for (int j = 0; j < 2; ++j) {
+                __m128i p[8];
+                for (int k = 0; k < 8; ++k) {
+                    const __m128i q8k = _mm_loadu_si128((const __m128i*)q8); q8 += 16;
+                    p[k] = _mm_madd_epi16(sc[8*j+k], _mm_maddubs_epi16(w[8*j+k], q8k));
+                }
+                sumi_0 = _mm_add_epi32(sumi_0, _mm_add_epi32(p[0], p[2]));
+                sumi_1 = _mm_add_epi32(sumi_1, _mm_add_epi32(p[1], p[3]));
+                sumi_0 = _mm_add_epi32(sumi_0, _mm_add_epi32(p[4], p[6]));
+                sumi_1 = _mm_add_epi32(sumi_1, _mm_add_epi32(p[5], p[7]));
+            }
+            sumi_0 = _mm_sub_epi32(sumi_0, q8sclsub_0);
+            sumi_1 = _mm_sub_epi32(sumi_1, q8sclsub_1);
+            const __m256i sumi = MM256_SET_M128I(sumi_1, sumi_0);
+            acc[c] = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi)), acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; ++c) s[c*bs] = hsum_float_8(acc[c]);
+}
 #endif // reame multi-column
 """
 ok = patch("arch/x86/quants.c", "ggml_vec_dot_iq4_xs_q8_K_generic(n, s, bs, vx, bx, vy, by, nrc);\n#endif\n}\n",
            "ggml_vec_dot_iq4_xs_q8_K_generic(n, s, bs, vx, bx, vy, by, nrc);\n#endif\n}\n" + MC_KERNELS,
            "reame_vec_dot_q4_K_q8_K_mc") and ok
 ok = patch("ggml-cpu.c", "    // block-tiling attempt\n    const int64_t blck_0 = 16;",
-           """#if defined(__AVX2__) && defined(__x86_64__)
+           """#if (defined(__AVX2__) || defined(__AVX__)) && defined(__x86_64__)
     // reame: Q4_K/Q6_K with several tokens: one weight unpack for up to 16 tokens, each
     // token's result bit-identical to the one-row kernel's (see reame_vec_dot_*_mc)
     if ((type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) && num_rows_per_vec_dot == 1 &&
@@ -306,7 +451,7 @@ ok = patch("ggml-cpu.c", "    // block-tiling attempt\n    const int64_t blck_0 
     // block-tiling attempt
     const int64_t blck_0 = 16;""", "reame: Q4_K/Q6_K with several tokens") and ok
 ok = patch("ggml-cpu.c", "static void ggml_compute_forward_mul_mat_one_chunk(",
-           "#if defined(__AVX2__) && defined(__x86_64__)\n"
+           "#if (defined(__AVX2__) || defined(__AVX__)) && defined(__x86_64__)\n"
            "void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);\n"
            "void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);\n"
            "#endif\n\nstatic void ggml_compute_forward_mul_mat_one_chunk(", "void reame_vec_dot_q6_K_q8_K_mc(int n") and ok
