@@ -2788,11 +2788,14 @@ class SpecController:
                     if not worth_it(best_case, self.margin):
                         continue
                     k, probe = min(self.probe_k, k_max), True
-                if k and (best is None or (gain, not probe) > (best[0], not best[4])):
-                    best = (gain, name, k, draft, probe, sched, clock)
+                # a source that costs to ask (its cost an estimate: the draft model's KV catch-up
+                # varies) displaces a free source's proposal only when it wins by the margin
+                rank = (gain if src.free else gain / (1.0 + self.margin), not probe)
+                if k and (best is None or rank > best[0]):
+                    best = (rank, gain, name, k, draft, probe, sched, clock)
             if best is None:
                 continue
-            gain, name, k, draft, probe, sched, clock = best
+            _, gain, name, k, draft, probe, sched, clock = best
             c = self.counters[name]
             c["k"], c["gain"] = k, round(gain, 3)
             c["on"] = int(not probe)

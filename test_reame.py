@@ -1168,6 +1168,26 @@ def test_controller_engine_wide_source_is_not_retried_by_every_request():
     assert ctl.plan([(b, 16)], 1)[0] is not None   # 16 decode rows later, engine-wide
 
 
+def test_controller_costly_source_must_beat_a_free_one_by_the_margin():
+    """A draft model whose estimate is a little better than a free source's proposal does
+    not displace it (its cost is the less certain one); a clearly better one does."""
+    free, costly = _FixedSource([9] * 8), _CostlySource([9] * 8)
+    free.per_sequence = False
+    ctl = reame.SpecController([free, costly], margin=0.05)
+    for _ in range(4):
+        ctl.observe_step(1, 0.1)
+        ctl.observe_step(3, 0.14)
+        ctl.observe_step(5, 0.18)
+    ctl.acc["fixed"].p = [0.9] * 64
+    ctl.acc["model"].p = [0.92] * 64   # a bit better: not enough
+    st = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 4))
+    assert ctl.plan([(st, 4)], 1)[0][0] == "fixed"
+    ctl.acc["model"].p = [1.0] * 64
+    ctl.acc["fixed"].p = [0.5] * 64    # clearly worse: the draft model wins
+    st = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 4))
+    assert ctl.plan([(st, 4)], 1)[0][0] == "model"
+
+
 def test_controller_survives_a_failing_draft_source(caplog):
     class Broken(_CostlySource):
         name, per_sequence = "broken", False
