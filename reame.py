@@ -2484,7 +2484,7 @@ class SpecState:
     state, and its own acceptance estimates (seeded from the source's global ones)."""
 
     __slots__ = ("slot", "history", "opts", "scope", "schema", "n_prompt", "state", "acc", "shadow",
-                 "streak", "probe_at", "probe_gap")
+                 "streak", "proposed_at", "probe_at", "probe_gap")
 
     def __init__(self, slot: int, history: List[int], opts: SpecOptions, scope: Optional[str] = None,
                  schema: Optional[dict] = None):
@@ -2496,6 +2496,7 @@ class SpecState:
         self.acc: dict = {}        # source name -> Acceptance
         self.shadow: dict = {}     # free source name -> [(len(history) then, whole proposal, positions scored)]
         self.streak: dict = {}     # free source name -> its last scored proposal (4+ tokens) came true whole
+        self.proposed_at: dict = {}  # free source name -> len(history) at its last proposal
         self.probe_at: dict = {}   # source name -> len(history) at which to try it again
         self.probe_gap: dict = {}  # source name -> tokens between probes (doubles while it loses)
 
@@ -2715,6 +2716,7 @@ class SpecController:
         self.default = default
         self.margin, self.probe_k, self.first_gap = margin, probe_k, probe_gap
         self.min_evidence = 2    # a free per-sequence source speculates after this many shadow scores
+        self.hold = 4            # tokens a silent free source is expected back within (see plan)
         self.cost = CostModel()
         self.acc = {name: Acceptance(64, prior) for name in self.sources}
         self.counters = {name: {"proposed": 0, "accepted": 0, "steps": 0, "probes": 0, "k": 0,
@@ -2750,7 +2752,8 @@ class SpecController:
             if st is None or room < 1:
                 continue
             forced = st.opts.mode == "on"
-            best = None  # (gain, name, k, draft or None, probe)
+            best = None  # (rank, gain, name, k, draft or None, probe, sched, clock)
+            held = 0.0   # the best gain of a free source that proposed a moment ago and is silent now
             for src in self.allowed(st):
                 name = src.name
                 acc = st.acc.get(name)
@@ -2764,6 +2767,11 @@ class SpecController:
                     draft = src.propose([st], [st.opts.max_k])[0]
                     self._shadow(st, name, draft)
                     draft = draft[:k_max]
+                    if draft:
+                        st.proposed_at[name] = len(st.history)
+                    elif not forced and len(st.history) - st.proposed_at.get(name, -1 << 30) <= self.hold:
+                        # silent for a token or two in a copy (an edit): expected back soon
+                        held = max(held, choose_k(acc.p, self.cost.cost, n_cur, st.opts.max_k)[1])
                     if not draft or (not forced and src.per_sequence and acc.n[0] < self.min_evidence):
                         continue  # (the engine-wide prior alone is not trusted with a verify's cost)
                     k_max = len(draft)
@@ -2796,6 +2804,8 @@ class SpecController:
             if best is None:
                 continue
             _, gain, name, k, draft, probe, sched, clock = best
+            if draft is None and not probe and held >= gain:
+                continue  # a draft model's long proposal would take the place of a better free source's
             c = self.counters[name]
             c["k"], c["gain"] = k, round(gain, 3)
             c["on"] = int(not probe)
@@ -4060,10 +4070,11 @@ class Engine:
             if not self._decode(b, decoding, rowwise=rowwise):
                 return
             t2 = time.perf_counter()
-            self.spec.observe_step(b.n, t2 - t1)
             i = 0
             for s, plan in zip(decoding, plans):
                 i = self._verify(s, i, plan)
+            # what a step of b.n rows costs: the decode and each row's sampling and checks
+            self.spec.observe_step(b.n, time.perf_counter() - t1)
             self.n_decode_tok += b.n
             self.t_decode_s += t2 - t1
             if not prefilling:

@@ -1188,6 +1188,31 @@ def test_controller_costly_source_must_beat_a_free_one_by_the_margin():
     assert ctl.plan([(st, 4)], 1)[0][0] == "model"
 
 
+def test_controller_holds_a_draft_model_back_while_a_copy_pauses():
+    """A free source that proposed a moment ago and is silent now (an edit in a copy) is
+    expected back: a draft model does not take its place unless it would do better."""
+    class Copier(reame.DraftSource):  # silent while the history has a 0 in its last 8 tokens
+        name, per_sequence = "copy", True
+
+        def propose(self, seqs, ks):
+            return [[5] * k if 0 not in s.history[-8:] else [] for s, k in zip(seqs, ks)]
+    ctl = reame.SpecController([Copier(), _CostlySource([5] * 16)], margin=0.05)
+    for _ in range(4):
+        ctl.observe_step(1, 0.1)
+        ctl.observe_step(5, 0.2)
+        ctl.observe_step(17, 0.5)
+    ctl.acc["model"].p = [0.6] * 64   # worth using alone (x1.1), not instead of the copy
+    st = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 16))
+    for _ in range(20):     # the copy goes on: every proposal comes true
+        ctl.plan([(st, 16)], 1)
+        st.history.append(5)
+    assert ctl.plan([(st, 16)], 1)[0][0] == "copy"
+    st.history.append(0)    # an edit: the copy is silent for a moment
+    assert ctl.plan([(st, 16)], 1) == [None]
+    st.history.extend([7] * 5)  # it stayed silent: the draft model's turn
+    assert ctl.plan([(st, 16)], 1)[0][0] == "model"
+
+
 def test_controller_survives_a_failing_draft_source(caplog):
     class Broken(_CostlySource):
         name, per_sequence = "broken", False
