@@ -2511,10 +2511,15 @@ class DraftSource:
     (shadow scoring), so its acceptance is known at every draft position without
     verifying anything; a costly one learns only from the drafts it was asked for, and
     is probed. ``cost_s_per_tok(step_s)``: seconds of drafting per proposed token, given
-    the seconds of one target step (the estimate before it has measured itself).
-    ``per_sequence``: how right it is depends on the request (a lookup in its own
-    text), so acceptance is tracked and re-probed per sequence; otherwise (a draft
-    model) for the whole engine, so a losing source is not re-tried by every request.
+    the seconds of one target step (the estimate before it has measured itself);
+    ``setup_s(seq, step_s)``: seconds of one-time work before it can draft for seq (a
+    draft model's KV catching up with a new prompt), which the controller spreads over
+    the tokens the sequence has left.
+    Every source's acceptance is tracked per sequence (the request's text decides how
+    right it is), seeded from its engine-wide estimate. ``per_sequence``: it draws on the
+    request itself (a lookup in its own text), so it is re-probed per sequence;
+    otherwise (a draft model) engine-wide, so a losing source is not re-tried by
+    every request.
     """
 
     name = ""
@@ -2522,6 +2527,9 @@ class DraftSource:
     per_sequence = True
 
     def cost_s_per_tok(self, step_s: float) -> float:
+        return 0.0
+
+    def setup_s(self, seq: SpecState, step_s: float) -> float:
         return 0.0
 
     def propose(self, seqs: List[SpecState], ks: List[int]) -> List[List[int]]:
@@ -2620,12 +2628,31 @@ class DraftModel(DraftSource):
         self._batch = Batch(self.ctx.n_batch)
         self._greedy = Sampler(model, SamplingParams(temperature=0.0))
         self._kv: dict = {}            # slot -> the tokens in that slot's draft KV
-        self.tok_s = None              # EMA: seconds of a propose call per token it drafted
+        self.tok_s = None              # EMA: seconds of drafting per drafted token
+        self.feed_s = None             # EMA: seconds of catching the KV up, per token fed
 
     def cost_s_per_tok(self, step_s):
-        """Measured (catching the KV up with the accepted tokens included); before that,
-        the target's step scaled by the weights' sizes."""
+        """Measured (catching the KV up with the few tokens accepted since the last
+        proposal included); before that, the target's step scaled by the weights' sizes."""
         return self.tok_s if self.tok_s is not None else step_s * self.model.n_bytes / self.target_bytes
+
+    def _keep(self, seq: SpecState) -> int:
+        """How much of the slot's draft KV is the sequence's history (but its last token)."""
+        kv, hist = self._kv.get(seq.slot, ()), seq.history
+        keep = seq.state.get(self.name)
+        if keep is None or keep > len(kv):  # a new sequence in this slot: reuse what matches
+            keep = 0
+        return min(keep + common_prefix(kv[keep:], hist[keep:len(hist) - 1]), len(hist) - 1)
+
+    def setup_s(self, seq, step_s):
+        """Catching up more than a few tokens (a new prompt, a long stretch drafted by
+        others): the tokens to feed at the measured feed cost (before that, a quarter
+        of a drafted token's: they go in batches)."""
+        missing = len(seq.history) - 1 - self._keep(seq)
+        if missing <= 16:
+            return 0.0  # (what drafting every few steps feeds anyway: in cost_s_per_tok)
+        per = self.feed_s if self.feed_s is not None else 0.25 * self.cost_s_per_tok(step_s)
+        return missing * per
 
     def propose(self, seqs, ks):
         b, ctx = self._batch, self.ctx
@@ -2634,10 +2661,7 @@ class DraftModel(DraftSource):
         feed = []
         for seq in seqs:
             kv, hist = self._kv.setdefault(seq.slot, []), seq.history
-            keep = seq.state.get(self.name)
-            if keep is None or keep > len(kv):  # a new sequence in this slot: reuse what matches
-                keep = 0
-            keep = min(keep + common_prefix(kv[keep:], hist[keep:len(hist) - 1]), len(hist) - 1)
+            keep = self._keep(seq)
             if keep < len(kv):
                 ctx.seq_rm(seq.slot, keep, -1)
                 del kv[keep:]
@@ -2656,6 +2680,11 @@ class DraftModel(DraftSource):
                     rest.append((seq, toks[room:]))
             ctx.decode(b)
             pending = rest
+        n_fed = sum(len(toks) for toks in feed)
+        if n_fed > 16:  # a long catch-up: its cost per token (shorter ones are drafting's)
+            took = (time.perf_counter() - t0) / n_fed
+            self.feed_s = took if self.feed_s is None else self.feed_s + 0.2 * (took - self.feed_s)
+            t0 = time.perf_counter()
         # 2. draft: one token per sequence per step, greedily
         drafts = [[] for _ in seqs]
         feed_tok = [seq.history[-1] for seq in seqs]
@@ -2701,7 +2730,9 @@ class SpecController:
 
     For each sequence and allowed source it computes the expected speedup of the
     best k (choose_k, with the live CostModel and the sequence's acceptance by
-    position) and speculates when it clears ``margin``. A source that does not pay is
+    position) and speculates when it clears ``margin`` (three times that for a source
+    that costs to ask, a draft model: its cost is an estimate that moves with its KV
+    catch-up and the machine, and when it wins it wins by more). A source that does not pay is
     re-probed with a short draft after ``probe_gap`` tokens, a gap that grows 4x each
     time the probe loses (up to 2048), so a changed workload or machine is noticed
     without a steady cost where it cannot help; a source that could not pay even if
@@ -2747,8 +2778,8 @@ class SpecController:
         n_cur = n_batch
         self.n_tokens += n_batch
         model_wants = []  # (index, source, k) for sources that draft at a cost (batched)
-        for i, (st, room) in enumerate(items):
-            room = min(room, max_rows - n_cur)
+        for i, (st, left) in enumerate(items):
+            room = min(left, max_rows - n_cur)
             if st is None or room < 1:
                 continue
             forced = st.opts.mode == "on"
@@ -2758,11 +2789,13 @@ class SpecController:
                 name = src.name
                 acc = st.acc.get(name)
                 if acc is None:
-                    acc = st.acc[name] = Acceptance(64, parent=self.acc[name]) if src.per_sequence else self.acc[name]
+                    acc = st.acc[name] = Acceptance(64, parent=self.acc[name])  # (the request's text decides)
                 sched, clock = (st, len(st.history)) if src.per_sequence else (self, self.n_tokens)
                 k_max = min(room, st.opts.max_k)
                 draft = None
-                draft_s = src.cost_s_per_tok(self.cost.cost(1))
+                margin = self.margin if src.free else 3 * self.margin
+                step1 = self.cost.cost(1)
+                draft_s = src.cost_s_per_tok(step1) + src.setup_s(st, step1) / max(left, 1)
                 if src.free:  # free to ask: see what it has first, and score it
                     draft = src.propose([st], [st.opts.max_k])[0]
                     self._shadow(st, name, draft)
@@ -2781,19 +2814,19 @@ class SpecController:
                     # in runs (an edit in a copy) that its per-position estimate averages over,
                     # so the whole proposal is taken while it is expected to pay at all.
                     full = spec_gain(acc.p, k_max, self.cost.cost, n_cur, draft_s)
-                    if worth_it(full, self.margin):
+                    if worth_it(full, margin):
                         k, gain = k_max, full
                 probe = False
                 if forced:
                     k = k_max
                     gain = spec_gain(acc.p, k, self.cost.cost, n_cur, draft_s)
-                elif not worth_it(gain, self.margin):
+                elif not worth_it(gain, margin):
                     self.counters[name]["on"], self.counters[name]["gain"] = 0, round(gain, 3)
                     if draft is not None or clock < sched.probe_at.get(name, 0):
                         continue  # (a free source is scored in the shadow: no probe needed)
                     # probe only a source that could pay here at all, were every draft right
                     _, best_case = choose_k([1.0] * k_max, self.cost.cost, n_cur, k_max, draft_s)
-                    if not worth_it(best_case, self.margin):
+                    if not worth_it(best_case, margin):
                         continue
                     k, probe = min(self.probe_k, k_max), True
                 # a source that costs to ask (its cost an estimate: the draft model's KV catch-up
@@ -2839,10 +2872,9 @@ class SpecController:
         return plans
 
     def _observe(self, st: SpecState, name: str, k: int, n_accepted: int, first: int = 0) -> None:
-        """Acceptance.observe on the sequence's estimate and the engine-wide one (once
-        when they are the same object: an engine-wide source)."""
-        if st.acc[name] is not self.acc[name]:
-            st.acc[name].observe(k, n_accepted, first)
+        """Acceptance.observe on the sequence's estimate and the engine-wide one (which
+        seeds the next sequences')."""
+        st.acc[name].observe(k, n_accepted, first)
         self.acc[name].observe(k, n_accepted, first)
 
     def _shadow(self, st: SpecState, name: str, proposal: List[int]) -> None:

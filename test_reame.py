@@ -1188,6 +1188,43 @@ def test_controller_costly_source_must_beat_a_free_one_by_the_margin():
     assert ctl.plan([(st, 4)], 1)[0][0] == "model"
 
 
+def test_controller_spreads_a_draft_models_catch_up_over_the_tokens_left():
+    """A draft model that must first feed a new 2,000-token prompt into its own KV is
+    worth it for a long answer, not for a short one."""
+    class CatchingUp(_CostlySource):
+        def setup_s(self, seq, step_s):
+            return 2000 * 0.002   # 4 s: 40 target steps
+    ctl = reame.SpecController([CatchingUp([5] * 16)], margin=0.05)
+    for _ in range(4):
+        ctl.observe_step(1, 0.1)
+        ctl.observe_step(5, 0.15)
+    ctl.acc["model"].p = [0.9] * 64
+    st = ctl.begin(0, list(range(2000)), reame.SpecOptions("auto", 4))
+    assert ctl.plan([(st, 20)], 1) == [None]            # 20 tokens left: the catch-up costs more
+    assert ctl.plan([(st, 2000)], 1)[0][0] == "model"   # 2,000 left: it pays for itself
+
+
+def test_controller_draft_model_acceptance_is_the_requests_own():
+    """Two requests at once: a draft model always right on one (code) and always wrong
+    on the other (prose) stays on for the first and goes off for the second."""
+    ctl = reame.SpecController([_CostlySource([5] * 16)], margin=0.05)
+    for _ in range(4):
+        ctl.observe_step(2, 0.1)
+        ctl.observe_step(6, 0.16)
+    code = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 4))
+    prose = ctl.begin(1, [1, 2, 3], reame.SpecOptions("auto", 4))
+    ctl.acc["model"].p = [0.9] * 64
+    for _ in range(6):
+        plan = ctl.plan([(code, 100), (None, 0)], 2)[0]
+        if plan:
+            ctl.verified(code, "model", len(plan[1]), len(plan[1]), rejected=False)
+        plan = ctl.plan([(None, 0), (prose, 100)], 2)[1]
+        if plan:
+            ctl.verified(prose, "model", len(plan[1]), 0)
+    assert ctl.plan([(code, 100), (None, 0)], 2)[0][0] == "model"
+    assert ctl.plan([(None, 0), (prose, 100)], 2)[1] is None
+
+
 def test_controller_holds_a_draft_model_back_while_a_copy_pauses():
     """A free source that proposed a moment ago and is silent now (an edit in a copy) is
     expected back: a draft model does not take its place unless it would do better."""
