@@ -2484,7 +2484,7 @@ class SpecState:
     state, and its own acceptance estimates (seeded from the source's global ones)."""
 
     __slots__ = ("slot", "history", "opts", "scope", "schema", "n_prompt", "state", "acc", "shadow",
-                 "streak", "proposed_at", "probe_at", "probe_gap")
+                 "streak", "proposed_until", "probe_at", "probe_gap")
 
     def __init__(self, slot: int, history: List[int], opts: SpecOptions, scope: Optional[str] = None,
                  schema: Optional[dict] = None):
@@ -2496,7 +2496,7 @@ class SpecState:
         self.acc: dict = {}        # source name -> Acceptance
         self.shadow: dict = {}     # free source name -> [(len(history) then, whole proposal, positions scored)]
         self.streak: dict = {}     # free source name -> its last scored proposal (4+ tokens) came true whole
-        self.proposed_at: dict = {}  # free source name -> len(history) at its last proposal
+        self.proposed_until: dict = {}  # free source name -> where its last proposal would have ended
         self.probe_at: dict = {}   # source name -> len(history) at which to try it again
         self.probe_gap: dict = {}  # source name -> tokens between probes (doubles while it loses)
 
@@ -2747,7 +2747,7 @@ class SpecController:
         self.default = default
         self.margin, self.probe_k, self.first_gap = margin, probe_k, probe_gap
         self.min_evidence = 2    # a free per-sequence source speculates after this many shadow scores
-        self.hold = 4            # tokens a silent free source is expected back within (see plan)
+        self.hold = 4            # tokens past its last proposal a silent free source is expected back within
         self.cost = CostModel()
         self.acc = {name: Acceptance(64, prior) for name in self.sources}
         self.counters = {name: {"proposed": 0, "accepted": 0, "steps": 0, "probes": 0, "k": 0,
@@ -2799,12 +2799,13 @@ class SpecController:
                 if src.free:  # free to ask: see what it has first, and score it
                     draft = src.propose([st], [st.opts.max_k])[0]
                     self._shadow(st, name, draft)
-                    draft = draft[:k_max]
                     if draft:
-                        st.proposed_at[name] = len(st.history)
-                    elif not forced and len(st.history) - st.proposed_at.get(name, -1 << 30) <= self.hold:
-                        # silent for a token or two in a copy (an edit): expected back soon
+                        st.proposed_until[name] = len(st.history) + len(draft)
+                    elif not forced and len(st.history) - st.proposed_until.get(name, -1 << 30) <= self.hold:
+                        # silent a few tokens past what it proposed (an edit, the end of a
+                        # copied stretch) in a copy: expected back soon
                         held = max(held, choose_k(acc.p, self.cost.cost, n_cur, st.opts.max_k)[1])
+                    draft = draft[:k_max]
                     if not draft or (not forced and src.per_sequence and acc.n[0] < self.min_evidence):
                         continue  # (the engine-wide prior alone is not trusted with a verify's cost)
                     k_max = len(draft)

@@ -1228,11 +1228,11 @@ def test_controller_draft_model_acceptance_is_the_requests_own():
 def test_controller_holds_a_draft_model_back_while_a_copy_pauses():
     """A free source that proposed a moment ago and is silent now (an edit in a copy) is
     expected back: a draft model does not take its place unless it would do better."""
-    class Copier(reame.DraftSource):  # silent while the history has a 0 in its last 8 tokens
+    class Copier(reame.DraftSource):  # silent once the history has a 0
         name, per_sequence = "copy", True
 
         def propose(self, seqs, ks):
-            return [[5] * k if 0 not in s.history[-8:] else [] for s, k in zip(seqs, ks)]
+            return [[5] * k if 0 not in s.history else [] for s, k in zip(seqs, ks)]
     ctl = reame.SpecController([Copier(), _CostlySource([5] * 16)], margin=0.05)
     for _ in range(4):
         ctl.observe_step(1, 0.1)
@@ -1244,8 +1244,10 @@ def test_controller_holds_a_draft_model_back_while_a_copy_pauses():
         ctl.plan([(st, 16)], 1)
         st.history.append(5)
     assert ctl.plan([(st, 16)], 1)[0][0] == "copy"
-    st.history.append(0)    # an edit: the copy is silent for a moment
+    st.history.append(0)    # an edit: the copy is silent, for a moment as far as we know
     assert ctl.plan([(st, 16)], 1) == [None]
+    st.history.extend([7] * 15)
+    assert ctl.plan([(st, 16)], 1) == [None]  # (within 4 tokens past what it last proposed)
     st.history.extend([7] * 5)  # it stayed silent: the draft model's turn
     assert ctl.plan([(st, 16)], 1)[0][0] == "model"
 
