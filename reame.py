@@ -2356,30 +2356,47 @@ def worth_it(gain: float, margin: float) -> bool:
 
 
 class CostModel:
-    """Seconds of a target llama_decode by tokens in the batch, measured live.
+    """Seconds of a target step by tokens (rows) in it, measured live.
 
-    An EMA per batch size seen; other sizes are interpolated between the nearest sizes
-    seen (kernels change with the batch shape, so the curve is not one line), and
+    The cost of n rows is the machine's speed times the shape of the curve at n:
+    cost(n) = speed * shape[n]. Every step's observation moves both in log space, the
+    speed fast (shared vCPUs speed up and slow down all sizes together) and the shape
+    of its own size slowly (it is the kernels', stable), so a size not seen for a
+    while follows the machine instead of going stale (a slowdown measured only on
+    one-token steps would otherwise make a stale 14-row step look cheap). A new size's
+    first four observations set its shape (their mean). One step is at most 2x off the estimate (a
+    stolen time slice is not the machine). Sizes between those seen are interpolated
+    (kernels change with the batch shape, so the curve is not one line), others
     extrapolated with the slope of a least-squares line through them; before two sizes
     are known, with a prior slope (a fraction of one token's cost per extra token).
     A scheduler-thread object; pure given its observations.
     """
 
-    def __init__(self, prior_slope: float = 0.5, alpha: float = 0.1):
+    def __init__(self, prior_slope: float = 0.5, alpha: float = 0.1, shape_alpha: float = 0.02):
         self.prior_slope = prior_slope
-        self.alpha = alpha
-        self._ema: dict = {}    # n -> EMA seconds
+        self.alpha, self.shape_alpha = alpha, shape_alpha
+        self._speed = None      # seconds per unit of shape
+        self._shape: dict = {}  # n -> relative cost
         self._seen: dict = {}   # n -> observations (capped: recent sizes weigh as much as old ones)
+        self._ema: dict = {}    # n -> speed * shape[n], seconds (kept current for cost())
         self._slope = None      # of the least-squares line, None until two sizes are seen
 
     def observe(self, n: int, seconds: float) -> None:
         if n < 1 or seconds <= 0:
             return
-        old = self._ema.get(n)
-        self._ema[n] = seconds if old is None else old + self.alpha * (seconds - old)
-        self._seen[n] = min(self._seen.get(n, 0) + 1, 20)
-        if len(self._ema) >= 2:
-            w, ema = self._seen, self._ema
+        seen = self._seen.get(n, 0)
+        if self._speed is None:
+            self._speed, self._shape[n] = seconds, 1.0
+        elif n not in self._shape:
+            self._shape[n] = seconds / self._speed
+        else:
+            r = min(max(seconds / (self._speed * self._shape[n]), 0.5), 2.0)
+            self._speed *= r ** self.alpha
+            self._shape[n] *= r ** (1.0 / (seen + 1) if seen < 4 else self.shape_alpha)
+        self._seen[n] = min(seen + 1, 20)
+        self._ema = ema = {k: self._speed * s for k, s in self._shape.items()}
+        if len(ema) >= 2:
+            w = self._seen
             sw = sum(w[k] for k in ema)
             mx = sum(w[k] * k for k in ema) / sw
             my = sum(w[k] * t for k, t in ema.items()) / sw

@@ -1055,6 +1055,25 @@ def test_cost_model_learns_a_line():
     assert cm.cost(1) > 0.19
 
 
+def test_cost_model_follows_the_machine_without_going_stale():
+    """Shared vCPUs slow down all step sizes together: a slowdown measured only on
+    one-token steps keeps a 14-row step's cost in proportion (it does not look cheap
+    because it was last measured on a faster machine), and one stolen time slice
+    moves the estimate by a few percent, not by its size."""
+    cm = reame.CostModel()
+    for _ in range(10):
+        cm.observe(1, 0.1)
+        cm.observe(14, 0.6)
+    assert cm.cost(14) / cm.cost(1) == pytest.approx(6.0, rel=0.01)
+    for _ in range(40):
+        cm.observe(1, 0.2)
+    assert cm.cost(1) == pytest.approx(0.2, rel=0.05)
+    assert cm.cost(14) / cm.cost(1) > 5.0
+    before = cm.cost(1)
+    cm.observe(1, 2.0)
+    assert cm.cost(1) < 1.1 * before
+
+
 class _FixedSource(reame.DraftSource):
     """A free source proposing from a script; for controller tests."""
     name = "fixed"
@@ -1100,8 +1119,9 @@ def test_controller_turns_off_and_reprobes():
     ctl.verified(st, "model", 4, 0)
     st.history.extend([7] * 17)
     assert ctl.plan([(st, 16)], 1) == [None]         # the gap grew (x4) after a lost probe
-    # the machine changed: verifying got cheap, and the source is right now
-    for _ in range(40):
+    # the machine changed: verifying got cheap (the curve's shape: learnt slowly), and the source is right now
+    for _ in range(120):
+        ctl.observe_step(1, 0.1)
         ctl.observe_step(5, 0.12)
         ctl.observe_step(17, 0.2)
     st.history.extend([7] * 16)
