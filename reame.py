@@ -2811,6 +2811,8 @@ class SpecController:
                 k_max = min(room, st.opts.max_k)
                 draft = None
                 margin = self.margin if src.free else 3 * self.margin
+                if not src.free and not forced:  # a slow start: 2, 4, 8, ... drafts as it proves itself here
+                    k_max = min(k_max, self.probe_k << min(acc.n[0], 4))
                 step1 = self.cost.cost(1)
                 draft_s = src.cost_s_per_tok(step1) + src.setup_s(st, step1) / max(left, 1)
                 if src.free:  # free to ask: see what it has first, and score it

@@ -1245,6 +1245,24 @@ def test_controller_draft_model_acceptance_is_the_requests_own():
     assert ctl.plan([(None, 0), (prose, 100)], 2)[1] is None
 
 
+def test_controller_draft_model_starts_short_in_each_request():
+    """Its engine-wide record (right on code) is only a prior for new text: a request's
+    first draft-model proposals are 2, then 4, 8, 16 tokens as they come true here."""
+    ctl = reame.SpecController([_CostlySource([5] * 32)], margin=0.05)
+    for _ in range(4):
+        ctl.observe_step(1, 0.1)
+        ctl.observe_step(3, 0.11)
+        ctl.observe_step(17, 0.2)
+    ctl.acc["model"].p = [1.0] * 64
+    st = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 16))
+    lengths = []
+    for _ in range(5):
+        plan = ctl.plan([(st, 100)], 1)[0]
+        lengths.append(len(plan[1]))
+        ctl.verified(st, "model", len(plan[1]), len(plan[1]), rejected=False)
+    assert lengths == [2, 4, 8, 16, 16]
+
+
 def test_controller_holds_a_draft_model_back_while_a_copy_pauses():
     """A free source that proposed a moment ago and is silent now (an edit in a copy) is
     expected back: a draft model does not take its place unless it would do better."""
