@@ -2364,11 +2364,12 @@ class CostModel:
     of its own size slowly (it is the kernels', stable), so a size not seen for a
     while follows the machine instead of going stale (a slowdown measured only on
     one-token steps would otherwise make a stale 14-row step look cheap). A new size's
-    first four observations set its shape (their mean). One step is at most 2x off the estimate (a
-    stolen time slice is not the machine). Sizes between those seen are interpolated
-    (kernels change with the batch shape, so the curve is not one line), others
-    extrapolated with the slope of a least-squares line through them; before two sizes
-    are known, with a prior slope (a fraction of one token's cost per extra token).
+    first four observations set its shape (their mean). One step counts as at most 2x
+    off the estimate (a stolen time slice is not the machine). Sizes between those seen
+    are interpolated (kernels change with the batch shape, so the curve is not one
+    line), others extrapolated with the slope of a least-squares line through them;
+    before two sizes are known, with a prior slope (a fraction of one token's cost per
+    extra token).
     A scheduler-thread object; pure given its observations.
     """
 
