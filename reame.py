@@ -2655,12 +2655,17 @@ class DraftModel(DraftSource):
         return self.tok_s if self.tok_s is not None else step_s * self.model.n_bytes / self.target_bytes
 
     def _keep(self, seq: SpecState) -> int:
-        """How much of the slot's draft KV is the sequence's history (but its last token)."""
+        """How much of the slot's draft KV is the sequence's history (but its last token);
+        remembered, so the next call compares only what came since."""
         kv, hist = self._kv.get(seq.slot, ()), seq.history
         keep = seq.state.get(self.name)
         if keep is None or keep > len(kv):  # a new sequence in this slot: reuse what matches
             keep = 0
-        return min(keep + common_prefix(kv[keep:], hist[keep:len(hist) - 1]), len(hist) - 1)
+        n = min(len(kv), len(hist) - 1)
+        while keep < n and kv[keep] == hist[keep]:
+            keep += 1
+        seq.state[self.name] = keep = min(keep, len(hist) - 1)
+        return keep
 
     def setup_s(self, seq, step_s):
         """Catching up more than a few tokens (a new prompt, a long stretch drafted by
