@@ -2528,7 +2528,7 @@ def parse_args(argv=None):
     p.add_argument("--archive-index-tokens", type=int, default=25_000_000,
                    help="--palimpsest: tokens of the synthetic archive whose index build is timed "
                         "(default 25M: a 100 MB archive)")
-    p.add_argument("--spec-max", type=int, default=32, help="--spec: most drafts per step for lookup and auto")
+    p.add_argument("--spec-max", type=int, default=16, help="--spec: most drafts per step for lookup and auto")
     p.add_argument("--spec-draft-k", type=int, default=4, help="--spec: drafts per step, draft model forced on")
     p.add_argument("--server-log", default=None, help="llama-server log file (default: a temp file)")
     p.add_argument("--no-server", action="store_true", help="Reame only")

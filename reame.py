@@ -2301,7 +2301,7 @@ class SpecOptions:
     ``sources``: the allowed source names (empty: all the engine has)."""
 
     mode: str = "auto"
-    max_k: int = 32
+    max_k: int = 16
     sources: tuple = ()
 
     def validate(self) -> "SpecOptions":
@@ -3710,7 +3710,7 @@ class Engine:
 
     def __init__(self, model, *, n_ctx: int = 4096, n_slots: int = 4, n_threads: Optional[int] = None,
                  n_batch: int = 512, prefill_chunk: int = 128, cache_reuse: str = "exact", repack: bool = False,
-                 disk_cache: int = 0, disk_dir: Optional[str] = None, spec: str = "auto", spec_max: int = 32,
+                 disk_cache: int = 0, disk_dir: Optional[str] = None, spec: str = "auto", spec_max: int = 16,
                  draft=None, spec_verify: str = "exact", archive: int = 0, archive_dir: Optional[str] = None,
                  suggest: bool = True, **context_kw):
         if cache_reuse not in ("exact", "all"):
@@ -5351,8 +5351,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", choices=SPEC_MODES, default="auto", help="speculative decoding: auto (default) "
                    "measures on this machine whether verifying drafted tokens pays and speculates only then; "
                    "on: always; off: never. Greedy output is the same tokens either way")
-    p.add_argument("--spec-max", type=int, default=32, metavar="N", help="draft tokens verified per step at "
-                   "most (1-32, default 32; the controller picks fewer where they do not pay)")
+    p.add_argument("--spec-max", type=int, default=16, metavar="N", help="draft tokens verified per step at "
+                   "most (1-32, default 16)")
     p.add_argument("--spec-verify", choices=("exact", "fast"), default="exact", help="exact (default): verify "
                    "drafts with the kernel of a one-token step, so greedy output is the plain output token for "
                    "token; fast: let a step with drafts use ggml's tiled matmul (verifying 16 drafts costs about "
