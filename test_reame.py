@@ -1320,9 +1320,9 @@ def _quote_prompt(eng):
     return _chat(eng, "Here is a text:\n\n" + _QUOTE_TEXT + "\n\nRepeat the text above exactly, word for word.")
 
 
-def _spec_run(eng, prompt, mode, sources=(), max_tokens=80, **kw):
+def _spec_run(eng, prompt, mode, sources=(), max_tokens=80, max_k=16, **kw):
     p = reame.SamplingParams(temperature=kw.pop("temperature", 0), max_tokens=max_tokens, **kw)
-    return eng.submit(prompt, p, spec=reame.SpecOptions(mode, 16, tuple(sources))).wait()
+    return eng.submit(prompt, p, spec=reame.SpecOptions(mode, max_k, tuple(sources))).wait()
 
 
 def test_spec_lookup_equals_plain_greedy(qwen):
@@ -1334,6 +1334,7 @@ def test_spec_lookup_equals_plain_greedy(qwen):
     assert qwen.stats()["spec"]["lookup"]["accepted"] - before >= 20   # drafts really were accepted
     auto = _spec_run(qwen, prompt, "auto")
     assert auto.tokens == plain.tokens
+    assert _spec_run(qwen, prompt, "on", ["lookup"], max_k=32).tokens == plain.tokens  # 33 rows a step
 
 
 def test_spec_sampling_keeps_the_seeded_output(qwen):
