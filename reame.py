@@ -350,10 +350,11 @@ def _sha256_file(path: str, progress: Optional[Progress] = None) -> str:
     return h.hexdigest()
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common leading run of two token lists."""
+def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of the common leading run of two token lists (compared from ``start``:
+    the caller knows they agree before it)."""
     n = min(len(a), len(b))
-    i = 0
+    i = start
     while i < n and a[i] == b[i]:
         i += 1
     return i
@@ -2646,6 +2647,7 @@ class DraftModel(DraftSource):
         self._batch = Batch(self.ctx.n_batch)
         self._greedy = Sampler(model, SamplingParams(temperature=0.0))
         self._kv: dict = {}            # slot -> the tokens in that slot's draft KV
+        self.short_feed = 16           # a catch-up up to this many tokens is part of drafting
         self.tok_s = None              # EMA: seconds of drafting per drafted token
         self.feed_s = None             # EMA: seconds of catching the KV up, per token fed
 
@@ -2661,10 +2663,7 @@ class DraftModel(DraftSource):
         keep = seq.state.get(self.name)
         if keep is None or keep > len(kv):  # a new sequence in this slot: reuse what matches
             keep = 0
-        n = min(len(kv), len(hist) - 1)
-        while keep < n and kv[keep] == hist[keep]:
-            keep += 1
-        seq.state[self.name] = keep = min(keep, len(hist) - 1)
+        seq.state[self.name] = keep = min(common_prefix(kv, hist, keep), len(hist) - 1)
         return keep
 
     def setup_s(self, seq, step_s):
@@ -2672,7 +2671,7 @@ class DraftModel(DraftSource):
         others): the tokens to feed at the measured feed cost (before that, a quarter
         of a drafted token's: they go in batches)."""
         missing = len(seq.history) - 1 - self._keep(seq)
-        if missing <= 16:
+        if missing <= self.short_feed:
             return 0.0  # (what drafting every few steps feeds anyway: in cost_s_per_tok)
         per = self.feed_s if self.feed_s is not None else 0.25 * self.cost_s_per_tok(step_s)
         return missing * per
@@ -2704,7 +2703,7 @@ class DraftModel(DraftSource):
             ctx.decode(b)
             pending = rest
         n_fed = sum(len(toks) for toks in feed)
-        if n_fed > 16:  # a long catch-up: its cost per token (shorter ones are drafting's)
+        if n_fed > self.short_feed:  # a long catch-up: its cost per token (shorter ones are drafting's)
             took = (time.perf_counter() - t0) / n_fed
             self.feed_s = took if self.feed_s is None else self.feed_s + 0.2 * (took - self.feed_s)
             t0 = time.perf_counter()
@@ -2801,6 +2800,7 @@ class SpecController:
         n_cur = n_batch
         self.n_tokens += n_batch
         model_wants = []  # (index, source, k) for sources that draft at a cost (batched)
+        step1 = self.cost.cost(1)
         for i, (st, left) in enumerate(items):
             room = min(left, max_rows - n_cur)
             if st is None or room < 1:
@@ -2819,7 +2819,6 @@ class SpecController:
                 margin = self.margin if src.free else 3 * self.margin
                 if not src.free and not forced:  # a slow start: 2, 4, 8, ... drafts as it proves itself here
                     k_max = min(k_max, self.probe_k << min(acc.n[0], 4))
-                step1 = self.cost.cost(1)
                 draft_s = src.cost_s_per_tok(step1) + src.setup_s(st, step1) / max(left, 1)
                 if src.free:  # free to ask: see what it has first, and score it
                     draft = src.propose([st], [st.opts.max_k])[0]
