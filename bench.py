@@ -22,7 +22,8 @@
     python3 bench.py --conclave           only the Conclave section: an 8-question quiz, one greedy
                                           answer vs 5 sequential samples voted vs the Conclave of 5
     python3 bench.py --step-cost          only the decode step cost by tokens in the step (the
-                                          row-by-row kernels that keep greedy output exact)
+                                          row-by-row kernels that keep greedy output exact);
+                                          --against LIBLLAMA compares another build side by side
     python3 bench.py --suggest            only the Suggeritore section: a numbered list, JSON records,
                                           a markdown table, prose, and JSON records under a json_schema,
                                           Il Suggeritore on vs off
@@ -1833,7 +1834,47 @@ def run_step_cost(args) -> dict:
             "step_s": {k: median(v) for k, v in times.items()}, "ratio": {k: median(v) / one for k, v in times.items()}}
 
 
+def run_step_cost_against(args) -> dict:
+    """--step-cost --against LIB: the same step costs with this checkout's libraries and
+    with another libllama (an older build, say), one process per library and round, the
+    order alternating, so the two are measured side by side on the same noisy machine."""
+    libs = [("this", os.environ.get("REAME_LIBLLAMA", "")), ("against", args.against)]
+    times = {name: {} for name, _ in libs}
+    for rnd in range(args.repeats):
+        for name, lib in (libs if rnd % 2 == 0 else libs[::-1]):
+            fd, path = tempfile.mkstemp(prefix="bench-step-", suffix=".json")
+            os.close(fd)
+            try:
+                env = dict(os.environ, REAME_LIBLLAMA=lib) if lib else {k: v for k, v in os.environ.items() if k != "REAME_LIBLLAMA"}
+                subprocess.run([sys.executable, os.path.abspath(__file__), "--step-cost", "--repeats", "3",
+                                "--model", args.model, "--threads", str(args.threads), "--save-json", path],
+                               env=env, check=True, stdout=subprocess.DEVNULL)
+                with open(path) as f:
+                    for k, sec in json.load(f)["step_cost"]["step_s"].items():
+                        times[name].setdefault(int(k), []).append(sec)
+            finally:
+                os.unlink(path)
+        log("step cost round %d/%d done" % (rnd + 1, args.repeats))
+    out = {"config": {"model": args.model, "threads": args.threads, "repeats": args.repeats, "against": args.against}}
+    for name in times:
+        one = median(times[name][1])
+        out[name] = {"step_s": {k: median(v) for k, v in times[name].items()},
+                     "ratio": {k: median(v) / one for k, v in times[name].items()}}
+    out["this_vs_against"] = {k: out["this"]["step_s"][k] / out["against"]["step_s"][k] for k in out["this"]["step_s"]}
+    return out
+
+
 def print_step_cost(sc: dict, w) -> None:
+    if "against" in sc:
+        c = sc["config"]
+        w("Decode step cost: %s, %d threads, %d alternating rounds (medians); k tokens in one step as a "
+          "multiple of one token:\n" % (c["model"], c["threads"], c["repeats"]))
+        for name, label in (("this", "this checkout"), ("against", c["against"])):
+            w("  %s (one token %.1f ms):\n    %s\n" % (label, 1e3 * sc[name]["step_s"][1], "  ".join(
+                "%d: %.2fx" % (k, r) for k, r in sc[name]["ratio"].items())))
+        w("  this checkout's step time / the other's: %s\n" % "  ".join(
+            "%d: %.2f" % (k, r) for k, r in sc["this_vs_against"].items()))
+        return
     c = sc["config"]
     w("Decode step cost: %s, %d threads, medians of %d; one token %.1f ms; k tokens in one step as a "
       "multiple of one token:\n  %s\n" % (c["model"], c["threads"], c["repeats"], 1e3 * sc["step_s"][1],
@@ -2521,6 +2562,9 @@ def parse_args(argv=None):
     p.add_argument("--best-of", type=int, default=5, help="--conclave: candidates (default 5)")
     p.add_argument("--step-cost", action="store_true",
                    help="only the decode step cost by tokens in the step, 1 to 16 (repeats default 7)")
+    p.add_argument("--against", default=None, metavar="LIBLLAMA",
+                   help="with --step-cost: also measure with this libllama (e.g. an older build's), "
+                        "alternating, and print the ratio of step times")
     p.add_argument("--suggest", action="store_true",
                    help="only the Suggeritore section: a 20-item numbered list, 10 JSON records, a markdown "
                         "table, prose, and the JSON records under a json_schema, Il Suggeritore on vs off "
@@ -2549,6 +2593,8 @@ def parse_args(argv=None):
         args.gen_tokens = args.gen_tokens or (64 if q else 160)
     if args.step_cost:
         args.repeats = args.repeats or 7
+    if args.against and (not args.step_cost or not os.path.exists(args.against)):
+        p.error("--against needs --step-cost and an existing libllama file")
     if args.suggest:
         args.repeats = args.repeats or 2
         args.gen_tokens = args.gen_tokens or (96 if q else 400)
@@ -2591,7 +2637,8 @@ def main(argv=None) -> int:
         out = (run_prefix_only(args) if args.prefix_cache else run_http_only(args) if args.http else
                run_spec_only(args) if args.spec else run_palimpsest_only(args) if args.palimpsest else
                run_conclave_only(args) if args.conclave else run_suggest_only(args) if args.suggest else
-               {"step_cost": run_step_cost(args)} if args.step_cost else run(args))
+               {"step_cost": run_step_cost_against(args) if args.against else run_step_cost(args)}
+               if args.step_cost else run(args))
     except KeyboardInterrupt:
         log("interrupted")
         return 130

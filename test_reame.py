@@ -424,13 +424,17 @@ def test_batched_equals_alone(fixture, request):
 
 def test_rows_of_one_step_get_the_logits_they_get_alone(qwen):
     """Each row of a k-row decode step (verified drafts, batched users) gets bit-identical
-    logits to the same token decoded alone: the multi-token Q4_K/Q6_K kernel of
-    build_llama.sh's patch 3 (and, past 16 rows, a second column block) included."""
+    logits to the same token decoded alone: the multi-token Q4_K/Q6_K kernels of
+    build_llama.sh's patch 3 (AVX-512: one row at a time below 4 tokens, tiles of 4 rows
+    from 4; past 16 rows, a second column block) included."""
     import ctypes
     L, m = reame.lib(), qwen.model
-    if os.uname().machine == "x86_64" and " avx2 " in open("/proc/cpuinfo").read():
-        loaded = {line.split()[-1] for line in open("/proc/self/maps") if "libggml-cpu" in line}
+    cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    loaded = {line.split()[-1] for line in open("/proc/self/maps") if "libggml-cpu" in line} if cpu else set()
+    if os.uname().machine == "x86_64" and " avx2 " in cpu:
         assert any(hasattr(ctypes.CDLL(p), "reame_vec_dot_q4_K_q8_K_mc") for p in loaded), loaded
+    if os.uname().machine == "x86_64" and " avx512bw " in cpu:
+        assert any(hasattr(ctypes.CDLL(p), "reame_mm_q4_K_q8_K_512") for p in loaded), loaded
     ctx = reame.Context(m, n_ctx=512, n_seq_max=1, n_batch=64)
     try:
         prompt = _chat(qwen, "Write a Python function that adds two numbers.")
@@ -449,7 +453,7 @@ def test_rows_of_one_step_get_the_logits_they_get_alone(qwen):
             b.add(follow[j], P + j, 0, True)
             ctx.decode(b, rowwise=True)
             alone.append(logits(0))
-        for k in (2, 5, 16, 20):
+        for k in (2, 3, 4, 5, 16, 20):
             ctx.seq_rm(0, P, -1)
             b.clear()
             for j in range(k):
