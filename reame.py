@@ -23,11 +23,12 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
     9. Prefix KV cache: disk tier
    10. Palimpsest: the archive of generations
    11. Speculation: draft sources and the controller
-   12. Il Suggeritore: structure as drafts, and structured output
-   13. Engine: the scheduler thread and continuous batching
-   14. The Conclave: best-of-N in one batch, voted
-   15. HTTP server (OpenAI-compatible)
-   16. Command line
+   12. The draft model
+   13. Il Suggeritore: structure as drafts, and structured output
+   14. Engine: the scheduler thread and continuous batching
+   15. The Conclave: best-of-N in one batch, voted
+   16. HTTP server (OpenAI-compatible)
+   17. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -75,7 +76,7 @@ __all__ = [
     "lib", "Server", "Sessions", "params_from_body", "spec_from_body", "archive_from_body", "common_prefix", "DiskCache", "model_fingerprint",
     "default_cache_bytes", "parse_size", "kv_cache_entries", "kv_cache_prune",
     "SPEC_MODES", "SpecOptions", "expected_tokens", "spec_gain", "choose_k", "worth_it", "CostModel", "Acceptance",
-    "lookup_draft", "NgramIndex", "SpecState", "DraftSource", "PromptLookup", "check_draft_pair", "DraftModel",
+    "NgramIndex", "SpecState", "DraftSource", "PromptLookup", "check_draft_pair", "DraftModel",
     "SpecController", "vocab_fingerprint", "pal_record", "pal_parse", "pal_segments", "pal_append", "ngram_key",
     "ArchiveIndex", "Palimpsest", "ArchiveSource", "ArchiveResync", "VOTE_EXTRACTORS", "check_extractor", "extract_answer",
     "conclave_vote", "ConclaveResult", "run_conclave", "suggest_list", "suggest_markdown", "suggest_fields",
@@ -1508,7 +1509,7 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
 # prefix under $REAME_HOME/kv/<model fingerprint>/, named by a hash of the fingerprint,
 # the KV parameters and the prefix's tokens: another process, or this one after a
 # restart, finds a prefix without an index. The engine snapshots only whole prefill
-# chunks on an exact prefix (section 13), so a restored prefix is what a cold prefill
+# chunks on an exact prefix (section 14), so a restored prefix is what a cold prefill
 # computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
 # tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
 # the least recently used files go first when the directory is over its size bound.
@@ -2287,7 +2288,7 @@ class Palimpsest:
 
 # == 11. Speculation: draft sources and the controller ==========================
 # Draft sources propose tokens; the target verifies them in the scheduler's batch
-# step (section 13) and keeps the longest run it would have produced itself. The
+# step (section 14) and keeps the longest run it would have produced itself. The
 # controller measures, live, what a verify step of k+1 tokens costs against one
 # token, and how often each source is right by draft position, and speculates only
 # where that pays. Everything that decides is a pure function, tested without a model.
@@ -2456,23 +2457,11 @@ class Acceptance:
 # -- draft sources
 
 
-def lookup_draft(tokens: Sequence[int], k: int, n_min: int = 2, n_max: int = 5) -> List[int]:
-    """Prompt lookup, the plain way (the reference for NgramIndex): the longest n-gram
-    ending ``tokens`` that occurred before; propose up to k tokens that followed its
-    latest earlier occurrence."""
-    L = len(tokens)
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        tail = list(tokens[L - n:])
-        for start in range(L - n - 1, -1, -1):
-            if list(tokens[start:start + n]) == tail:
-                return list(tokens[start + n:start + n + k])
-    return []
-
-
 class NgramIndex:
     """n-grams (n_min..n_max tokens) of a growing token list -> where the tokens after
     their latest occurrence start. ``extend`` indexes what was appended since;
-    ``draft`` is lookup_draft in O(n_max) instead of a scan."""
+    ``draft`` proposes what followed the latest earlier occurrence of the longest n-gram
+    ending the list, in O(n_max) instead of a scan."""
 
     def __init__(self, tokens: List[int], n_min: int = 2, n_max: int = 5):
         self.tokens = tokens        # shared with the owner, which appends to it
@@ -2611,137 +2600,6 @@ class ArchiveResync(ArchiveSource):
             hit = cur is None or seq.scope is None or cur.get("hit") == len(seq.history)
             out.append([] if hit else self.archive.resync(seq.scope, seq.history, k, cur))
         return out
-
-
-def check_draft_pair(target: Model, draft: Model) -> None:
-    """Refuse a draft model whose tokens mean something else to the target."""
-    why = None
-    if target.n_vocab != draft.n_vocab:
-        why = "vocabulary sizes differ (%d vs %d)" % (target.n_vocab, draft.n_vocab)
-    else:
-        if target.tokenize(_VOCAB_PROBE) != draft.tokenize(_VOCAB_PROBE):
-            why = "they tokenize text differently"
-        else:
-            bad = next((i for i in _vocab_sample(target.n_vocab) if target.piece(i) != draft.piece(i)), None)
-            if bad is not None:
-                why = "token %d is %r for the target, %r for the draft" % (bad, target.piece(bad), draft.piece(bad))
-    if why:
-        raise ModelError("the draft model cannot draft for this model: %s. Use a model of the same "
-                         "family (same tokenizer), or --draft none" % why)
-
-
-class DraftModel(DraftSource):
-    """A small model of the same vocabulary drafting greedily, in its own context (one
-    sequence per slot, as the target). Its KV follows each sequence lazily: before
-    drafting, what differs from the sequence's history (rejected drafts, or another
-    request in the slot) is removed with seq_rm and the missing tokens are fed; a new
-    request in a slot reuses whatever prefix the draft KV already has."""
-
-    name = "draft"
-    free = False
-    per_sequence = False
-
-    def __init__(self, model: Model, target: Model, n_ctx: int, n_slots: int, n_threads: Optional[int] = None):
-        self.model, self.target_bytes = model, max(target.n_bytes, 1)
-        self.ctx = Context(model, n_ctx=n_ctx * n_slots, n_seq_max=n_slots, n_threads=n_threads)
-        self._batch = Batch(self.ctx.n_batch)
-        self._greedy = Sampler(model, SamplingParams(temperature=0.0))
-        self._kv: dict = {}            # slot -> the tokens in that slot's draft KV
-        self.short_feed = 16           # a catch-up up to this many tokens is part of drafting
-        self.tok_s = None              # EMA: seconds of drafting per drafted token
-        self.feed_s = None             # EMA: seconds of catching the KV up, per token fed
-
-    def cost_s_per_tok(self, step_s):
-        """Measured (catching the KV up with the few tokens accepted since the last
-        proposal included); before that, the target's step scaled by the weights' sizes."""
-        return self.tok_s if self.tok_s is not None else step_s * self.model.n_bytes / self.target_bytes
-
-    def _keep(self, seq: SpecState) -> int:
-        """How much of the slot's draft KV is the sequence's history (but its last token);
-        remembered, so the next call compares only what came since."""
-        kv, hist = self._kv.get(seq.slot, ()), seq.history
-        keep = seq.state.get(self.name)
-        if keep is None or keep > len(kv):  # a new sequence in this slot: reuse what matches
-            keep = 0
-        seq.state[self.name] = keep = min(common_prefix(kv, hist, keep), len(hist) - 1)
-        return keep
-
-    def setup_s(self, seq, step_s):
-        """Catching up more than a few tokens (a new prompt, a long stretch drafted by
-        others): the tokens to feed at the measured feed cost (before that, a quarter
-        of a drafted token's: they go in batches)."""
-        missing = len(seq.history) - 1 - self._keep(seq)
-        if missing <= self.short_feed:
-            return 0.0  # (what drafting every few steps feeds anyway: in cost_s_per_tok)
-        per = self.feed_s if self.feed_s is not None else 0.25 * self.cost_s_per_tok(step_s)
-        return missing * per
-
-    def propose(self, seqs, ks):
-        b, ctx = self._batch, self.ctx
-        t0 = time.perf_counter()
-        # 1. catch up: make each slot's KV the sequence's history but its last token
-        feed = []
-        for seq in seqs:
-            kv, hist = self._kv.setdefault(seq.slot, []), seq.history
-            keep = self._keep(seq)
-            if keep < len(kv):
-                ctx.seq_rm(seq.slot, keep, -1)
-                del kv[keep:]
-            feed.append(hist[keep:len(hist) - 1])
-        pending = [(seq, toks) for seq, toks in zip(seqs, feed) if toks]
-        while pending:  # n_batch tokens at a time
-            b.clear()
-            rest = []
-            for seq, toks in pending:
-                room = b.capacity - b.n
-                kv = self._kv[seq.slot]
-                for t in toks[:room]:
-                    b.add(t, len(kv), seq.slot, False)
-                    kv.append(t)
-                if len(toks) > room:
-                    rest.append((seq, toks[room:]))
-            ctx.decode(b)
-            pending = rest
-        n_fed = sum(len(toks) for toks in feed)
-        if n_fed > self.short_feed:  # a long catch-up: its cost per token (shorter ones are drafting's)
-            took = (time.perf_counter() - t0) / n_fed
-            self.feed_s = took if self.feed_s is None else self.feed_s + 0.2 * (took - self.feed_s)
-            t0 = time.perf_counter()
-        # 2. draft: one token per sequence per step, greedily
-        drafts = [[] for _ in seqs]
-        feed_tok = [seq.history[-1] for seq in seqs]
-        live = [i for i, k in enumerate(ks) if k > 0]
-        while live:
-            b.clear()
-            for i in live:
-                kv = self._kv[seqs[i].slot]
-                b.add(feed_tok[i], len(kv), seqs[i].slot, True)
-                kv.append(feed_tok[i])
-            ctx.decode(b)
-            nxt = []
-            for row, i in enumerate(live):
-                t = self._greedy.sample(ctx, row)
-                drafts[i].append(t)
-                feed_tok[i] = t
-                if len(drafts[i]) < ks[i] and not self.model.is_eog(t):
-                    nxt.append(i)
-            live = nxt
-        n = sum(len(d) for d in drafts)
-        if n:
-            took = (time.perf_counter() - t0) / n
-            self.tok_s = took if self.tok_s is None else self.tok_s + 0.2 * (took - self.tok_s)
-        for seq in seqs:  # what of the draft KV is known to be the history (the rest is checked next time)
-            seq.state[self.name] = len(seq.history)
-        return drafts
-
-    def forget(self) -> None:
-        self.ctx.clear()
-        self._kv.clear()
-
-    def close(self) -> None:
-        self._greedy.close()
-        self._batch.close()
-        self.ctx.close()
 
 
 # -- the controller
@@ -2941,7 +2799,144 @@ class SpecController:
         return {name: dict(c) for name, c in self.counters.items()}
 
 
-# == 12. Il Suggeritore: structure as drafts, and structured output ==============
+# == 12. The draft model ========================================================
+# A small model of the target's vocabulary drafting greedily in a context of its own:
+# a draft source (section 11) that costs to ask. --draft MODEL, or paired automatically
+# (DRAFT_PAIRS); its KV follows each sequence lazily, rolled back where drafts failed.
+
+
+def check_draft_pair(target: Model, draft: Model) -> None:
+    """Refuse a draft model whose tokens mean something else to the target."""
+    why = None
+    if target.n_vocab != draft.n_vocab:
+        why = "vocabulary sizes differ (%d vs %d)" % (target.n_vocab, draft.n_vocab)
+    else:
+        if target.tokenize(_VOCAB_PROBE) != draft.tokenize(_VOCAB_PROBE):
+            why = "they tokenize text differently"
+        else:
+            bad = next((i for i in _vocab_sample(target.n_vocab) if target.piece(i) != draft.piece(i)), None)
+            if bad is not None:
+                why = "token %d is %r for the target, %r for the draft" % (bad, target.piece(bad), draft.piece(bad))
+    if why:
+        raise ModelError("the draft model cannot draft for this model: %s. Use a model of the same "
+                         "family (same tokenizer), or --draft none" % why)
+
+
+class DraftModel(DraftSource):
+    """A small model of the same vocabulary drafting greedily, in its own context (one
+    sequence per slot, as the target). Its KV follows each sequence lazily: before
+    drafting, what differs from the sequence's history (rejected drafts, or another
+    request in the slot) is removed with seq_rm and the missing tokens are fed; a new
+    request in a slot reuses whatever prefix the draft KV already has."""
+
+    name = "draft"
+    free = False
+    per_sequence = False
+
+    def __init__(self, model: Model, target: Model, n_ctx: int, n_slots: int, n_threads: Optional[int] = None):
+        self.model, self.target_bytes = model, max(target.n_bytes, 1)
+        self.ctx = Context(model, n_ctx=n_ctx * n_slots, n_seq_max=n_slots, n_threads=n_threads)
+        self._batch = Batch(self.ctx.n_batch)
+        self._greedy = Sampler(model, SamplingParams(temperature=0.0))
+        self._kv: dict = {}            # slot -> the tokens in that slot's draft KV
+        self.short_feed = 16           # a catch-up up to this many tokens is part of drafting
+        self.tok_s = None              # EMA: seconds of drafting per drafted token
+        self.feed_s = None             # EMA: seconds of catching the KV up, per token fed
+
+    def cost_s_per_tok(self, step_s):
+        """Measured (catching the KV up with the few tokens accepted since the last
+        proposal included); before that, the target's step scaled by the weights' sizes."""
+        return self.tok_s if self.tok_s is not None else step_s * self.model.n_bytes / self.target_bytes
+
+    def _keep(self, seq: SpecState) -> int:
+        """How much of the slot's draft KV is the sequence's history (but its last token);
+        remembered, so the next call compares only what came since."""
+        kv, hist = self._kv.get(seq.slot, ()), seq.history
+        keep = seq.state.get(self.name)
+        if keep is None or keep > len(kv):  # a new sequence in this slot: reuse what matches
+            keep = 0
+        seq.state[self.name] = keep = min(common_prefix(kv, hist, keep), len(hist) - 1)
+        return keep
+
+    def setup_s(self, seq, step_s):
+        """Catching up more than a few tokens (a new prompt, a long stretch drafted by
+        others): the tokens to feed at the measured feed cost (before that, a quarter
+        of a drafted token's: they go in batches)."""
+        missing = len(seq.history) - 1 - self._keep(seq)
+        if missing <= self.short_feed:
+            return 0.0  # (what drafting every few steps feeds anyway: in cost_s_per_tok)
+        per = self.feed_s if self.feed_s is not None else 0.25 * self.cost_s_per_tok(step_s)
+        return missing * per
+
+    def propose(self, seqs, ks):
+        b, ctx = self._batch, self.ctx
+        t0 = time.perf_counter()
+        # 1. catch up: make each slot's KV the sequence's history but its last token
+        feed = []
+        for seq in seqs:
+            kv, hist = self._kv.setdefault(seq.slot, []), seq.history
+            keep = self._keep(seq)
+            if keep < len(kv):
+                ctx.seq_rm(seq.slot, keep, -1)
+                del kv[keep:]
+            feed.append(hist[keep:len(hist) - 1])
+        pending = [(seq, toks) for seq, toks in zip(seqs, feed) if toks]
+        while pending:  # n_batch tokens at a time
+            b.clear()
+            rest = []
+            for seq, toks in pending:
+                room = b.capacity - b.n
+                kv = self._kv[seq.slot]
+                for t in toks[:room]:
+                    b.add(t, len(kv), seq.slot, False)
+                    kv.append(t)
+                if len(toks) > room:
+                    rest.append((seq, toks[room:]))
+            ctx.decode(b)
+            pending = rest
+        n_fed = sum(len(toks) for toks in feed)
+        if n_fed > self.short_feed:  # a long catch-up: its cost per token (shorter ones are drafting's)
+            took = (time.perf_counter() - t0) / n_fed
+            self.feed_s = took if self.feed_s is None else self.feed_s + 0.2 * (took - self.feed_s)
+            t0 = time.perf_counter()
+        # 2. draft: one token per sequence per step, greedily
+        drafts = [[] for _ in seqs]
+        feed_tok = [seq.history[-1] for seq in seqs]
+        live = [i for i, k in enumerate(ks) if k > 0]
+        while live:
+            b.clear()
+            for i in live:
+                kv = self._kv[seqs[i].slot]
+                b.add(feed_tok[i], len(kv), seqs[i].slot, True)
+                kv.append(feed_tok[i])
+            ctx.decode(b)
+            nxt = []
+            for row, i in enumerate(live):
+                t = self._greedy.sample(ctx, row)
+                drafts[i].append(t)
+                feed_tok[i] = t
+                if len(drafts[i]) < ks[i] and not self.model.is_eog(t):
+                    nxt.append(i)
+            live = nxt
+        n = sum(len(d) for d in drafts)
+        if n:
+            took = (time.perf_counter() - t0) / n
+            self.tok_s = took if self.tok_s is None else self.tok_s + 0.2 * (took - self.tok_s)
+        for seq in seqs:  # what of the draft KV is known to be the history (the rest is checked next time)
+            seq.state[self.name] = len(seq.history)
+        return drafts
+
+    def forget(self) -> None:
+        self.ctx.clear()
+        self._kv.clear()
+
+    def close(self) -> None:
+        self._greedy.close()
+        self._batch.close()
+        self.ctx.close()
+
+
+# == 13. Il Suggeritore: structure as drafts, and structured output ==============
 # The prompter of the opera house: it whispers what structure comes next, and the
 # model, verifying in the batch, takes it or not. Rules are pure functions of the text
 # generated so far (a numbered list's next number, a table's separator row, a record's
@@ -3568,7 +3563,7 @@ def json_schema_grammar(schema: dict) -> str:
     return "\n".join(lines) + "\n" + _GBNF_BASE
 
 
-# == 13. Engine: the scheduler thread and continuous batching ===================
+# == 14. Engine: the scheduler thread and continuous batching ===================
 # HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
 # thread owns the llama context: each step it admits waiting requests into free
 # slots, runs ONE llama_decode with the next token of every generating sequence,
@@ -4280,7 +4275,7 @@ class Engine:
                     req._finish(None, error)
 
 
-# == 14. The Conclave: best-of-N in one batch, voted ============================
+# == 15. The Conclave: best-of-N in one batch, voted ============================
 # N candidates of one prompt: one prefill, its KV copied to N-1 more slots
 # (Engine.submit_n), all decoded in the same steps with different seeds. As each
 # finishes, its answer is extracted and tallied; once the rest cannot change the
@@ -4437,7 +4432,7 @@ def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vo
                           int(sum(max(0.0, mean - r.n_gen_tok) for r in cancelled)))
 
 
-# == 15. HTTP server ============================================================
+# == 16. HTTP server ============================================================
 # OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
 # thread per connection: it validates, templates, submits to the Engine, and writes
 # JSON or SSE from the Request's events. It never touches the llama context.
@@ -5111,7 +5106,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 srv.sessions.end(session)
 
     def _conclave(self, tokens, params, n, ext, chat, stream, include_usage, **submit_kw) -> None:
-        """best_of: n candidates voted (section 14). The response has one choice, the
+        """best_of: n candidates voted (section 15). The response has one choice, the
         winner, and a "conclave" object: the answer, the votes, candidates finished and
         cancelled (and each candidate with "reame": {"candidates": true}). Streaming
         sends the winner once decided, or, with candidates, every candidate's text as
@@ -5318,7 +5313,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-# == 16. Command line ===========================================================
+# == 17. Command line ===========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
