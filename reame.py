@@ -3569,7 +3569,9 @@ def json_schema_grammar(schema: dict) -> str:
 # slots, runs ONE llama_decode with the next token of every generating sequence,
 # then one prefill chunk of a new prompt in its own llama_decode (see _step for why),
 # samples, and emits text. A request for n choices is a group: one prefill, then the
-# KV is copied to the other n-1 slots (llama_memory_seq_cp). A request with a
+# others are twins of the first (Engine._twins): while their tokens are its tokens they
+# sample from its rows and compute none of their own; one that samples another token
+# gets a copy of its KV (llama_memory_seq_cp) and goes its own way. A request with a
 # cache_tag (a session) leaves its KV resident in its slot when it ends, and the next
 # request with that tag prefills only what follows the common token prefix.
 #
@@ -3671,7 +3673,7 @@ class _Seq:
     """Scheduler-private state of one active sequence (one slot)."""
 
     __slots__ = ("req", "seq_id", "n_prompt", "n_done", "n_past", "n_cached", "n_exact", "cuts", "sampler",
-                 "stream", "last", "tokens", "max_tokens", "t_first", "followers", "spec")
+                 "stream", "last", "tokens", "max_tokens", "t_first", "twins", "spec")
 
     def __init__(self, req: Request, seq_id: int, sampler: Sampler, max_tokens: int, n_cached: int = 0,
                  n_exact: int = 0):
@@ -3687,7 +3689,7 @@ class _Seq:
         self.tokens: List[int] = []
         self.max_tokens = max_tokens
         self.t_first = 0.0
-        self.followers: List["_Seq"] = []  # the other choices of a group, until the prompt's KV is copied
+        self.twins: List["_Seq"] = []  # choices whose tokens are this one's so far (no KV, no rows of their own)
         self.spec: Optional[SpecState] = None  # speculation state (None: this sequence does not speculate)
 
 
@@ -3764,6 +3766,7 @@ class Engine:
         # Counters: written by the scheduler only, read by anyone (ints/floats; atomic under the GIL).
         self.n_steps = 0
         self.n_prefills = 0        # prompts prefilled (a group of n choices counts once)
+        self.n_twin_tok = 0        # tokens sampled from a twin's row, none computed for them
         self.n_cached_tok = 0      # prompt tokens reused from a resident KV
         self.n_cache_hits = 0      # prompts that reused some resident KV
         self.n_cache_misses = 0    # prompts that found nothing to reuse in memory
@@ -3895,8 +3898,9 @@ class Engine:
     def stats(self) -> dict:
         steps = max(self.n_decode_only_steps, 1)
         return {"steps": self.n_steps, "prefill_tokens": self.n_prefill_tok, "decode_tokens": self.n_decode_tok,
-                "prefills": self.n_prefills, "cached_tokens": self.n_cached_tok, "cache_hits": self.n_cache_hits,
-                "cache_misses": self.n_cache_misses, "cache_evictions": self.n_cache_evictions,
+                "prefills": self.n_prefills, "twin_tokens": self.n_twin_tok, "cached_tokens": self.n_cached_tok,
+                "cache_hits": self.n_cache_hits, "cache_misses": self.n_cache_misses,
+                "cache_evictions": self.n_cache_evictions,
                 "disk_hits": self.n_disk_hits, "disk_snapshots": self.n_disk_snaps,
                 "decode_s": self.t_decode_s, "step_s": self.t_step_s,
                 "python_ms_per_decode_step": 1000 * self.t_decode_only_py_s / steps,
@@ -3976,7 +3980,7 @@ class Engine:
         return True
 
     def _start(self, group: List[Request]) -> None:
-        """Give a group its slots. The first choice prefills; the rest wait in .followers."""
+        """Give a group its slots. The first choice prefills; the rest are its twins."""
         seqs = []
         for i, req in enumerate(group):
             slot, n_cached, n_exact = self._take_slot(req, reuse=i == 0)
@@ -3990,7 +3994,7 @@ class Engine:
                 self.archive.refresh(scope)  # what any process appended since
             s.spec = self.spec.begin(slot, list(req.prompt), req.spec, scope, p.schema)
             seqs.append(s)
-        seqs[0].followers = seqs[1:]
+        seqs[0].twins = seqs[1:]
         if seqs[0].n_cached:
             self.n_cached_tok += seqs[0].n_cached
         self._active.append(seqs[0])
@@ -4103,13 +4107,19 @@ class Engine:
         last of them does not wait a decode step per earlier one for its first token.
         """
         t0 = time.perf_counter()
-        for s in [s for s in self._active if s.req.cancelled]:
-            self._finish(s, "cancelled")
+        for s in list(self._active):
+            for f in [f for f in s.twins if f.req.cancelled]:
+                s.twins.remove(f)
+                self._finish(f, "cancelled")
+            if s.req.cancelled:
+                self._finish(s, "cancelled")
         decoding = sorted((s for s in self._active if s.n_done == s.n_prompt), key=lambda s: s.seq_id)
         prefilling = [s for s in self._active if s.n_done < s.n_prompt]
         b = self._batch
         if decoding:
-            plans = self.spec.plan([(s.spec, min(s.max_tokens - len(s.tokens) - 1, self.n_ctx - s.n_past - 2))
+            # (a sequence with twins does not speculate: they would have to follow every draft)
+            plans = self.spec.plan([(None if s.twins else s.spec,
+                                     min(s.max_tokens - len(s.tokens) - 1, self.n_ctx - s.n_past - 2))
                                     for s in decoding], len(decoding), b.capacity)
             b.clear()
             for s, plan in zip(decoding, plans):
@@ -4124,7 +4134,10 @@ class Engine:
             t2 = time.perf_counter()
             i = 0
             for s, plan in zip(decoding, plans):
-                i = self._verify(s, i, plan)
+                twins, s.twins = s.twins, []
+                row, i = i, self._verify(s, i, plan)
+                if twins:
+                    self._twins_sample(s, s.last, twins, row)
             # what a step of b.n rows costs: the decode and each row's sampling and checks
             self.spec.observe_step(b.n, time.perf_counter() - t1)
             self.n_decode_tok += b.n
@@ -4164,15 +4177,39 @@ class Engine:
         self.n_prefill_tok += end - start
         if end == s.n_prompt:
             self.n_prefills += 1
-            group, s.followers = [s] + s.followers, []
-            for f in group[1:]:  # the other choices: copy the prompt's KV, sample the same logits
-                self.ctx.seq_cp(s.seq_id, f.seq_id)
-                f.n_done = f.n_past = end
-                f.n_exact, f.cuts = s.n_exact, s.cuts
-                self._active.append(f)
-            for f in group:
-                self._accept(f, f.sampler.sample(self.ctx, b.n - 1))
+            twins, s.twins = s.twins, []
+            tok = s.sampler.sample(self.ctx, b.n - 1)
+            self._accept(s, tok)
+            self._twins_sample(s, tok, twins, b.n - 1)
         return end - start
+
+    def _twins_sample(self, lead: _Seq, tok: int, twins: List[_Seq], row: int) -> None:
+        """lead sampled tok from the batch row; its twins (their history is lead's, so
+        that row's logits are theirs, bit for bit) sample their own next token from it,
+        each with its own sampler. Those that pick tok stay lead's twins; the first to
+        pick another token gets a copy of lead's KV (the shared history) and goes its
+        own way, with the others that picked the same as its twins."""
+        leads = {tok: lead}
+        for f in twins:
+            t = f.sampler.sample(self.ctx, row)
+            if t in leads:
+                leads[t].twins.append(f)
+                self.n_twin_tok += 1
+            else:
+                leads[t] = f
+                self._own_kv(f, lead)
+            self._accept(f, t)
+        for s in leads.values():  # a twin that finished (the end of text, a stop string) leaves
+            s.twins = [f for f in s.twins if f.seq_id not in self._free]
+            if s.twins and s.seq_id in self._free:  # (same tokens, same end: only if that changes)
+                self._own_kv(s.twins[0], s)
+                s.twins[0].twins, s.twins = s.twins[1:], []
+
+    def _own_kv(self, f: _Seq, lead: _Seq) -> None:
+        """A twin leaves lead: lead's KV is its history; a copy makes it a sequence of its own."""
+        self.ctx.seq_cp(lead.seq_id, f.seq_id)  # (a cross-stream copy: the whole stream)
+        f.n_done, f.n_past, f.n_exact, f.cuts = lead.n_done, lead.n_past, lead.n_exact, lead.cuts
+        self._active.append(f)
 
     def _verify(self, s: _Seq, i: int, plan: Optional[tuple]) -> int:
         """Sample s's tokens from the batch rows from i on: its own next token, then for
@@ -4235,10 +4272,13 @@ class Engine:
                 req._emit(tail)
         if s in self._active:
             self._active.remove(s)
-        for f in s.followers:  # ended before its prompt's KV was copied to them
-            f.n_past = 0
-            self._finish(f, reason, error, flush=False)
-        s.followers = []
+        twins, s.twins = s.twins, []
+        if twins and error is None:  # (cancelled, or its prompt failed): they go on without it
+            self._own_kv(twins[0], s)
+            twins[0].twins = twins[1:]
+        else:
+            for f in twins:
+                self._finish(f, reason, error, flush=False)
         n_valid = s.n_prompt + len(s.tokens)  # verified drafts past a stop string are not kept
         if s.n_past > n_valid:
             self.ctx.seq_rm(s.seq_id, n_valid, -1)

@@ -908,10 +908,14 @@ def test_n_choices_engine(qwen):
     """n choices: one prefill, KV copied by seq_cp; greedy choices equal the single answer."""
     p = _chat(qwen, "Name three primary colors.")
     alone = qwen.complete(p, temperature=0, max_tokens=16)
-    pre = qwen.stats()["prefills"]
+    pre = qwen.stats()
     outs = [r.wait() for r in qwen.submit_n(p, reame.SamplingParams(temperature=0, max_tokens=16), 3)]
-    assert qwen.stats()["prefills"] == pre + 1
+    post = qwen.stats()
+    assert post["prefills"] == pre["prefills"] + 1
     assert [o.tokens for o in outs] == [alone.tokens] * 3 and [o.index for o in outs] == [0, 1, 2]
+    # greedy choices are twins all the way: one row a step, the other two sample from it
+    assert post["decode_tokens"] - pre["decode_tokens"] <= len(alone.tokens)
+    assert post["twin_tokens"] - pre["twin_tokens"] >= 2 * len(alone.tokens)
     with pytest.raises(reame.RequestError):
         qwen.submit_n(p, None, 5)  # more choices than slots
 
@@ -1915,9 +1919,15 @@ def test_conclave_one_prefill_shared_steps_early_stop(qwen5):
     assert res.answer == "42" and res.votes["42"] >= 3 and res.winner.text
     assert res.n_cancelled >= 1 and res.n_finished + res.n_cancelled == 5  # early stop cut the stragglers
     assert any(r.finish_reason == "cancelled" for r in res.results)
+    twins = eng.stats()["twin_tokens"]
     full = reame.run_conclave(eng, prompt, reame.SamplingParams(temperature=0.7, seed=3, max_tokens=160), 5,
                               early_stop=False)
     assert full.n_finished == 5 and full.n_cancelled == 0 and full.answer == "42"
+    assert eng.stats()["twin_tokens"] > twins  # candidates sampled the same first tokens from one row
+    # twins or not, candidate i is the sample seed 3 + i gives alone, token for token
+    for i, r in enumerate(sorted(full.results, key=lambda r: r.index)):
+        alone = eng.submit(prompt, reame.SamplingParams(temperature=0.7, seed=3 + i, max_tokens=160)).wait()
+        assert r.tokens == alone.tokens, i
     with pytest.raises(reame.RequestError):
         reame.run_conclave(eng, prompt, reame.SamplingParams(temperature=0), 3)
 
