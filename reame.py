@@ -5318,6 +5318,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                   "reame_disk_cache_snapshots_total %d" % st["disk_snapshots"],
                   "# TYPE reame_sessions gauge", "reame_sessions %d" % len(srv.sessions),
                   "# TYPE reame_prefills_total counter", "reame_prefills_total %d" % st["prefills"],
+                  "# TYPE reame_twin_tokens_total counter", "reame_twin_tokens_total %d" % st["twin_tokens"],
                   "# TYPE reame_prefill_tokens_total counter", "reame_prefill_tokens_total %d" % st["prefill_tokens"],
                   "# TYPE reame_cached_prompt_tokens_total counter",
                   "reame_cached_prompt_tokens_total %d" % st["cached_tokens"],

@@ -2419,7 +2419,7 @@ def test_server_metrics_and_loading(server, gemma):
     text = payload.decode()
     for name in ("reame_requests_total", "reame_time_to_first_token_seconds_bucket",
                  "reame_time_per_output_token_seconds_count", "reame_active_sequences", "reame_queued_requests",
-                 "reame_kv_cells_used", "reame_kv_cells_free", "reame_prompt_tokens_total",
+                 "reame_kv_cells_used", "reame_kv_cells_free", "reame_prompt_tokens_total", "reame_twin_tokens_total",
                  'reame_spec_accepted_tokens_total{source="lookup"}', 'reame_spec_on{source="lookup"}',
                  'reame_spec_estimated_speedup{source="lookup"}'):
         assert name in text, name
