@@ -1807,10 +1807,10 @@ def run_spec_only(args) -> dict:
 
 def run_step_cost(args) -> dict:
     """Seconds of one decode llama_decode (row by row, as decode steps run) with k tokens
-    of one sequence after a 300-token prompt, k = 1..16, rounds alternating, medians."""
+    of one sequence after a 300-token prompt, k = 1..33, rounds alternating, medians."""
     model = reame.Model(reame.resolve_model(args.model))
     ctx = reame.Context(model, n_ctx=2048, n_seq_max=1, n_batch=512, n_threads=args.threads)
-    sizes, times = (1, 2, 3, 4, 5, 8, 12, 16), {}
+    sizes, times = (1, 2, 3, 4, 5, 8, 12, 16, 17, 24, 33), {}
     try:
         toks = model.tokenize("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 30)[:300]
         b = reame.Batch(512)
@@ -2561,7 +2561,7 @@ def parse_args(argv=None):
                         "samples voted, and by the Conclave of 5 (correct answers and wall time)")
     p.add_argument("--best-of", type=int, default=5, help="--conclave: candidates (default 5)")
     p.add_argument("--step-cost", action="store_true",
-                   help="only the decode step cost by tokens in the step, 1 to 16 (repeats default 7)")
+                   help="only the decode step cost by tokens in the step, 1 to 33 (repeats default 7)")
     p.add_argument("--against", default=None, metavar="LIBLLAMA",
                    help="with --step-cost: also measure with this libllama (e.g. an older build's), "
                         "alternating, and print the ratio of step times")

@@ -21,7 +21,7 @@ PIN_VERSION="11434.0.0"
 PIN_SHA256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 # The patches below (patch_tree): bump PATCH_ID whenever they change, so the source is
 # unpacked and patched afresh and the build cache key changes.
-PATCH_ID="reame-p5"
+PATCH_ID="reame-p6"
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="$HERE/_llama"
@@ -154,10 +154,11 @@ ok = patch("tiled/tiled.cpp", "static bool ggml_tiled_min_batch(int64_t rows) {"
            "static bool ggml_tiled_min_batch(int64_t rows) {", "reame_set_tiled_min_rows") and ok
 MC_KERNELS = r"""
 #if defined(__AVX2__)
-// reame: multi-column K-quant dot products. Each column's result is bit-identical to the
-// one-column kernel (same integer sums, same float operations in the same order); the
-// weight-side work (scale decode, nibble/bit unpacking) is done once for all columns.
-#define REAME_MC_MAX 16
+// reame: multi-column K-quant dot products (up to REAME_MC_MAX columns). Each column's
+// result is bit-identical to the one-column kernel (same integer sums, same float
+// operations in the same order); the weight-side work (scale decode, nibble/bit
+// unpacking) is done once for all columns.
+#define REAME_MC_MAX 32
 void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
     const block_q4_K * x = vx;
     const block_q8_K * y0 = vy;
@@ -278,7 +279,7 @@ void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
 #elif defined(__AVX__)
 // reame: the same for AVX without AVX2 (128-bit integer SSSE3/SSE4.1 lanes), mirroring
 // ggml's __AVX__ one-column kernels lane for lane and float operation for operation.
-#define REAME_MC_MAX 16
+#define REAME_MC_MAX 32
 void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
     const block_q4_K * x = vx;
     const block_q8_K * y0 = vy;
@@ -582,12 +583,12 @@ ok = patch("arch/x86/quants.c", "ggml_vec_dot_iq4_xs_q8_K_generic(n, s, bs, vx, 
            "reame_vec_dot_q4_K_q8_K_mc") and ok
 ok = patch("ggml-cpu.c", "    // block-tiling attempt\n    const int64_t blck_0 = 16;",
            """#if (defined(__AVX2__) || defined(__AVX__)) && defined(__x86_64__)
-    // reame: Q4_K/Q6_K with several tokens: one weight unpack for up to 16 tokens, each
+    // reame: Q4_K/Q6_K with several tokens: one weight unpack for up to 32 tokens, each
     // token's result bit-identical to the one-row kernel's (see reame_vec_dot_*_mc)
     if ((type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) && num_rows_per_vec_dot == 1 &&
         src1->type != vec_dot_type && ne12 == 1 && ne13 == 1 && ne02 == 1 && ne03 == 1) {
-        for (int64_t iir1 = ir1_start; iir1 < ir1_end; iir1 += 16) {
-            const int nc = (int) (MIN(iir1 + 16, ir1_end) - iir1);
+        for (int64_t iir1 = ir1_start; iir1 < ir1_end; iir1 += 32) {
+            const int nc = (int) (MIN(iir1 + 32, ir1_end) - iir1);
             const char * src1_cols = (const char *) wdata + iir1 * row_size;
             float * dst_cols = (float *) ((char *) dst->data + iir1 * nb1);
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__)
@@ -630,6 +631,21 @@ ok = patch("ggml-cpu.c", "static void ggml_compute_forward_mul_mat_one_chunk(",
            "void reame_mm_q4_K_q8_K_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);\n"
            "void reame_mm_q6_K_q8_K_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);\n"
            "#endif\n\nstatic void ggml_compute_forward_mul_mat_one_chunk(", "void reame_vec_dot_q6_K_q8_K_mc(int n") and ok
+ok = patch("ggml-cpu.c", """    // CEIL(nr0/chunk_size)
+    int64_t nchunk0 = (nr0 + chunk_size - 1) / chunk_size;
+    int64_t nchunk1 = (nr1 + chunk_size - 1) / chunk_size;
+""", """    // CEIL(nr0/chunk_size)
+    int64_t nchunk0 = (nr0 + chunk_size - 1) / chunk_size;
+    int64_t nchunk1 = (nr1 + chunk_size - 1) / chunk_size;
+#if (defined(__AVX2__) || defined(__AVX__)) && defined(__x86_64__)
+    // reame: a decode step of up to 64 tokens stays one column chunk, so the multi-token
+    // Q4_K/Q6_K kernel unpacks each weight block once per 32 tokens (17 tokens split
+    // 9 + 8 paid twice)
+    if ((src0->type == GGML_TYPE_Q4_K || src0->type == GGML_TYPE_Q6_K) && nr1 <= 64) {
+        nchunk1 = 1;
+    }
+#endif
+""", "reame: a decode step of up to 64 tokens stays one column chunk") and ok
 sys.exit(0 if ok else 1)
 PYEOF
 }
