@@ -4273,7 +4273,7 @@ class Engine:
         if s in self._active:
             self._active.remove(s)
         twins, s.twins = s.twins, []
-        if twins and error is None:  # (cancelled, or its prompt failed): they go on without it
+        if twins and error is None:  # (it was cancelled): they go on without it, on a copy of its KV
             self._own_kv(twins[0], s)
             twins[0].twins = twins[1:]
         else:

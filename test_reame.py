@@ -920,6 +920,21 @@ def test_n_choices_engine(qwen):
         qwen.submit_n(p, None, 5)  # more choices than slots
 
 
+def test_twins_go_on_when_the_first_choice_is_cancelled(qwen):
+    """Cancelling the first of n greedy choices, whose rows its twins read, leaves the
+    others to finish on a copy of its KV, with the tokens they would have had."""
+    p = _chat(qwen, "Count from one to twenty in words, separated by commas.")
+    alone = qwen.complete(p, temperature=0, max_tokens=32)
+    reqs = qwen.submit_n(p, reame.SamplingParams(temperature=0, max_tokens=32), 3)
+    seen = 0
+    while seen < 4:  # a few tokens in, cancel choice 0
+        kind, _, i = reqs[0].events.get(timeout=120)
+        seen += kind == "text" and i == 0
+    reqs[0].cancel()
+    assert reqs[0].wait(120).finish_reason == "cancelled"
+    assert [r.wait(120).tokens for r in reqs[1:]] == [alone.tokens] * 2
+
+
 def test_interactive_chat_on_a_tty():
     """On a terminal, `run MODEL` is a multi-turn chat with /reset and /exit."""
     import pty
