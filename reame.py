@@ -2503,7 +2503,7 @@ class SpecState:
         self.state: dict = {}      # source name -> that source's state for this sequence
         self.acc: dict = {}        # source name -> Acceptance
         self.shadow: dict = {}     # free source name -> [(len(history) then, whole proposal, positions scored)]
-        self.streak: dict = {}     # free source name -> its last scored proposal (4+ tokens) came true whole
+        self.streak: dict = {}     # free source name -> its last scored proposal came true whole (4+) or for 8+
         self.proposed_until: dict = {}  # free source name -> where its last proposal would have ended
         self.probe_at: dict = {}   # source name -> len(history) at which to try it again
         self.probe_gap: dict = {}  # source name -> tokens between probes (doubles while it loses)
@@ -2626,7 +2626,7 @@ class SpecController:
         self.sources = {s.name: s for s in sources}
         self.default = default
         self.margin, self.probe_k, self.first_gap = margin, probe_k, probe_gap
-        self.min_evidence = 2    # a free per-sequence source speculates after this many shadow scores
+        self.min_evidence = 1    # a free per-sequence source speculates after this many shadow scores
         self.hold = 4            # tokens past its last proposal a silent free source is expected back within
         self.cost = CostModel()
         self.acc = {name: Acceptance(64, prior) for name in self.sources}
@@ -2693,9 +2693,9 @@ class SpecController:
                     k_max = len(draft)
                 k, gain = choose_k(acc.p, self.cost.cost, n_cur, k_max, draft_s)
                 if draft is not None and k < k_max and st.streak.get(name):
-                    # its last proposal came true whole: a copy going on. A source's misses come
-                    # in runs (an edit in a copy) that its per-position estimate averages over,
-                    # so the whole proposal is taken while it is expected to pay at all.
+                    # its last proposal came true whole, or for 8+ tokens: a copy going on. A
+                    # source's misses come in runs (an edit in a copy) that its per-position
+                    # estimate averages over, so the whole proposal is taken while it pays at all.
                     full = spec_gain(acc.p, k_max, self.cost.cost, n_cur, draft_s)
                     if worth_it(full, margin):
                         k, gain = k_max, full
@@ -2774,7 +2774,7 @@ class SpecController:
             done = n < len(came) or n == len(toks)
             self._observe(st, name, len(toks) if done else n, n, scored)  # not done: the right ones so far
             if done and (n < len(toks) or n >= 4):
-                st.streak[name] = n == len(toks)
+                st.streak[name] = n == len(toks) or n >= 8  # (a copy that ran 8+ tokens is one)
             if not done:
                 keep.append((start, toks, n))
         if proposal and (not keep or keep[-1][0] < len(hist)):

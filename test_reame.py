@@ -1206,6 +1206,37 @@ def test_controller_scores_a_free_source_in_the_shadow():
     assert ctl.stats()["copy"]["probes"] == 0 and ctl.stats()["copy"]["proposed"] == 0
 
 
+def test_controller_a_long_copy_with_one_edit_is_still_a_copy():
+    """A free source's proposal that came true for 8+ tokens and then missed (an edit in a
+    copied text) keeps its streak: the next proposal is taken whole, not cut to what the
+    per-position estimate, pulled down by misses, would pay for. A short run ends it."""
+    class Copier(reame.DraftSource):
+        name = "copy"
+
+        def propose(self, seqs, ks):
+            return [list(range(200, 216))[:k] for k in ks]
+    ctl = reame.SpecController([Copier()], margin=0.05)
+    for _ in range(4):
+        ctl.observe_step(1, 0.1)
+        ctl.observe_step(13, 0.40)
+        ctl.observe_step(17, 0.52)
+    st = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 16))
+    st.acc["copy"] = reame.Acceptance(64, parent=ctl.acc["copy"])
+    ctl._shadow(st, "copy", list(range(100, 116)))   # 16 tokens proposed...
+    st.history.extend(list(range(100, 112)) + [7])   # ...12 came true, then an edit
+    ctl._shadow(st, "copy", [])
+    assert st.streak["copy"] is True
+    st.acc["copy"].p = [0.95] * 12 + [0.4] * 52      # deep positions pulled down
+    plan = ctl.plan([(st, 64)], 1)[0]
+    assert plan == ("copy", list(range(200, 216)))   # whole
+    st.streak["copy"] = False
+    assert 0 < len(ctl.plan([(st, 64)], 1)[0][1]) < 16  # the estimate alone would cut it
+    ctl._shadow(st, "copy", [50, 51, 52, 53])
+    st.history.extend([50, 51, 52, 9])               # 3 right, then a miss: no copy
+    ctl._shadow(st, "copy", [])
+    assert st.streak["copy"] is False
+
+
 def test_controller_engine_wide_source_is_not_retried_by_every_request():
     """A draft model's acceptance is the model pair's, not the request's: once a probe
     lost, a new request does not probe it again until the engine-wide gap passes."""
