@@ -27,8 +27,10 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
    13. Il Suggeritore: structure as drafts, and structured output
    14. Engine: the scheduler thread and continuous batching
    15. The Conclave: best-of-N in one batch, voted
-   16. HTTP server (OpenAI-compatible)
-   17. Command line
+   16. Request bodies: OpenAI JSON to engine arguments
+   17. Sessions: conversations the server keeps
+   18. HTTP server (OpenAI-compatible)
+   19. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -4472,12 +4474,10 @@ def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vo
                           int(sum(max(0.0, mean - r.n_gen_tok) for r in cancelled)))
 
 
-# == 16. HTTP server ============================================================
-# OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
-# thread per connection: it validates, templates, submits to the Engine, and writes
-# JSON or SSE from the Request's events. It never touches the llama context.
-
-_MAX_BODY_BYTES = 8 << 20
+# == 16. Request bodies: OpenAI JSON to engine arguments ========================
+# What a request body asks for, checked field by field (a 400 with the field's name
+# and the reason, never a traceback), as SamplingParams, structure, speculation
+# and archive options, and chat messages. Pure functions of the body.
 
 
 def _openai_error(err: ReameError) -> dict:
@@ -4615,27 +4615,10 @@ def _messages_from_body(body: dict) -> List[dict]:
     return out
 
 
-class _Histogram:
-    """A Prometheus histogram (cumulative buckets, sum, count). The caller holds the lock."""
-
-    def __init__(self, buckets: Sequence[float]):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * len(self.buckets)
-        self.sum, self.n = 0.0, 0
-
-    def observe(self, v: float) -> None:
-        for i, b in enumerate(self.buckets):
-            if v <= b:
-                self.counts[i] += 1
-        self.sum += v
-        self.n += 1
-
-    def lines(self, name: str) -> List[str]:
-        out = ["# TYPE %s histogram" % name]
-        out += ['%s_bucket{le="%g"} %d' % (name, b, c) for b, c in zip(self.buckets, self.counts)]
-        return out + ['%s_bucket{le="+Inf"} %d' % (name, self.n), "%s_sum %.6f" % (name, self.sum),
-                      "%s_count %d" % (name, self.n)]
-
+# == 17. Sessions: conversations the server keeps ===============================
+# A session id names a conversation whose history the server keeps, so a client
+# sends only its new message, and whose KV stays resident in the engine (its cache
+# tag) between turns. Sessions belong to the API key that made them.
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -4781,6 +4764,36 @@ class Sessions:
             lru = sorted((s for s in self._by_id.values() if not s.busy), key=lambda s: s.last_used)
             for s in lru[:len(self._by_id) - self.max_count + 1]:
                 self._drop(s)
+
+
+# == 18. HTTP server ============================================================
+# OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
+# thread per connection: it validates, templates, submits to the Engine, and writes
+# JSON or SSE from the Request's events. It never touches the llama context.
+
+_MAX_BODY_BYTES = 8 << 20
+
+
+class _Histogram:
+    """A Prometheus histogram (cumulative buckets, sum, count). The caller holds the lock."""
+
+    def __init__(self, buckets: Sequence[float]):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * len(self.buckets)
+        self.sum, self.n = 0.0, 0
+
+    def observe(self, v: float) -> None:
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+        self.sum += v
+        self.n += 1
+
+    def lines(self, name: str) -> List[str]:
+        out = ["# TYPE %s histogram" % name]
+        out += ['%s_bucket{le="%g"} %d' % (name, b, c) for b, c in zip(self.buckets, self.counts)]
+        return out + ['%s_bucket{le="+Inf"} %d' % (name, self.n), "%s_sum %.6f" % (name, self.sum),
+                      "%s_count %d" % (name, self.n)]
 
 
 class Server:
@@ -5354,7 +5367,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-# == 17. Command line ===========================================================
+# == 19. Command line ===========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
