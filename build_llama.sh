@@ -21,7 +21,7 @@ PIN_VERSION="11434.0.0"
 PIN_SHA256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 # The patches below (patch_tree): bump PATCH_ID whenever they change, so the source is
 # unpacked and patched afresh and the build cache key changes.
-PATCH_ID="reame-p6"
+PATCH_ID="reame-p7"
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="$HERE/_llama"
@@ -153,6 +153,18 @@ ok = patch("tiled/tiled.cpp", "static bool ggml_tiled_min_batch(int64_t rows) {"
            "}\n\n"
            "static bool ggml_tiled_min_batch(int64_t rows) {", "reame_set_tiled_min_rows") and ok
 MC_KERNELS = r"""
+#if defined(__AVX2__) || defined(__AVX__)
+// reame: a Q4_K block's 8 scales (bytes 0-7) and 8 mins (bytes 8-15), as ggml decodes them
+static inline void reame_q4_K_scales(const uint8_t * scales, uint32_t utmp[4]) {
+    static const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    memcpy(utmp, scales, 12);
+    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = utmp[1] & kmask1;
+    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+    utmp[2] = uaux;
+    utmp[0] &= kmask1;
+}
+#endif
 #if defined(__AVX2__)
 // reame: multi-column K-quant dot products (up to REAME_MC_MAX columns). Each column's
 // result is bit-identical to the one-column kernel (same integer sums, same float
@@ -163,7 +175,6 @@ void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
     const block_q4_K * x = vx;
     const block_q8_K * y0 = vy;
     const int nb = n / QK_K;
-    static const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
     const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256 acc[REAME_MC_MAX];
     __m128 acc_m[REAME_MC_MAX];
@@ -172,12 +183,7 @@ void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
         const float dx = GGML_CPU_FP16_TO_FP32(x[i].d);
         const float dminx = GGML_CPU_FP16_TO_FP32(x[i].dmin);
         uint32_t utmp[4];
-        memcpy(utmp, x[i].scales, 12);
-        utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-        const uint32_t uaux = utmp[1] & kmask1;
-        utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-        utmp[2] = uaux;
-        utmp[0] &= kmask1;
+        reame_q4_K_scales(x[i].scales, utmp);
         const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
         const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
         const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
@@ -221,12 +227,28 @@ void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
     }
 }
 
+// reame: 128 Q6_K values (64 bytes of ql, 32 of qh) as four vectors of 32 unsigned 6-bit
+// values, unpacked as ggml's AVX2 kernel does
+static inline void reame_q6_K_bits(const uint8_t * ql, const uint8_t * qh, __m256i q[4]) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i m15 = _mm256_set1_epi8(15);
+    const __m256i q4bits1 = _mm256_loadu_si256((const __m256i*)ql);
+    const __m256i q4bits2 = _mm256_loadu_si256((const __m256i*)(ql + 32));
+    const __m256i q4bitsH = _mm256_loadu_si256((const __m256i*)qh);
+    const __m256i q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, m3), 4);
+    const __m256i q4h_1 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(12)), 2);
+    const __m256i q4h_2 = _mm256_and_si256(q4bitsH, _mm256_set1_epi8(48));
+    const __m256i q4h_3 = _mm256_srli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(-64)), 2);
+    q[0] = _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0);
+    q[1] = _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1);
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2);
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3);
+}
+
 void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
     const block_q6_K * x = vx;
     const block_q8_K * y0 = vy;
     const int nb = n / QK_K;
-    const __m256i m3 = _mm256_set1_epi8(3);
-    const __m256i m15 = _mm256_set1_epi8(15);
     __m256 acc[REAME_MC_MAX];
     for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
@@ -238,17 +260,9 @@ void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
         __m256i w[8], sc[8];
         int is = 0;
         for (int j = 0; j < 2; ++j) {
-            const __m256i q4bits1 = _mm256_loadu_si256((const __m256i*)q4); q4 += 32;
-            const __m256i q4bits2 = _mm256_loadu_si256((const __m256i*)q4); q4 += 32;
-            const __m256i q4bitsH = _mm256_loadu_si256((const __m256i*)qh); qh += 32;
-            const __m256i q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, m3), 4);
-            const __m256i q4h_1 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(12)), 2);
-            const __m256i q4h_2 = _mm256_and_si256(q4bitsH, _mm256_set1_epi8(48));
-            const __m256i q4h_3 = _mm256_srli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(-64)), 2);
-            w[4*j+0] = _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0);
-            w[4*j+1] = _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1);
-            w[4*j+2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2);
-            w[4*j+3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3);
+            reame_q6_K_bits(q4, qh, &w[4*j]);
+            q4 += 64;
+            qh += 32;
             for (int k = 0; k < 4; ++k) {
                 sc[4*j+k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(is + k)));
             }
@@ -284,7 +298,6 @@ void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
     const block_q4_K * x = vx;
     const block_q8_K * y0 = vy;
     const int nb = n / QK_K;
-    static const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
     const __m128i m4 = _mm_set1_epi8(0xF);
     const __m128i m2 = _mm_set1_epi8(0x2);
     __m256 acc[REAME_MC_MAX];
@@ -294,12 +307,7 @@ void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
         const float dx = GGML_CPU_FP16_TO_FP32(x[i].d);
         const float dminx = GGML_CPU_FP16_TO_FP32(x[i].dmin);
         uint32_t utmp[4];
-        memcpy(utmp, x[i].scales, 12);
-        utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-        const uint32_t uaux = utmp[1] & kmask1;
-        utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-        utmp[2] = uaux;
-        utmp[0] &= kmask1;
+        reame_q4_K_scales(x[i].scales, utmp);
         const __m128i utmps = _mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]);
         const __m128i scales = _mm_cvtepu8_epi16(utmps);
         const __m128i mins = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(utmps, utmps));
@@ -452,7 +460,6 @@ static inline __m256i reame_dot8(const __m512i * w, const __m512i * q) {  // the
 // s[c*bs + r] = row r of vx (stride bx) . token c of vy (stride by), r < nr, c < nc
 static inline __attribute__((always_inline)) void reame_mm_q4_K_tile(int n, const int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
     const int nb = n / QK_K;
-    static const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
     const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256 acc[REAME_MR][REAME_MC_MAX];
     __m128 acc_m[REAME_MR][REAME_MC_MAX];
@@ -468,12 +475,7 @@ static inline __attribute__((always_inline)) void reame_mm_q4_K_tile(int n, cons
             dx[r] = GGML_CPU_FP16_TO_FP32(x->d);
             dminx[r] = GGML_CPU_FP16_TO_FP32(x->dmin);
             uint32_t utmp[4];
-            memcpy(utmp, x->scales, 12);
-            utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
-            const uint32_t uaux = utmp[1] & kmask1;
-            utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
-            utmp[2] = uaux;
-            utmp[0] &= kmask1;
+            reame_q4_K_scales(x->scales, utmp);
             const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
             mins[r] = _mm256_extracti128_si256(mins_and_scales, 1);
             // the 8 sub-blocks' scales (16-bit), each broadcast by a byte shuffle
@@ -512,8 +514,6 @@ static inline __attribute__((always_inline)) void reame_mm_q4_K_tile(int n, cons
 
 static inline __attribute__((always_inline)) void reame_mm_q6_K_tile(int n, const int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
     const int nb = n / QK_K;
-    const __m256i m3 = _mm256_set1_epi8(3);
-    const __m256i m15 = _mm256_set1_epi8(15);
     __m256 acc[REAME_MR][REAME_MC_MAX];
     for (int r = 0; r < nr; ++r) for (int c = 0; c < nc; ++c) acc[r][c] = _mm256_setzero_ps();
     __m512i w[REAME_MR][8];
@@ -531,18 +531,10 @@ static inline __attribute__((always_inline)) void reame_mm_q6_K_tile(int n, cons
             scales_16[r] = _mm256_cvtepi8_epi16(sc16);
             const __m256i sc32 = _mm256_broadcastsi128_si256(sc16);
             for (int j = 0; j < 2; ++j) {
-                const __m256i q4bits1 = _mm256_loadu_si256((const __m256i*)q4); q4 += 32;
-                const __m256i q4bits2 = _mm256_loadu_si256((const __m256i*)q4); q4 += 32;
-                const __m256i q4bitsH = _mm256_loadu_si256((const __m256i*)qh); qh += 32;
-                const __m256i q4h_0 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, m3), 4);
-                const __m256i q4h_1 = _mm256_slli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(12)), 2);
-                const __m256i q4h_2 = _mm256_and_si256(q4bitsH, _mm256_set1_epi8(48));
-                const __m256i q4h_3 = _mm256_srli_epi16(_mm256_and_si256(q4bitsH, _mm256_set1_epi8(-64)), 2);
                 __m256i b[4];
-                b[0] = _mm256_or_si256(_mm256_and_si256(q4bits1, m15), q4h_0);
-                b[1] = _mm256_or_si256(_mm256_and_si256(q4bits2, m15), q4h_1);
-                b[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits1, 4), m15), q4h_2);
-                b[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4bits2, 4), m15), q4h_3);
+                reame_q6_K_bits(q4, qh, b);
+                q4 += 64;
+                qh += 32;
                 for (int k = 0; k < 4; ++k) {
                     const int ch = 4*j + k;  // values 32ch..32ch+31: scales sc[2ch] and sc[2ch+1]
                     const __m512i scv = _mm512_cvtepi8_epi16(_mm256_shuffle_epi8(sc32, _mm256_setr_m128i(_mm_set1_epi8((char)(2*ch)), _mm_set1_epi8((char)(2*ch+1)))));
