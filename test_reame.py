@@ -425,8 +425,8 @@ def test_batched_equals_alone(fixture, request):
 def test_rows_of_one_step_get_the_logits_they_get_alone(qwen):
     """Each row of a k-row decode step (verified drafts, batched users) gets bit-identical
     logits to the same token decoded alone: the multi-token Q4_K/Q6_K kernels of
-    build_llama.sh's patch 3 (AVX-512: one row at a time below 4 tokens, tiles of 4 rows
-    from 4; past 16 rows, a second column block) included."""
+    build_llama.sh's patch 3 (AVX-512: 512-bit kernels for one token and for many; past
+    32 rows, a second column block) included."""
     import ctypes
     L, m = reame.lib(), qwen.model
     cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
@@ -434,7 +434,7 @@ def test_rows_of_one_step_get_the_logits_they_get_alone(qwen):
     if os.uname().machine == "x86_64" and " avx2 " in cpu:
         assert any(hasattr(ctypes.CDLL(p), "reame_vec_dot_q4_K_q8_K_mc") for p in loaded), loaded
     if os.uname().machine == "x86_64" and " avx512bw " in cpu:
-        assert any(hasattr(ctypes.CDLL(p), "reame_mm_q4_K_q8_K_512") for p in loaded), loaded
+        assert any(hasattr(ctypes.CDLL(p), "reame_vec_dot_q4_K_q8_K_512") for p in loaded), loaded
     ctx = reame.Context(m, n_ctx=512, n_seq_max=1, n_batch=64)
     try:
         prompt = _chat(qwen, "Write a Python function that adds two numbers.")
