@@ -422,6 +422,20 @@ def test_batched_equals_alone(fixture, request):
     assert eng.n_steps - steps0 < 2 * 32 + 8
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "gemma3-270m"])
+def test_a_gap_in_the_decode_batch_is_closed(name):
+    """When the sequence on the middle slot ends, the one above moves down into its slot
+    (KV copied), so the others decode in one llama.cpp pass again (a gap in the seq ids
+    splits the batch); each still gives exactly its solo tokens."""
+    with reame.Engine(_model_path(name), n_ctx=1024, n_slots=3) as eng:
+        prompts = [_chat(eng, p) for p in PROMPTS[:3]]
+        lens = [40, 3, 40]
+        alone = [eng.complete(p, temperature=0, max_tokens=n).tokens for p, n in zip(prompts, lens)]
+        reqs = [eng.submit(p, temperature=0, max_tokens=n) for p, n in zip(prompts, lens)]
+        assert [r.wait().tokens for r in reqs] == alone
+        assert eng.stats()["slot_moves"] >= 1
+
+
 def test_rows_of_one_step_get_the_logits_they_get_alone(qwen):
     """Each row of a k-row decode step (verified drafts, batched users) gets bit-identical
     logits to the same token decoded alone: the multi-token Q4_K/Q6_K kernels of
