@@ -2354,6 +2354,27 @@ def choose_k(alphas: Sequence[float], cost, n_batch: int, k_max: int, draft_s_pe
     return best_k, best
 
 
+def decode_passes(ids: Sequence[int], counts: Sequence[int]) -> List[int]:
+    """Rows of each pass llama.cpp makes of a decode batch over several KV streams
+    (llama_batch_allocr::split_equal, sequential): a pass takes the run of consecutive
+    sequence ids from the first one with tokens left, each the same number of tokens (as
+    many as the one in the run with the fewest left). ids ascending; counts: tokens each.
+    One sequence drafting 3 among plain ones: [n, 3], two passes."""
+    left = list(counts)
+    passes = []
+    while True:
+        first = next((j for j, c in enumerate(left) if c), None)
+        if first is None:
+            return passes
+        end = first + 1
+        while end < len(left) and left[end] and ids[end] == ids[end - 1] + 1:
+            end += 1
+        m = min(left[first:end])
+        passes.append(m * (end - first))
+        for j in range(first, end):
+            left[j] -= m
+
+
 def worth_it(gain: float, margin: float) -> bool:
     """Speculate only when the expected gain clears the margin (noise, estimate error)."""
     return gain >= 1.0 + margin
@@ -2652,19 +2673,35 @@ class SpecController:
         # a group name ("suggest") allows its members ("suggest.list", ...)
         return [s for n, s in self.sources.items() if any(n == x or n.startswith(x + ".") for x in names)]
 
-    def plan(self, items: Sequence[tuple], n_batch: int, max_rows: int = 512) -> List[Optional[tuple]]:
+    def plan(self, items: Sequence[tuple], n_batch: int, max_rows: int = 512,
+             ids: Optional[Sequence[int]] = None) -> List[Optional[tuple]]:
         """items: (SpecState or None, room: most drafts the sequence can still take).
         Returns per item None or (source name, draft tokens). n_batch: sequences in
-        the step's decode batch; max_rows: what the batch holds, drafts included."""
+        the step's decode batch; max_rows: what the batch holds, drafts included; ids:
+        the items' sequence ids (ascending), for what llama.cpp makes of the batch: with
+        several sequences, drafts are verified in passes of their own (decode_passes),
+        so they cost more than as many rows in one pass."""
         plans: List[Optional[tuple]] = [None] * len(items)
         n_cur = n_batch
         self.n_tokens += n_batch
         model_wants = []  # (index, source, k) for sources that draft at a cost (batched)
         step1 = self.cost.cost(1)
+        counts = [1] * len(items)
         for i, (st, left) in enumerate(items):
             room = min(left, max_rows - n_cur)
             if st is None or room < 1:
                 continue
+            cost = self.cost.cost
+            if ids is not None and len(items) > 1:
+                memo: dict = {}
+
+                def cost(n, i=i, base=n_cur, memo=memo):  # this sequence drafting n - base of the rows
+                    got = memo.get(n)
+                    if got is None:
+                        c = counts[:]
+                        c[i] += n - base
+                        got = memo[n] = sum(map(self.cost.cost, decode_passes(ids, c)))
+                    return got
             forced = st.opts.mode == "on"
             best = None  # (rank, gain, name, k, draft or None, probe, sched, clock)
             held = 0.0   # the best gain of a free source that proposed a moment ago and is silent now
@@ -2688,29 +2725,29 @@ class SpecController:
                     elif not forced and len(st.history) - st.proposed_until.get(name, -1 << 30) <= self.hold:
                         # silent a few tokens past what it proposed (an edit, the end of a
                         # copied stretch) in a copy: expected back soon
-                        held = max(held, choose_k(acc.p, self.cost.cost, n_cur, st.opts.max_k)[1])
+                        held = max(held, choose_k(acc.p, cost, n_cur, st.opts.max_k)[1])
                     draft = draft[:k_max]
                     if not draft or (not forced and src.per_sequence and acc.n[0] < self.min_evidence):
                         continue  # (the engine-wide prior alone is not trusted with a verify's cost)
                     k_max = len(draft)
-                k, gain = choose_k(acc.p, self.cost.cost, n_cur, k_max, draft_s)
+                k, gain = choose_k(acc.p, cost, n_cur, k_max, draft_s)
                 if draft is not None and k < k_max and st.streak.get(name):
                     # its last proposal came true whole, or for 8+ tokens: a copy going on. A
                     # source's misses come in runs (an edit in a copy) that its per-position
                     # estimate averages over, so the whole proposal is taken while it pays at all.
-                    full = spec_gain(acc.p, k_max, self.cost.cost, n_cur, draft_s)
+                    full = spec_gain(acc.p, k_max, cost, n_cur, draft_s)
                     if worth_it(full, margin):
                         k, gain = k_max, full
                 probe = False
                 if forced:
                     k = k_max
-                    gain = spec_gain(acc.p, k, self.cost.cost, n_cur, draft_s)
+                    gain = spec_gain(acc.p, k, cost, n_cur, draft_s)
                 elif not worth_it(gain, margin):
                     self.counters[name]["on"], self.counters[name]["gain"] = 0, round(gain, 3)
                     if draft is not None or clock < sched.probe_at.get(name, 0):
                         continue  # (a free source is scored in the shadow: no probe needed)
                     # probe only a source that could pay here at all, were every draft right
-                    _, best_case = choose_k([1.0] * k_max, self.cost.cost, n_cur, k_max, draft_s)
+                    _, best_case = choose_k([1.0] * k_max, cost, n_cur, k_max, draft_s)
                     if not worth_it(best_case, margin):
                         continue
                     k, probe = min(self.probe_k, k_max), True
@@ -2737,6 +2774,7 @@ class SpecController:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("spec: slot %d %s k=%d expected x%.2f%s", st.slot, name, k, gain, " (probe)" if probe else "")
             n_cur += k
+            counts[i] += k
             if draft is not None:
                 plans[i] = (name, draft[:k])
             else:
@@ -2794,8 +2832,15 @@ class SpecController:
         c["accepted"] += n_accepted
         c["steps"] += 1
 
-    def observe_step(self, n_tokens: int, seconds: float) -> None:
-        self.cost.observe(n_tokens, seconds)
+    def observe_step(self, n_tokens, seconds: float) -> None:
+        """A decode step took seconds: n_tokens rows in one pass, or a list of the rows of
+        each llama.cpp pass (decode_passes), which share the time by their estimated cost."""
+        if isinstance(n_tokens, int):
+            n_tokens = [n_tokens]
+        est = [self.cost.cost(n) for n in n_tokens]
+        total = sum(est)
+        for n, e in zip(n_tokens, est):
+            self.cost.observe(n, seconds * e / total)
 
     def stats(self) -> dict:
         return {name: dict(c) for name, c in self.counters.items()}
@@ -4126,7 +4171,7 @@ class Engine:
             # (a sequence with twins does not speculate: they would have to follow every draft)
             plans = self.spec.plan([(None if s.twins else s.spec,
                                      min(s.max_tokens - len(s.tokens) - 1, self.n_ctx - s.n_past - 2))
-                                    for s in decoding], len(decoding), b.capacity)
+                                    for s in decoding], len(decoding), b.capacity, [s.seq_id for s in decoding])
             b.clear()
             for s, plan in zip(decoding, plans):
                 b.add(s.last, s.n_past, s.seq_id, True)
@@ -4145,7 +4190,8 @@ class Engine:
                 if twins:
                     self._twins_sample(s, s.last, twins, row)
             # what a step of b.n rows costs: the decode and each row's sampling and checks
-            self.spec.observe_step(b.n, time.perf_counter() - t1)
+            self.spec.observe_step(decode_passes([s.seq_id for s in decoding], [1 + len(p[1]) if p else 1 for p in plans])
+                                   if len(decoding) > 1 else b.n, time.perf_counter() - t1)
             self.n_decode_tok += b.n
             self.t_decode_s += t2 - t1
             if not prefilling:

@@ -1189,6 +1189,35 @@ def test_controller_turns_off_and_reprobes():
         reame.SpecOptions("sometimes").validate()
 
 
+def test_controller_prices_the_passes_llama_cpp_makes():
+    """llama.cpp verifies one sequence's drafts among plain sequences in a pass of their
+    own (and splits a batch at a gap in the sequence ids): drafts that pay alone may not
+    pay in a batch, where a one-pass count of rows would have said they do."""
+    assert reame.decode_passes([0, 1, 2], [1, 1, 1]) == [3]
+    assert reame.decode_passes([0, 1, 2], [1, 4, 1]) == [3, 3]
+    assert reame.decode_passes([0, 2], [1, 1]) == [1, 1]
+    assert reame.decode_passes([0, 1, 2, 3], [4, 3, 1, 1]) == [4, 4, 1]
+    ctl = reame.SpecController([_CostlySource(list(range(100, 164)))], margin=0.05, probe_k=4)
+    for _ in range(4):
+        for n in range(1, 13):
+            ctl.observe_step(n, 0.03 + 0.005 * (n - 1))   # a pass costs, its rows little
+    st = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 16))
+    st.acc["model"] = acc = reame.Acceptance(64)
+    acc.p, acc.n = [0.9] * 64, [20] * 64
+    alone = ctl.plan([(st, 16)], 1, ids=[0])[0]
+    assert alone is not None and len(alone[1]) >= 4
+    # one-pass pricing: 3 + 4.1 tokens for 8 rows (65 ms) beats 4 tokens in 45 ms
+    assert reame.spec_gain(acc.p, 4, ctl.cost.cost, 4) > 1.15
+    batched = ctl.plan([(st, 16), (None, 16), (None, 16), (None, 16)], 4, ids=[0, 1, 2, 3])
+    c = ctl.stats()["model"]
+    assert c["on"] == 0 and c["gain"] <= 1.0          # no k pays: off on its merits (a probe now and then)
+    assert batched[0] is None or (len(batched[0][1]) == 4 and c["probes"] == 1)
+    # observed passes share a step's time by their estimated cost
+    before = ctl.cost.cost(4)
+    ctl.observe_step([4, 4], 2 * before)
+    assert abs(ctl.cost.cost(4) - before) < 1e-9
+
+
 def test_controller_scores_a_free_source_in_the_shadow():
     """A free source's proposals are scored against what the sequence then generates,
     so it is turned on and off without ever paying for a probe."""
