@@ -2727,8 +2727,14 @@ class SpecController:
                         # copied stretch) in a copy: expected back soon
                         held = max(held, choose_k(acc.p, cost, n_cur, st.opts.max_k)[1])
                     draft = draft[:k_max]
-                    if not draft or (not forced and src.per_sequence and acc.n[0] < self.min_evidence):
-                        continue  # (the engine-wide prior alone is not trusted with a verify's cost)
+                    if not forced and src.per_sequence and acc.n[0] < self.min_evidence:
+                        # not scored on this request yet: the engine-wide prior alone is trusted
+                        # with a short proposal only, at twice the margin (else a costly source
+                        # would take the first steps of a copy while this one waits for evidence)
+                        draft = draft[:2 * self.probe_k]
+                        margin *= 2
+                    if not draft:
+                        continue
                     k_max = len(draft)
                 k, gain = choose_k(acc.p, cost, n_cur, k_max, draft_s)
                 if draft is not None and k < k_max and st.streak.get(name):
@@ -2772,7 +2778,8 @@ class SpecController:
             elif st.opts.mode == "auto":  # chosen on its merits (a forced one proves nothing)
                 sched.probe_gap[name] = self.first_gap
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("spec: slot %d %s k=%d expected x%.2f%s", st.slot, name, k, gain, " (probe)" if probe else "")
+                log.debug("spec: slot %d %s k=%d%s expected x%.2f%s", st.slot, name, k,
+                          " of %d proposed" % len(draft) if draft is not None else "", gain, " (probe)" if probe else "")
             n_cur += k
             counts[i] += k
             if draft is not None:
