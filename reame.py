@@ -25,12 +25,14 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
    11. Speculation: draft sources and the controller
    12. The draft model
    13. Il Suggeritore: structure as drafts, and structured output
-   14. Engine: the scheduler thread and continuous batching
-   15. The Conclave: best-of-N in one batch, voted
-   16. Request bodies: OpenAI JSON to engine arguments
-   17. Sessions: conversations the server keeps
-   18. HTTP server (OpenAI-compatible)
-   19. Command line
+   14. Requests: what the engine takes and gives back
+   15. Slots: the memory tier, and consecutive sequence ids
+   16. Engine: the scheduler thread and continuous batching
+   17. The Conclave: best-of-N in one batch, voted
+   18. Request bodies: OpenAI JSON to engine arguments
+   19. Sessions: conversations the server keeps
+   20. HTTP server (OpenAI-compatible)
+   21. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -81,7 +83,7 @@ __all__ = [
     "NgramIndex", "SpecState", "DraftSource", "PromptLookup", "check_draft_pair", "DraftModel",
     "SpecController", "vocab_fingerprint", "pal_record", "pal_parse", "pal_segments", "pal_append", "ngram_key",
     "ArchiveIndex", "Palimpsest", "ArchiveSource", "ArchiveResync", "VOTE_EXTRACTORS", "check_extractor", "extract_answer",
-    "conclave_vote", "ConclaveResult", "run_conclave", "suggest_list", "suggest_markdown", "suggest_fields",
+    "conclave_vote", "ConclaveResult", "run_conclave", "suggest_list", "suggest_list_end", "suggest_markdown", "suggest_fields",
     "schema_gaps", "JsonScan", "align_proposal", "SUGGEST_RULES", "Suggestion", "JSON_OBJECT_GRAMMAR",
     "json_schema_grammar", "grammar_sampler", "check_grammar", "structure_from_body",
 ]
@@ -1511,7 +1513,7 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
 # prefix under $REAME_HOME/kv/<model fingerprint>/, named by a hash of the fingerprint,
 # the KV parameters and the prefix's tokens: another process, or this one after a
 # restart, finds a prefix without an index. The engine snapshots only whole prefill
-# chunks on an exact prefix (section 14), so a restored prefix is what a cold prefill
+# chunks on an exact prefix (section 15), so a restored prefix is what a cold prefill
 # computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
 # tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
 # the least recently used files go first when the directory is over its size bound.
@@ -2290,7 +2292,7 @@ class Palimpsest:
 
 # == 11. Speculation: draft sources and the controller ==========================
 # Draft sources propose tokens; the target verifies them in the scheduler's batch
-# step (section 14) and keeps the longest run it would have produced itself. The
+# step (section 16) and keeps the longest run it would have produced itself. The
 # controller measures, live, what a verify step of k+1 tokens costs against one
 # token, and how often each source is right by draft position, and speculates only
 # where that pays. Everything that decides is a pure function, tested without a model.
@@ -2727,14 +2729,8 @@ class SpecController:
                         # copied stretch) in a copy: expected back soon
                         held = max(held, choose_k(acc.p, cost, n_cur, st.opts.max_k)[1])
                     draft = draft[:k_max]
-                    if not forced and src.per_sequence and acc.n[0] < self.min_evidence:
-                        # not scored on this request yet: the engine-wide prior alone is trusted
-                        # with a short proposal only, at twice the margin (else a costly source
-                        # would take the first steps of a copy while this one waits for evidence)
-                        draft = draft[:2 * self.probe_k]
-                        margin *= 2
-                    if not draft:
-                        continue
+                    if not draft or (not forced and src.per_sequence and acc.n[0] < self.min_evidence):
+                        continue  # (the engine-wide prior alone is not trusted with a verify's cost)
                     k_max = len(draft)
                 k, gain = choose_k(acc.p, cost, n_cur, k_max, draft_s)
                 if draft is not None and k < k_max and st.streak.get(name):
@@ -3036,6 +3032,42 @@ def suggest_list(text: str) -> str:
         if line is last and line[:1] not in (" ", "\t"):
             break  # an unindented line that is no item: not in a list
     return ""
+
+
+def suggest_list_end(text: str) -> str:
+    """Inside a list item's line, once it has as many words as the earlier items' median:
+    the line break and the next item's number (or bullet), spaced as the earlier items
+    were. A guess that the item ends here, so a rule of its own: the controller scores
+    it apart from "list" (whose proposals after a line break rarely miss) and stops
+    verifying it on a request where items run longer than it guesses."""
+    if not text or text.endswith("\n"):
+        return ""
+    lines = text[-4096:].split("\n")[-64:]
+    m = _LIST_ITEM.match(lines[-1]) or _BULLET.match(lines[-1])
+    if not m:
+        return ""
+    indent, mark = m.group(1), m.group(2)
+    numbered = mark[0].isdigit()
+    words, gaps, blank = [], [], 0
+    for line in reversed(lines[:-1]):
+        if not line.strip():
+            blank += 1
+            if blank > 1:
+                break
+            continue
+        p = _LIST_ITEM.match(line) if numbered else _BULLET.match(line)
+        if not p or p.group(1) != indent or (not numbered and p.group(2) != mark):
+            if line[:1] in (" ", "\t"):
+                blank = 0
+                continue  # an item's wrapped text, or a nested list
+            break
+        words.append(len(line[p.end() - 1:].split()))
+        gaps.append(blank)
+        blank = 0
+    if len(words) < 2 or len(lines[-1][m.end() - 1:].split()) < sorted(words)[len(words) // 2]:
+        return ""
+    nxt = "%s%d%s" % (indent, int(mark) + 1, m.group(3)) if numbered else indent + mark
+    return "\n" * (1 + gaps[0]) + nxt
 
 
 def suggest_markdown(text: str) -> str:
@@ -3423,6 +3455,7 @@ def _json_probes(text: str) -> tuple:
 # rule -> (proposal from the written text, what may follow a proposal: align_proposal's probes)
 SUGGEST_RULES = {
     "list": (lambda w: suggest_list(w.text), (" A", " 1")),
+    "listend": (lambda w: suggest_list_end(w.text), (" A", " 1")),
     "markdown": (lambda w: suggest_markdown(w.text), (" a", "\n")),
     "fields": (lambda w: suggest_fields(w.text), (" A", " 1")),
     "json": (lambda w: w.json.suggest(), _json_probes),
@@ -3617,27 +3650,10 @@ def json_schema_grammar(schema: dict) -> str:
     return "\n".join(lines) + "\n" + _GBNF_BASE
 
 
-# == 14. Engine: the scheduler thread and continuous batching ===================
-# HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
-# thread owns the llama context: each step it admits waiting requests into free
-# slots, runs ONE llama_decode with the next token of every generating sequence,
-# then one prefill chunk of a new prompt in its own llama_decode (see _step for why),
-# samples, and emits text. A request for n choices is a group: one prefill, then the
-# others are twins of the first (Engine._twins): while their tokens are its tokens they
-# sample from its rows and compute none of their own; one that samples another token
-# gets a copy of its KV (llama_memory_seq_cp) and goes its own way. A request with a
-# cache_tag (a session) leaves its KV resident in its slot when it ends, and the next
-# request with that tag prefills only what follows the common token prefix.
-#
-# Reuse and the greedy contract: llama.cpp's CPU kernels round differently by batch
-# shape (tiled matmul and flash attention for many rows, vector kernels for one), so
-# a token's KV from a decode step, or from a prefill chunk cut at another place, is
-# not bit-identical to a cold prefill's. Prompts are therefore prefilled in chunks of
-# ``prefill_chunk`` tokens at fixed multiples from position 0, and with
-# cache_reuse="exact" (the default) only whole prefilled chunks are reused: the
-# computation after a hit is then the cold one, bit for bit. cache_reuse="all" also
-# reuses partial chunks and generated tokens (cheaper; greedy output can then differ
-# from a cold run's at near-ties).
+# == 14. Requests: what the engine takes and gives back ==========================
+# A Request is one generation as its submitter sees it (events to read, cancel, wait);
+# a _Seq is the scheduler's private state of it while it holds a slot; a Result is
+# what it produced.
 
 
 @dataclasses.dataclass
@@ -3750,7 +3766,172 @@ class _Seq:
 _STOP = object()
 
 
-class Engine:
+# == 15. Slots: the memory tier, and consecutive sequence ids ===================
+# Each slot is one sequence of the llama context (one KV stream). A free slot keeps its
+# last KV (a finished request's, or a session's): the memory tier a new request's
+# prompt is matched against. The sequences that decode are kept on consecutive slots,
+# which is what lets llama.cpp run their step as one pass.
+#
+# Reuse and the greedy contract: llama.cpp's CPU kernels round differently by batch
+# shape (tiled matmul and flash attention for many rows, vector kernels for one), so
+# a token's KV from a decode step, or from a prefill chunk cut at another place, is
+# not bit-identical to a cold prefill's. Prompts are therefore prefilled in chunks of
+# ``prefill_chunk`` tokens at fixed multiples from position 0, and with
+# cache_reuse="exact" (the default) only whole prefilled chunks are reused: the
+# computation after a hit is then the cold one, bit for bit. cache_reuse="all" also
+# reuses partial chunks and generated tokens (cheaper; greedy output can then differ
+# from a cold run's at near-ties).
+
+
+class _SlotTable:
+    """Engine's slot bookkeeping, kept apart from the scheduling: which slot a request
+    gets, what of its prompt that slot's KV already holds, which entry is evicted, and
+    moving sequences to close gaps. A mixin: the state (_free, _resident, the context,
+    the counters) is the Engine's, set up in Engine.__init__, used by its thread only."""
+
+    def _reusable(self, entry: list, req: Request) -> tuple:
+        """(n_cached, n_exact): how much of req's prompt a resident entry's KV can give.
+
+        Exact reuse ends at a chunk end both prompts share, below the first extra cut
+        where their chunkings differ (then every chunk before it was cut the same way)."""
+        _, tokens, _, exact, cuts = entry
+        prompt = req.prompt
+        common = min(common_prefix(tokens, prompt), len(prompt) - 1)  # the last token is computed, for logits
+        limit = min(common, exact)
+        mine, theirs = set(req.cuts), set(cuts)
+        differ = [c for c in mine ^ theirs if c < limit]
+        if differ:
+            limit = min(differ)
+        shared = [c for c in mine & theirs if c <= limit]
+        n_exact = max([limit // self.chunk * self.chunk] + shared)
+        n_cached = common if self.cache_reuse == "all" else n_exact
+        if n_cached < len(tokens) and not self.model.can_truncate:
+            return 0, 0  # recurrent state cannot be cut back: only an exact end can be continued
+        return n_cached, n_exact
+
+    def _take_slot(self, req: Request, reuse: bool = True) -> tuple:
+        """A free slot for req: (slot, prompt tokens already in its KV, of which exact).
+
+        The memory tier: free slots keep their last KV (a finished request's or a
+        session's). The longest reusable prefix wins; a plain entry or req's own session
+        is continued in place, another session's entry is copied (llama_memory_seq_cp)
+        so that session keeps it. Otherwise: req's own entry, an empty slot (lowest
+        first: fewer gaps in the decode batch's seq ids), then the least recently used
+        entry, plain ones before sessions.
+        """
+        disk, req.disk = req.disk, None
+        best, src = (0, 0), None
+        for k in self._free if reuse else ():
+            entry = self._resident.get(k)
+            if entry is not None:
+                got = self._reusable(entry, req)
+                if got[0] > best[0] or (got[0] == best[0] and got[0] and entry[0] == req.cache_tag):
+                    best, src = got, k
+        if disk is not None and disk[0] > best[0]:  # the disk tier has more of the prompt
+            slot = self._victim(req, exclude=None)
+            self._claim(slot, keep=None)
+            self.n_cache_misses += not best[0]
+            self.ctx.seq_rm(slot)
+            if self.ctx.state_seq_set(slot, disk[1]) and self.ctx.seq_pos_max(slot) == disk[0] - 1:
+                self.n_disk_hits += 1
+                return slot, disk[0], disk[0]
+            log.warning("llama.cpp refused a KV snapshot of %d tokens; recomputing it", disk[0])
+            self.ctx.seq_rm(slot)
+            return slot, 0, 0
+        own = src is not None and self._resident[src][0] in (None, req.cache_tag)
+        if src is not None and own:
+            slot = src
+        else:
+            slot = self._victim(req, exclude=src)
+            if slot is None:  # src is the only free slot: take it, its session recomputes later
+                slot, src = src, None
+            elif src is not None:
+                self.ctx.seq_cp(src, slot)  # the whole stream (cross-stream copies are whole), cut below
+                self._resident[src][2] = time.monotonic()
+        if src is None:
+            best = (0, 0)
+        if best[0]:
+            self.n_cache_hits += 1
+        elif reuse:
+            self.n_cache_misses += 1
+        self._claim(slot, keep=src)
+        self.ctx.seq_rm(slot, best[0] if best[0] else -1, -1)
+        return slot, best[0], best[1]
+
+    def _claim(self, slot: int, keep: Optional[int]) -> None:
+        """Take a free slot; its memory-tier entry goes (an eviction, unless it is the one reused)."""
+        self._free.remove(slot)
+        if self._resident.pop(slot, None) is not None and slot != keep:
+            self.n_cache_evictions += 1
+
+    def _victim(self, req: Request, exclude: Optional[int]) -> Optional[int]:
+        """The free slot whose KV matters least (see _take_slot), or None."""
+        free = [k for k in self._free if k != exclude]
+        if not free:
+            return None
+        res = self._resident
+        for k in free:
+            if k in res and res[k][0] is not None and res[k][0] == req.cache_tag:
+                return k
+        empty = [k for k in free if k not in res]
+        if empty:
+            return min(empty)
+        return min(free, key=lambda k: (res[k][0] is not None, res[k][2]))
+
+    def _evict(self, slot: int) -> None:
+        if self._resident.pop(slot, None) is not None:
+            self.ctx.seq_rm(slot)
+
+    def _close_gaps(self, decoding: List[_Seq]) -> None:
+        """Make the decode batch's slots consecutive: llama.cpp runs a batch over several KV
+        streams as one pass only across consecutive sequence ids and splits it at every
+        gap (slots 0 and 2 cost two passes: 56 ms against 45 for slots 0 and 1, measured
+        with qwen2.5-coder-1.5b). The sequence on the highest slot moves into a free slot
+        inside the span, or just below it (llama_memory_seq_cp copies its KV stream: a few
+        ms, once); a slot that keeps a session's KV is not taken."""
+        if len(decoding) < 2 or not self.model.can_truncate:
+            return
+        while True:
+            ids = [s.seq_id for s in decoding]
+            lo, hi = min(ids), max(ids)
+            if hi - lo + 1 == len(ids):
+                return
+            holes = [k for k in self._free if lo - 1 <= k < hi and k not in ids
+                     and (self._resident.get(k) or (None,))[0] is None]
+            if not holes:
+                return
+            s = max(decoding, key=lambda q: q.seq_id)
+            inside = [k for k in holes if k > lo]
+            self._move(s, min(inside) if inside else lo - 1)
+
+    def _move(self, s: _Seq, slot: int) -> None:
+        """Move a sequence to a free slot, its KV with it (the old slot is left empty)."""
+        old = s.seq_id
+        self._claim(slot, keep=None)
+        self.ctx.seq_cp(old, slot)  # (cross-stream: the whole stream, at the next decode)
+        self.ctx.seq_rm(old)
+        self._free.append(old)
+        s.seq_id = slot
+        if s.spec is not None:
+            s.spec.slot = slot
+            s.spec.state.pop(DraftModel.name, None)  # what it knew of the old slot's draft KV
+        self.n_moves += 1
+
+
+# == 16. Engine: the scheduler thread and continuous batching ===================
+# HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
+# thread owns the llama context: each step it admits waiting requests into free
+# slots, runs ONE llama_decode with the next token of every generating sequence,
+# then one prefill chunk of a new prompt in its own llama_decode (see _step for why),
+# samples, and emits text. A request for n choices is a group: one prefill, then the
+# others are twins of the first (Engine._twins_sample): while their tokens are its tokens they
+# sample from its rows and compute none of their own; one that samples another token
+# gets a copy of its KV (llama_memory_seq_cp) and goes its own way. A request with a
+# cache_tag (a session) leaves its KV resident in its slot when it ends, and the next
+# request with that tag prefills only what follows the common token prefix.
+
+
+class Engine(_SlotTable):
     """A model, one context with ``n_slots`` sequences, and the scheduler thread.
 
     ``n_ctx`` is per sequence (what a user thinks of as the context); the KV memory
@@ -4055,99 +4236,6 @@ class Engine:
             self.n_cached_tok += seqs[0].n_cached
         self._active.append(seqs[0])
 
-    def _reusable(self, entry: list, req: Request) -> tuple:
-        """(n_cached, n_exact): how much of req's prompt a resident entry's KV can give.
-
-        Exact reuse ends at a chunk end both prompts share, below the first extra cut
-        where their chunkings differ (then every chunk before it was cut the same way)."""
-        _, tokens, _, exact, cuts = entry
-        prompt = req.prompt
-        common = min(common_prefix(tokens, prompt), len(prompt) - 1)  # the last token is computed, for logits
-        limit = min(common, exact)
-        mine, theirs = set(req.cuts), set(cuts)
-        differ = [c for c in mine ^ theirs if c < limit]
-        if differ:
-            limit = min(differ)
-        shared = [c for c in mine & theirs if c <= limit]
-        n_exact = max([limit // self.chunk * self.chunk] + shared)
-        n_cached = common if self.cache_reuse == "all" else n_exact
-        if n_cached < len(tokens) and not self.model.can_truncate:
-            return 0, 0  # recurrent state cannot be cut back: only an exact end can be continued
-        return n_cached, n_exact
-
-    def _take_slot(self, req: Request, reuse: bool = True) -> tuple:
-        """A free slot for req: (slot, prompt tokens already in its KV, of which exact).
-
-        The memory tier: free slots keep their last KV (a finished request's or a
-        session's). The longest reusable prefix wins; a plain entry or req's own session
-        is continued in place, another session's entry is copied (llama_memory_seq_cp)
-        so that session keeps it. Otherwise: req's own entry, an empty slot (lowest
-        first: fewer gaps in the decode batch's seq ids), then the least recently used
-        entry, plain ones before sessions.
-        """
-        disk, req.disk = req.disk, None
-        best, src = (0, 0), None
-        for k in self._free if reuse else ():
-            entry = self._resident.get(k)
-            if entry is not None:
-                got = self._reusable(entry, req)
-                if got[0] > best[0] or (got[0] == best[0] and got[0] and entry[0] == req.cache_tag):
-                    best, src = got, k
-        if disk is not None and disk[0] > best[0]:  # the disk tier has more of the prompt
-            slot = self._victim(req, exclude=None)
-            self._claim(slot, keep=None)
-            self.n_cache_misses += not best[0]
-            self.ctx.seq_rm(slot)
-            if self.ctx.state_seq_set(slot, disk[1]) and self.ctx.seq_pos_max(slot) == disk[0] - 1:
-                self.n_disk_hits += 1
-                return slot, disk[0], disk[0]
-            log.warning("llama.cpp refused a KV snapshot of %d tokens; recomputing it", disk[0])
-            self.ctx.seq_rm(slot)
-            return slot, 0, 0
-        own = src is not None and self._resident[src][0] in (None, req.cache_tag)
-        if src is not None and own:
-            slot = src
-        else:
-            slot = self._victim(req, exclude=src)
-            if slot is None:  # src is the only free slot: take it, its session recomputes later
-                slot, src = src, None
-            elif src is not None:
-                self.ctx.seq_cp(src, slot)  # the whole stream (cross-stream copies are whole), cut below
-                self._resident[src][2] = time.monotonic()
-        if src is None:
-            best = (0, 0)
-        if best[0]:
-            self.n_cache_hits += 1
-        elif reuse:
-            self.n_cache_misses += 1
-        self._claim(slot, keep=src)
-        self.ctx.seq_rm(slot, best[0] if best[0] else -1, -1)
-        return slot, best[0], best[1]
-
-    def _claim(self, slot: int, keep: Optional[int]) -> None:
-        """Take a free slot; its memory-tier entry goes (an eviction, unless it is the one reused)."""
-        self._free.remove(slot)
-        if self._resident.pop(slot, None) is not None and slot != keep:
-            self.n_cache_evictions += 1
-
-    def _victim(self, req: Request, exclude: Optional[int]) -> Optional[int]:
-        """The free slot whose KV matters least (see _take_slot), or None."""
-        free = [k for k in self._free if k != exclude]
-        if not free:
-            return None
-        res = self._resident
-        for k in free:
-            if k in res and res[k][0] is not None and res[k][0] == req.cache_tag:
-                return k
-        empty = [k for k in free if k not in res]
-        if empty:
-            return min(empty)
-        return min(free, key=lambda k: (res[k][0] is not None, res[k][2]))
-
-    def _evict(self, slot: int) -> None:
-        if self._resident.pop(slot, None) is not None:
-            self.ctx.seq_rm(slot)
-
     def _step(self) -> None:
         """One step: a decode batch for every generating sequence, then prefill chunks
         (up to n_batch prompt tokens, oldest request first).
@@ -4241,41 +4329,6 @@ class Engine:
             self._accept(s, tok)
             self._twins_sample(s, tok, twins, b.n - 1)
         return end - start
-
-    def _close_gaps(self, decoding: List[_Seq]) -> None:
-        """Make the decode batch's slots consecutive: llama.cpp runs a batch over several KV
-        streams as one pass only across consecutive sequence ids and splits it at every
-        gap (slots 0 and 2 cost two passes: 56 ms against 45 for slots 0 and 1, measured
-        with qwen2.5-coder-1.5b). The sequence on the highest slot moves into a free slot
-        inside the span, or just below it (llama_memory_seq_cp copies its KV stream: a few
-        ms, once); a slot that keeps a session's KV is not taken."""
-        if len(decoding) < 2 or not self.model.can_truncate:
-            return
-        while True:
-            ids = [s.seq_id for s in decoding]
-            lo, hi = min(ids), max(ids)
-            if hi - lo + 1 == len(ids):
-                return
-            holes = [k for k in self._free if lo - 1 <= k < hi and k not in ids
-                     and (self._resident.get(k) or (None,))[0] is None]
-            if not holes:
-                return
-            s = max(decoding, key=lambda q: q.seq_id)
-            inside = [k for k in holes if k > lo]
-            self._move(s, min(inside) if inside else lo - 1)
-
-    def _move(self, s: _Seq, slot: int) -> None:
-        """Move a sequence to a free slot, its KV with it (the old slot is left empty)."""
-        old = s.seq_id
-        self._claim(slot, keep=None)
-        self.ctx.seq_cp(old, slot)  # (cross-stream: the whole stream, at the next decode)
-        self.ctx.seq_rm(old)
-        self._free.append(old)
-        s.seq_id = slot
-        if s.spec is not None:
-            s.spec.slot = slot
-            s.spec.state.pop(DraftModel.name, None)  # what it knew of the old slot's draft KV
-        self.n_moves += 1
 
     def _twins_sample(self, lead: _Seq, tok: int, twins: List[_Seq], row: int) -> None:
         """lead sampled tok from the batch row; its twins (their history is lead's, so
@@ -4419,7 +4472,7 @@ class Engine:
                     req._finish(None, error)
 
 
-# == 15. The Conclave: best-of-N in one batch, voted ============================
+# == 17. The Conclave: best-of-N in one batch, voted ============================
 # N candidates of one prompt: one prefill, its KV copied to N-1 more slots
 # (Engine.submit_n), all decoded in the same steps with different seeds. As each
 # finishes, its answer is extracted and tallied; once the rest cannot change the
@@ -4576,7 +4629,7 @@ def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vo
                           int(sum(max(0.0, mean - r.n_gen_tok) for r in cancelled)))
 
 
-# == 16. Request bodies: OpenAI JSON to engine arguments ========================
+# == 18. Request bodies: OpenAI JSON to engine arguments ========================
 # What a request body asks for, checked field by field (a 400 with the field's name
 # and the reason, never a traceback), as SamplingParams, structure, speculation
 # and archive options, and chat messages. Pure functions of the body.
@@ -4717,7 +4770,7 @@ def _messages_from_body(body: dict) -> List[dict]:
     return out
 
 
-# == 17. Sessions: conversations the server keeps ===============================
+# == 19. Sessions: conversations the server keeps ===============================
 # A session id names a conversation whose history the server keeps, so a client
 # sends only its new message, and whose KV stays resident in the engine (its cache
 # tag) between turns. Sessions belong to the API key that made them.
@@ -4868,7 +4921,7 @@ class Sessions:
                 self._drop(s)
 
 
-# == 18. HTTP server ============================================================
+# == 20. HTTP server ============================================================
 # OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
 # thread per connection: it validates, templates, submits to the Engine, and writes
 # JSON or SSE from the Request's events. It never touches the llama context.
@@ -5261,7 +5314,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 srv.sessions.end(session)
 
     def _conclave(self, tokens, params, n, ext, chat, stream, include_usage, **submit_kw) -> None:
-        """best_of: n candidates voted (section 15). The response has one choice, the
+        """best_of: n candidates voted (section 17). The response has one choice, the
         winner, and a "conclave" object: the answer, the votes, candidates finished and
         cancelled (and each candidate with "reame": {"candidates": true}). Streaming
         sends the winner once decided, or, with candidates, every candidate's text as
@@ -5469,7 +5522,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-# == 19. Command line ===========================================================
+# == 21. Command line ===========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
