@@ -83,7 +83,7 @@ __all__ = [
     "NgramIndex", "SpecState", "DraftSource", "PromptLookup", "check_draft_pair", "DraftModel",
     "SpecController", "vocab_fingerprint", "pal_record", "pal_parse", "pal_segments", "pal_append", "ngram_key",
     "ArchiveIndex", "Palimpsest", "ArchiveSource", "ArchiveResync", "VOTE_EXTRACTORS", "check_extractor", "extract_answer",
-    "conclave_vote", "ConclaveResult", "run_conclave", "suggest_list", "suggest_list_end", "suggest_markdown", "suggest_fields",
+    "conclave_vote", "ConclaveResult", "run_conclave", "suggest_list", "suggest_markdown", "suggest_fields",
     "schema_gaps", "JsonScan", "align_proposal", "SUGGEST_RULES", "Suggestion", "JSON_OBJECT_GRAMMAR",
     "json_schema_grammar", "grammar_sampler", "check_grammar", "structure_from_body",
 ]
@@ -3034,42 +3034,6 @@ def suggest_list(text: str) -> str:
     return ""
 
 
-def suggest_list_end(text: str) -> str:
-    """Inside a list item's line, once it has as many words as the earlier items' median:
-    the line break and the next item's number (or bullet), spaced as the earlier items
-    were. A guess that the item ends here, so a rule of its own: the controller scores
-    it apart from "list" (whose proposals after a line break rarely miss) and stops
-    verifying it on a request where items run longer than it guesses."""
-    if not text or text.endswith("\n"):
-        return ""
-    lines = text[-4096:].split("\n")[-64:]
-    m = _LIST_ITEM.match(lines[-1]) or _BULLET.match(lines[-1])
-    if not m:
-        return ""
-    indent, mark = m.group(1), m.group(2)
-    numbered = mark[0].isdigit()
-    words, gaps, blank = [], [], 0
-    for line in reversed(lines[:-1]):
-        if not line.strip():
-            blank += 1
-            if blank > 1:
-                break
-            continue
-        p = _LIST_ITEM.match(line) if numbered else _BULLET.match(line)
-        if not p or p.group(1) != indent or (not numbered and p.group(2) != mark):
-            if line[:1] in (" ", "\t"):
-                blank = 0
-                continue  # an item's wrapped text, or a nested list
-            break
-        words.append(len(line[p.end() - 1:].split()))
-        gaps.append(blank)
-        blank = 0
-    if len(words) < 2 or len(lines[-1][m.end() - 1:].split()) < sorted(words)[len(words) // 2]:
-        return ""
-    nxt = "%s%d%s" % (indent, int(mark) + 1, m.group(3)) if numbered else indent + mark
-    return "\n" * (1 + gaps[0]) + nxt
-
-
 def suggest_markdown(text: str) -> str:
     """Tables: after the header row, the separator row (a cell per column); after a
     row, the next row's opening pipe. Headings: after a blank line in a document whose
@@ -3455,7 +3419,6 @@ def _json_probes(text: str) -> tuple:
 # rule -> (proposal from the written text, what may follow a proposal: align_proposal's probes)
 SUGGEST_RULES = {
     "list": (lambda w: suggest_list(w.text), (" A", " 1")),
-    "listend": (lambda w: suggest_list_end(w.text), (" A", " 1")),
     "markdown": (lambda w: suggest_markdown(w.text), (" a", "\n")),
     "fields": (lambda w: suggest_fields(w.text), (" A", " 1")),
     "json": (lambda w: w.json.suggest(), _json_probes),

@@ -1769,13 +1769,6 @@ def test_suggest_rules_lists_markdown_fields():
     assert L("1. a\n\n") == "\n2."                            # blank lines between items kept
     assert L("- milk\n") == "-" and L("  * eggs\n") == "  *"
     assert L("1. a") == "" and L("Hello\n") == "" and L("1. a\n\n\n") == ""
-    E = reame.suggest_list_end                                  # inside an item: guess that it ends here
-    items = "1. Water bottle\n2. Snacks\n3. First aid kit\n"
-    assert E(items + "4. Map") == ""                             # fewer words than the items' median (2)
-    assert E(items + "4. Rain jacket") == "\n5."
-    assert E("1) a\n\n2) b\n\n3) c") == "\n\n4)"                 # spaced as the items were
-    assert E("- a b\n- c d\n- e f") == "\n-"
-    assert E("1. a\n2. b") == "" and E("Intro\n1. a") == "" and E(items) == ""  # 2+ earlier items, not at a line start
     assert M("| Name | Age |\n") == "|---|---|"                # the header row: its separator
     assert M("| Name | Age |\n|---|---|\n| Bo | 3 |\n") == "|"  # a row: the next row's pipe
     assert M("# A\ntext\n\n# B\ntext\n\n") == "#"               # a document of level-1 headings
