@@ -2642,6 +2642,9 @@ class SpecController:
     time the probe loses (up to 2048), so a changed workload or machine is noticed
     without a steady cost where it cannot help; a source that could not pay even if
     every draft were right (verify or drafting too costly here) is not probed at all.
+    An engine-wide source (the draft model) is probed on the engine's clock, and on a
+    request where it has lost already, after that request's own growing gap too (a
+    request where it pays resets the engine's gap; prose should not pay for a copy's).
     Scheduler thread only; the counters are read by /metrics (ints and floats, atomic
     under the GIL): "on" is 1 while the last decision for the source was to use it.
     """
@@ -2748,6 +2751,8 @@ class SpecController:
                     self.counters[name]["on"], self.counters[name]["gain"] = 0, round(gain, 3)
                     if draft is not None or clock < sched.probe_at.get(name, 0):
                         continue  # (a free source is scored in the shadow: no probe needed)
+                    if sched is not st and acc.n[0] and len(st.history) < st.probe_at.get(name, 0):
+                        continue  # lost here already: this request's own gap too (others reset the engine's)
                     # probe only a source that could pay here at all, were every draft right
                     _, best_case = choose_k([1.0] * k_max, cost, n_cur, k_max, draft_s)
                     if not worth_it(best_case, margin):
@@ -2771,6 +2776,10 @@ class SpecController:
                 gap = sched.probe_gap.get(name, self.first_gap)
                 sched.probe_at[name] = clock + gap
                 sched.probe_gap[name] = min(4 * gap, 2048)
+                if sched is not st:
+                    gap = st.probe_gap.get(name, self.first_gap)
+                    st.probe_at[name] = len(st.history) + gap
+                    st.probe_gap[name] = min(4 * gap, 2048)
             elif st.opts.mode == "auto":  # chosen on its merits (a forced one proves nothing)
                 sched.probe_gap[name] = self.first_gap
             if log.isEnabledFor(logging.DEBUG):

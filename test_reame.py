@@ -1218,6 +1218,32 @@ def test_controller_prices_the_passes_llama_cpp_makes():
     assert abs(ctl.cost.cost(4) - before) < 1e-9
 
 
+def test_controller_reprobes_an_engine_wide_source_on_the_request_s_own_gap():
+    """A draft model's probe schedule is the engine's (one probe informs every request),
+    but where it lost on a request, that request waits its own growing gap too: another
+    request where it pays keeps resetting the engine's gap."""
+    ctl = reame.SpecController([_CostlySource(list(range(100, 132)))], margin=0.05, probe_k=2, probe_gap=16)
+    for _ in range(4):
+        ctl.observe_step(1, 0.1)
+        ctl.observe_step(5, 0.38)
+    st = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 16))
+
+    def after(n):  # n more tokens on this request, the engine's gap reset meanwhile
+        ctl.probe_gap["model"] = 16
+        for _ in range(n):
+            st.history.append(7)
+            plan = ctl.plan([(st, 16)], 1)[0]
+            if plan is not None:
+                return plan
+        return None
+    assert ctl.plan([(st, 16)], 1)[0] is not None        # probe 1 (nothing known)
+    ctl.verified(st, "model", 2, 0)                       # lost
+    assert after(24) is not None                          # probe 2: past both gaps (16 here)
+    ctl.verified(st, "model", 2, 0)
+    assert after(40) is None                              # the engine's gap (16) allows, this request's (64) not
+    assert after(40) is not None                          # 64 tokens on: probe 3
+
+
 def test_controller_scores_a_free_source_in_the_shadow():
     """A free source's proposals are scored against what the sequence then generates,
     so it is turned on and off without ever paying for a probe."""
