@@ -2736,12 +2736,14 @@ class SpecController:
                         continue  # (the engine-wide prior alone is not trusted with a verify's cost)
                     k_max = len(draft)
                 k, gain = choose_k(acc.p, cost, n_cur, k_max, draft_s)
-                if draft is not None and k < k_max and st.streak.get(name):
-                    # its last proposal came true whole, or for 8+ tokens: a copy going on. A
-                    # source's misses come in runs (an edit in a copy) that its per-position
-                    # estimate averages over, so the whole proposal is taken while it pays at all.
+                if draft is not None and k < k_max:
+                    # The whole proposal, while it pays at all, when its last proposal came
+                    # true whole or for 8+ tokens (a copy going on: a source's misses come in
+                    # runs, an edit in a copy, that its per-position estimate averages over),
+                    # or when it is expected to pay within 5% of the best k (the estimate is
+                    # pessimistic in a copy; a cut proposal costs a step to resume).
                     full = spec_gain(acc.p, k_max, cost, n_cur, draft_s)
-                    if worth_it(full, margin):
+                    if worth_it(full, margin) and (st.streak.get(name) or full >= 0.95 * gain):
                         k, gain = k_max, full
                 probe = False
                 if forced:
@@ -2826,7 +2828,7 @@ class SpecController:
             done = n < len(came) or n == len(toks)
             self._observe(st, name, len(toks) if done else n, n, scored)  # not done: the right ones so far
             if done and (n < len(toks) or n >= 4):
-                st.streak[name] = n == len(toks) or n >= 8  # (a copy that ran 8+ tokens is one)
+                st.streak[name] = n == len(toks) or n >= 5  # (a copy that ran 5+ tokens is one)
             if not done:
                 keep.append((start, toks, n))
         if proposal and (not keep or keep[-1][0] < len(hist)):
