@@ -2528,7 +2528,7 @@ class SpecState:
         self.state: dict = {}      # source name -> that source's state for this sequence
         self.acc: dict = {}        # source name -> Acceptance
         self.shadow: dict = {}     # free source name -> [(len(history) then, whole proposal, positions scored)]
-        self.streak: dict = {}     # free source name -> its last scored proposal came true whole (4+) or for 8+
+        self.streak: dict = {}     # free source name -> its last scored proposal came true whole (4+) or for 5+
         self.proposed_until: dict = {}  # free source name -> where its last proposal would have ended
         self.probe_at: dict = {}   # source name -> len(history) at which to try it again
         self.probe_gap: dict = {}  # source name -> tokens between probes (doubles while it loses)
@@ -2732,13 +2732,19 @@ class SpecController:
                         # copied stretch) in a copy: expected back soon
                         held = max(held, choose_k(acc.p, cost, n_cur, st.opts.max_k)[1])
                     draft = draft[:k_max]
-                    if not draft or (not forced and src.per_sequence and acc.n[0] < self.min_evidence):
-                        continue  # (the engine-wide prior alone is not trusted with a verify's cost)
+                    if not draft:
+                        continue
+                    if not forced and src.per_sequence and acc.n[0] < self.min_evidence:
+                        # the engine-wide prior alone is not trusted with a verify's cost, but
+                        # a costly source must beat it to take this step (the evidence comes
+                        # with the next token)
+                        held = max(held, choose_k(acc.p, cost, n_cur, len(draft))[1])
+                        continue
                     k_max = len(draft)
                 k, gain = choose_k(acc.p, cost, n_cur, k_max, draft_s)
                 if draft is not None and k < k_max:
                     # The whole proposal, while it pays at all, when its last proposal came
-                    # true whole or for 8+ tokens (a copy going on: a source's misses come in
+                    # true whole or for 5+ tokens (a copy going on: a source's misses come in
                     # runs, an edit in a copy, that its per-position estimate averages over),
                     # or when it is expected to pay within 5% of the best k (the estimate is
                     # pessimistic in a copy; a cut proposal costs a step to resume).

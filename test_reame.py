@@ -1276,7 +1276,7 @@ def test_controller_scores_a_free_source_in_the_shadow():
 
 
 def test_controller_a_long_copy_with_one_edit_is_still_a_copy():
-    """A free source's proposal that came true for 8+ tokens and then missed (an edit in a
+    """A free source's proposal that came true for 5+ tokens and then missed (an edit in a
     copied text) keeps its streak: the next proposal is taken whole, not cut to what the
     per-position estimate, pulled down by misses, would pay for. A short run ends it."""
     class Copier(reame.DraftSource):
