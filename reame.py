@@ -79,7 +79,7 @@ __all__ = [
     "pick_threads", "Request", "Result", "Engine", "main", "TextStream", "Progress", "setup_logging",
     "lib", "Server", "Sessions", "params_from_body", "spec_from_body", "archive_from_body", "common_prefix", "DiskCache", "model_fingerprint",
     "default_cache_bytes", "parse_size", "kv_cache_entries", "kv_cache_prune",
-    "SPEC_MODES", "SpecOptions", "expected_tokens", "spec_gain", "choose_k", "worth_it", "CostModel", "Acceptance",
+    "SPEC_MODES", "SpecOptions", "expected_tokens", "spec_gain", "choose_k", "decode_passes", "worth_it", "CostModel", "Acceptance",
     "NgramIndex", "SpecState", "DraftSource", "PromptLookup", "check_draft_pair", "DraftModel",
     "SpecController", "vocab_fingerprint", "pal_record", "pal_parse", "pal_segments", "pal_append", "ngram_key",
     "ArchiveIndex", "Palimpsest", "ArchiveSource", "ArchiveResync", "VOTE_EXTRACTORS", "check_extractor", "extract_answer",
