@@ -24,15 +24,16 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
    10. Palimpsest: the archive of generations
    11. Speculation: draft sources and the controller
    12. The draft model
-   13. Il Suggeritore: structure as drafts, and structured output
-   14. Requests: what the engine takes and gives back
-   15. Slots: the memory tier, and consecutive sequence ids
-   16. Engine: the scheduler thread and continuous batching
-   17. The Conclave: best-of-N in one batch, voted
-   18. Request bodies: OpenAI JSON to engine arguments
-   19. Sessions: conversations the server keeps
-   20. HTTP server (OpenAI-compatible)
-   21. Command line
+   13. Il Suggeritore: structure as drafts
+   14. Structured output: json_schema to GBNF
+   15. Requests: what the engine takes and gives back
+   16. Slots: the memory tier, and consecutive sequence ids
+   17. Engine: the scheduler thread and continuous batching
+   18. The Conclave: best-of-N in one batch, voted
+   19. Request bodies: OpenAI JSON to engine arguments
+   20. Sessions: conversations the server keeps
+   21. HTTP server (OpenAI-compatible)
+   22. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -1513,7 +1514,7 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
 # prefix under $REAME_HOME/kv/<model fingerprint>/, named by a hash of the fingerprint,
 # the KV parameters and the prefix's tokens: another process, or this one after a
 # restart, finds a prefix without an index. The engine snapshots only whole prefill
-# chunks on an exact prefix (section 15), so a restored prefix is what a cold prefill
+# chunks on an exact prefix (section 16), so a restored prefix is what a cold prefill
 # computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
 # tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
 # the least recently used files go first when the directory is over its size bound.
@@ -2292,7 +2293,7 @@ class Palimpsest:
 
 # == 11. Speculation: draft sources and the controller ==========================
 # Draft sources propose tokens; the target verifies them in the scheduler's batch
-# step (section 16) and keeps the longest run it would have produced itself. The
+# step (section 17) and keeps the longest run it would have produced itself. The
 # controller measures, live, what a verify step of k+1 tokens costs against one
 # token, and how often each source is right by draft position, and speculates only
 # where that pays. Everything that decides is a pure function, tested without a model.
@@ -3003,7 +3004,7 @@ class DraftModel(DraftSource):
         self.ctx.close()
 
 
-# == 13. Il Suggeritore: structure as drafts, and structured output ==============
+# == 13. Il Suggeritore: structure as drafts =====================================
 # The prompter of the opera house: it whispers what structure comes next, and the
 # model, verifying in the batch, takes it or not. Rules are pure functions of the text
 # generated so far (a numbered list's next number, a table's separator row, a record's
@@ -3011,8 +3012,8 @@ class DraftModel(DraftSource):
 # json_schema adds its keys and punctuation. Each rule is its own free draft source,
 # shadow-scored by the controller (section 11), so a rule that keeps missing on a
 # request stops costing verify rows. Proposed text becomes tokens only where they line
-# up with what the model would emit (align_proposal). The same section turns a
-# json_schema into a GBNF grammar for llama.cpp's grammar sampler (real constraints).
+# up with what the model would emit (align_proposal). Section 14 turns a json_schema
+# into a GBNF grammar for llama.cpp's grammar sampler (real constraints).
 
 _LIST_ITEM = re.compile(r"^([ \t]*)(\d{1,4})([.)])[ \t]+\S")
 _BULLET = re.compile(r"^([ \t]*)([-*+\u2022])[ \t]+\S")
@@ -3470,7 +3471,13 @@ class Suggestion(DraftSource):
         return out
 
 
-# -- structured output: json_schema -> GBNF for llama.cpp's grammar sampler
+# == 14. Structured output: json_schema to GBNF ==================================
+# response_format's json_object and json_schema, and a raw grammar, constrain decoding
+# through llama.cpp's grammar sampler (section 7); here a json_schema becomes GBNF:
+# objects with required properties, arrays with item bounds, strings with length
+# bounds, numbers, booleans, enum and const, anyOf/oneOf, $ref (_SCHEMA_KNOWN); anything
+# else is a 400 naming it. Il Suggeritore (section 13) drafts where a constraint leaves
+# one way on.
 
 _GBNF_BASE = r'''
 string ::= "\"" char* "\""
@@ -3630,7 +3637,7 @@ def json_schema_grammar(schema: dict) -> str:
     return "\n".join(lines) + "\n" + _GBNF_BASE
 
 
-# == 14. Requests: what the engine takes and gives back ==========================
+# == 15. Requests: what the engine takes and gives back ==========================
 # A Request is one generation as its submitter sees it (events to read, cancel, wait);
 # a _Seq is the scheduler's private state of it while it holds a slot; a Result is
 # what it produced.
@@ -3746,7 +3753,7 @@ class _Seq:
 _STOP = object()
 
 
-# == 15. Slots: the memory tier, and consecutive sequence ids ===================
+# == 16. Slots: the memory tier, and consecutive sequence ids ===================
 # Each slot is one sequence of the llama context (one KV stream). A free slot keeps its
 # last KV (a finished request's, or a session's): the memory tier a new request's
 # prompt is matched against. The sequences that decode are kept on consecutive slots,
@@ -3898,7 +3905,7 @@ class _SlotTable:
         self.n_moves += 1
 
 
-# == 16. Engine: the scheduler thread and continuous batching ===================
+# == 17. Engine: the scheduler thread and continuous batching ===================
 # HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
 # thread owns the llama context: each step it admits waiting requests into free
 # slots, runs ONE llama_decode with the next token of every generating sequence,
@@ -4452,7 +4459,7 @@ class Engine(_SlotTable):
                     req._finish(None, error)
 
 
-# == 17. The Conclave: best-of-N in one batch, voted ============================
+# == 18. The Conclave: best-of-N in one batch, voted ============================
 # N candidates of one prompt: one prefill, its KV copied to N-1 more slots
 # (Engine.submit_n), all decoded in the same steps with different seeds. As each
 # finishes, its answer is extracted and tallied; once the rest cannot change the
@@ -4609,7 +4616,7 @@ def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vo
                           int(sum(max(0.0, mean - r.n_gen_tok) for r in cancelled)))
 
 
-# == 18. Request bodies: OpenAI JSON to engine arguments ========================
+# == 19. Request bodies: OpenAI JSON to engine arguments ========================
 # What a request body asks for, checked field by field (a 400 with the field's name
 # and the reason, never a traceback), as SamplingParams, structure, speculation
 # and archive options, and chat messages. Pure functions of the body.
@@ -4750,7 +4757,7 @@ def _messages_from_body(body: dict) -> List[dict]:
     return out
 
 
-# == 19. Sessions: conversations the server keeps ===============================
+# == 20. Sessions: conversations the server keeps ===============================
 # A session id names a conversation whose history the server keeps, so a client
 # sends only its new message, and whose KV stays resident in the engine (its cache
 # tag) between turns. Sessions belong to the API key that made them.
@@ -4901,7 +4908,7 @@ class Sessions:
                 self._drop(s)
 
 
-# == 20. HTTP server ============================================================
+# == 21. HTTP server ============================================================
 # OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
 # thread per connection: it validates, templates, submits to the Engine, and writes
 # JSON or SSE from the Request's events. It never touches the llama context.
@@ -5294,7 +5301,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 srv.sessions.end(session)
 
     def _conclave(self, tokens, params, n, ext, chat, stream, include_usage, **submit_kw) -> None:
-        """best_of: n candidates voted (section 17). The response has one choice, the
+        """best_of: n candidates voted (section 18). The response has one choice, the
         winner, and a "conclave" object: the answer, the votes, candidates finished and
         cancelled (and each candidate with "reame": {"candidates": true}). Streaming
         sends the winner once decided, or, with candidates, every candidate's text as
@@ -5502,7 +5509,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-# == 21. Command line ===========================================================
+# == 22. Command line ===========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
