@@ -2782,13 +2782,9 @@ class SpecController:
             c["on"] = int(not probe)
             c["probes"] += probe
             if probe:
-                gap = sched.probe_gap.get(name, self.first_gap)
-                sched.probe_at[name] = clock + gap
-                sched.probe_gap[name] = min(4 * gap, 2048)
+                self._next_probe(sched, name, clock)
                 if sched is not st:
-                    gap = st.probe_gap.get(name, self.first_gap)
-                    st.probe_at[name] = len(st.history) + gap
-                    st.probe_gap[name] = min(4 * gap, 2048)
+                    self._next_probe(st, name, len(st.history))
             elif st.opts.mode == "auto":  # chosen on its merits (a forced one proves nothing)
                 sched.probe_gap[name] = self.first_gap
             if log.isEnabledFor(logging.DEBUG):
@@ -2814,6 +2810,13 @@ class SpecController:
             for (i, _), d in zip(wants, drafts):
                 plans[i] = (name, d)
         return plans
+
+    def _next_probe(self, sched, name: str, clock: int) -> None:
+        """A probe of name now: on sched's clock (the engine's or a request's), the next
+        one a gap later, and the gap 4x longer (up to 2048) until it wins."""
+        gap = sched.probe_gap.get(name, self.first_gap)
+        sched.probe_at[name] = clock + gap
+        sched.probe_gap[name] = min(4 * gap, 2048)
 
     def _observe(self, st: SpecState, name: str, k: int, n_accepted: int, first: int = 0) -> None:
         """Acceptance.observe on the sequence's estimate and the engine-wide one (which
@@ -3898,11 +3901,16 @@ class _SlotTable:
         self.ctx.seq_cp(old, slot)  # (cross-stream: the whole stream, at the next decode)
         self.ctx.seq_rm(old)
         self._free.append(old)
+        self._renumber(s, slot)
+        self.n_moves += 1
+
+    @staticmethod
+    def _renumber(s: _Seq, slot: int) -> None:
+        """s's sequence id is now slot (its KV moved there, or it held none)."""
         s.seq_id = slot
         if s.spec is not None:
             s.spec.slot = slot
             s.spec.state.pop(DraftModel.name, None)  # what it knew of the old slot's draft KV
-        self.n_moves += 1
 
 
 # == 17. Engine: the scheduler thread and continuous batching ===================
@@ -4251,9 +4259,10 @@ class Engine(_SlotTable):
         b = self._batch
         if decoding:
             # (a sequence with twins does not speculate: they would have to follow every draft)
+            ids = [s.seq_id for s in decoding]
             plans = self.spec.plan([(None if s.twins else s.spec,
                                      min(s.max_tokens - len(s.tokens) - 1, self.n_ctx - s.n_past - 2))
-                                    for s in decoding], len(decoding), b.capacity, [s.seq_id for s in decoding])
+                                    for s in decoding], len(decoding), b.capacity, ids)
             b.clear()
             for s, plan in zip(decoding, plans):
                 b.add(s.last, s.n_past, s.seq_id, True)
@@ -4272,7 +4281,7 @@ class Engine(_SlotTable):
                 if twins:
                     self._twins_sample(s, s.last, twins, row)
             # what a step of b.n rows costs: the decode and each row's sampling and checks
-            self.spec.observe_step(decode_passes([s.seq_id for s in decoding], [1 + len(p[1]) if p else 1 for p in plans])
+            self.spec.observe_step(decode_passes(ids, [1 + len(p[1]) if p else 1 for p in plans])
                                    if len(decoding) > 1 else b.n, time.perf_counter() - t1)
             self.n_decode_tok += b.n
             self.t_decode_s += t2 - t1
@@ -4346,11 +4355,9 @@ class Engine(_SlotTable):
         low = min((g for g in group if g is not f and g.seq_id < f.seq_id and g not in self._active
                    and g.seq_id not in self._free), key=lambda g: g.seq_id, default=None)
         if low is not None:
-            f.seq_id, low.seq_id = low.seq_id, f.seq_id
-            for q in (f, low):
-                if q.spec is not None:
-                    q.spec.slot = q.seq_id
-                    q.spec.state.pop(DraftModel.name, None)
+            mine = f.seq_id
+            self._renumber(f, low.seq_id)
+            self._renumber(low, mine)
         self.ctx.seq_cp(lead.seq_id, f.seq_id)  # (a cross-stream copy: the whole stream)
         f.n_done, f.n_past, f.n_exact, f.cuts = lead.n_done, lead.n_past, lead.n_exact, lead.cuts
         self._active.append(f)
