@@ -21,7 +21,7 @@ PIN_VERSION="11434.0.0"
 PIN_SHA256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 # The patches below (patch_tree): bump PATCH_ID whenever they change, so the source is
 # unpacked and patched afresh and the build cache key changes.
-PATCH_ID="reame-p8"
+PATCH_ID="reame-p9"
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="$HERE/_llama"
@@ -172,6 +172,32 @@ static inline void reame_q4_K_scales(const uint8_t * scales, uint32_t utmp[4]) {
 // unpacking) is done once for all columns.
 #define REAME_MC_MAX 32
 #define REAME_PREFETCH 8  // weight blocks ahead (a prefetch past the end is harmless)
+#define REAME_PREFETCH_BLOCK(x) \
+    for (int o_ = 0; o_ < (int) sizeof(*(x)); o_ += 64) _mm_prefetch((const char *)((x) + REAME_PREFETCH) + o_, _MM_HINT_T0)
+// a Q4_K block's 8 scales as 16-bit values in both 128-bit halves (for get_scale_shuffle_k4),
+// and its 8 mins
+static inline __m256i reame_q4_K_scales_mins(const block_q4_K * x, __m128i * mins) {
+    uint32_t utmp[4];
+    reame_q4_K_scales(x->scales, utmp);
+    const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
+    *mins = _mm256_extracti128_si256(mins_and_scales, 1);
+    const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
+    return MM256_SET_M128I(sc128, sc128);
+}
+// the mins' part of a Q4_K . q8_K block product, added to acc_m as ggml's one-row kernel does
+static inline __m128 reame_q4_K_mins_acc(__m128i mins, const block_q8_K * y, float dminx, __m128 acc_m) {
+    const float dmin = -y->d * dminx;
+    const __m256i q8sums = _mm256_loadu_si256((const __m256i*)y->bsums);
+    const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+    const __m128i prod = _mm_madd_epi16(mins, q8s);
+    return _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m);
+}
+// a Q4_K row's result from its two accumulators, summed as ggml's one-row kernel does
+static inline float reame_q4_K_sum(__m256 acc, __m128 am) {
+    am = _mm_add_ps(am, _mm_movehl_ps(am, am));
+    am = _mm_add_ss(am, _mm_movehdup_ps(am));
+    return hsum_float_8(acc) + _mm_cvtss_f32(am);
+}
 void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
     const block_q4_K * x = vx;
     const block_q8_K * y0 = vy;
@@ -181,15 +207,11 @@ void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
     __m128 acc_m[REAME_MC_MAX];
     for (int c = 0; c < nc; ++c) { acc[c] = _mm256_setzero_ps(); acc_m[c] = _mm_setzero_ps(); }
     for (int i = 0; i < nb; ++i) {
-        for (int o = 0; o < (int) sizeof(block_q4_K); o += 64) _mm_prefetch((const char *)(x + i + REAME_PREFETCH) + o, _MM_HINT_T0);
+        REAME_PREFETCH_BLOCK(x + i);
         const float dx = GGML_CPU_FP16_TO_FP32(x[i].d);
         const float dminx = GGML_CPU_FP16_TO_FP32(x[i].dmin);
-        uint32_t utmp[4];
-        reame_q4_K_scales(x[i].scales, utmp);
-        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
-        const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
-        const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
-        const __m256i scales = MM256_SET_M128I(sc128, sc128);
+        __m128i mins;
+        const __m256i scales = reame_q4_K_scales_mins(x + i, &mins);
         __m256i sl[4], sh[4], ql[4], qh[4];
         const uint8_t * q4 = x[i].qs;
         for (int j = 0; j < 4; ++j) {
@@ -202,11 +224,7 @@ void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
         for (int c = 0; c < nc; ++c) {
             const block_q8_K * y = (const block_q8_K *)((const char *)y0 + c*by);
             const float d = y[i].d * dx;
-            const float dmin = -y[i].d * dminx;
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i*)y[i].bsums);
-            const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-            const __m128i prod = _mm_madd_epi16(mins, q8s);
-            acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[c]);
+            acc_m[c] = reame_q4_K_mins_acc(mins, y + i, dminx, acc_m[c]);
             const int8_t * q8 = y[i].qs;
             __m256i sumi = _mm256_setzero_si256();
             for (int j = 0; j < 4; ++j) {
@@ -221,12 +239,7 @@ void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
             acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi), acc[c]);
         }
     }
-    for (int c = 0; c < nc; ++c) {
-        __m128 am = acc_m[c];
-        am = _mm_add_ps(am, _mm_movehl_ps(am, am));
-        am = _mm_add_ss(am, _mm_movehdup_ps(am));
-        s[c*bs] = hsum_float_8(acc[c]) + _mm_cvtss_f32(am);
-    }
+    for (int c = 0; c < nc; ++c) s[c*bs] = reame_q4_K_sum(acc[c], acc_m[c]);
 }
 
 // reame: 128 Q6_K values (64 bytes of ql, 32 of qh) as four vectors of 32 unsigned 6-bit
@@ -254,7 +267,7 @@ void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
     __m256 acc[REAME_MC_MAX];
     for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        for (int o = 0; o < (int) sizeof(block_q6_K); o += 64) _mm_prefetch((const char *)(x + i + REAME_PREFETCH) + o, _MM_HINT_T0);
+        REAME_PREFETCH_BLOCK(x + i);
         const float dx = GGML_CPU_FP16_TO_FP32(x[i].d);
         const uint8_t * q4 = x[i].ql;
         const uint8_t * qh = x[i].qh;
@@ -468,15 +481,11 @@ void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void
     __m128 acc_m[REAME_MC_MAX];
     for (int c = 0; c < nc; ++c) { acc[c] = _mm256_setzero_ps(); acc_m[c] = _mm_setzero_ps(); }
     for (int i = 0; i < nb; ++i) {
-        for (int o = 0; o < (int) sizeof(block_q4_K); o += 64) _mm_prefetch((const char *)(x + i + REAME_PREFETCH) + o, _MM_HINT_T0);
+        REAME_PREFETCH_BLOCK(x + i);
         const float dx = GGML_CPU_FP16_TO_FP32(x[i].d);
         const float dminx = GGML_CPU_FP16_TO_FP32(x[i].dmin);
-        uint32_t utmp[4];
-        reame_q4_K_scales(x[i].scales, utmp);
-        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
-        const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
-        const __m128i sc128 = _mm256_extracti128_si256(mins_and_scales, 0);
-        const __m256i scales = MM256_SET_M128I(sc128, sc128);
+        __m128i mins;
+        const __m256i scales = reame_q4_K_scales_mins(x + i, &mins);
         __m512i w[4], sc[4];
         const uint8_t * q4 = x[i].qs;
         for (int j = 0; j < 4; ++j) {
@@ -488,20 +497,11 @@ void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void
         for (int c = 0; c < nc; ++c) {
             const block_q8_K * y = (const block_q8_K *)((const char *)y0 + c*by);
             const float d = y[i].d * dx;
-            const float dmin = -y[i].d * dminx;
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i*)y[i].bsums);
-            const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-            const __m128i prod = _mm_madd_epi16(mins, q8s);
-            acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[c]);
+            acc_m[c] = reame_q4_K_mins_acc(mins, y + i, dminx, acc_m[c]);
             acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(reame_dot4(w, sc, y[i].qs)), acc[c]);
         }
     }
-    for (int c = 0; c < nc; ++c) {
-        __m128 am = acc_m[c];
-        am = _mm_add_ps(am, _mm_movehl_ps(am, am));
-        am = _mm_add_ss(am, _mm_movehdup_ps(am));
-        s[c*bs] = hsum_float_8(acc[c]) + _mm_cvtss_f32(am);
-    }
+    for (int c = 0; c < nc; ++c) s[c*bs] = reame_q4_K_sum(acc[c], acc_m[c]);
 }
 void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
     const block_q6_K * x = vx;
@@ -510,7 +510,7 @@ void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void
     __m256 acc[REAME_MC_MAX];
     for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        for (int o = 0; o < (int) sizeof(block_q6_K); o += 64) _mm_prefetch((const char *)(x + i + REAME_PREFETCH) + o, _MM_HINT_T0);
+        REAME_PREFETCH_BLOCK(x + i);
         const float dx = GGML_CPU_FP16_TO_FP32(x[i].d);
         const uint8_t * q4 = x[i].ql;
         const uint8_t * qh = x[i].qh;
