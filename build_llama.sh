@@ -21,7 +21,7 @@ PIN_VERSION="11434.0.0"
 PIN_SHA256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 # The patches below (patch_tree): bump PATCH_ID whenever they change, so the source is
 # unpacked and patched afresh and the build cache key changes.
-PATCH_ID="reame-p9"
+PATCH_ID="reame-p10"
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="$HERE/_llama"
@@ -123,9 +123,12 @@ fi
 #    unpacks each weight block once and runs the one-row kernel's exact integer and
 #    float operations per token, so each result is bit-identical to the one-row kernel's
 #    (test_rows_of_one_step_get_the_logits_they_get_alone) and an extra token costs about
-#    half as much. With AVX-512, 16-bit dot products (exact, so the same int32 sums) over
-#    tiles of 4 weight rows make an extra token cheaper again (8 tokens: 3.3x one token
-#    instead of 4.2x on a 2-vCPU Zen 4 guest).
+#    half as much. With AVX-512, one kernel serves one token and many (8 tokens per pass
+#    over the weights, sums in registers, VNNI 4-product sums): a token's result is the
+#    same alone or batched, though no longer ggml's bits. Its rows go to the threads in
+#    few long chunks, so the weight prefetch is not cut every 16 rows. Measured on a
+#    2-vCPU Zen 4 guest (qwen2.5-coder-1.5b, reame-p10 vs p9, bench.py --step-cost):
+#    step time 0.70x at one token, 0.60x at 2, 0.68x at 4, 0.80x at 8, 0.94x at 33.
 patch_tree() {  # $1: a llama.cpp tree we own; 0 if all patches are in
   python3 - "$1" <<'PYEOF'
 import sys
@@ -447,95 +450,123 @@ void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
 }
 #endif // reame multi-column
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__)
-// reame: the multi-column kernels above in 512-bit registers, for one token or many. Two
-// 32-value chunks share a register (the low and high nibbles of the same 32 bytes, or two
-// Q6_K chunks, and the 64 q8 values after each other); products go through maddubs as in
-// ggml, then dpwssd multiplies by the chunk's scale and adds (madd + add without VNNI).
-// Integer sums are exact, so folding the two halves gives the one-row kernel's int32 per
-// lane and block, and the float operations after it are the one-row kernel's: each
-// result is bit-identical to ggml_vec_dot_q*_K_q8_K's. Weight blocks are prefetched
-// REAME_PREFETCH blocks ahead: with that the loads overlap the per-token work (measured on
-// a Zen 4 guest, qwen2.5-coder-1.5b: a 4-token step 1.7x a 1-token one, was 2.7x).
+// reame: Q4_K/Q6_K kernels in 512-bit registers, for one token or many. A register holds
+// 64 weights (two 32-value chunks); vpdpbusd sums 4 products at a time (|sum| <=
+// 4*63*128 fits 16 bits), two registers of such sums pack into one of 16-bit sums, and
+// vpdpwssd multiplies each by its chunk's scale and adds: 3 multiply instructions per 128
+// values where ggml's maddubs + madd take 4. Up to 8 tokens share a pass over the weights
+// with their sums in registers (a 9th starts another pass). Integer sums are exact and
+// the float steps after them do not depend on how many tokens share the step, so a token
+// gets the same bits alone or in a batch (not ggml's kernel's bits: its lanes are added
+// in another order; as close to the exact dot product). Weight blocks are prefetched
+// REAME_PREFETCH blocks ahead so the loads overlap the per-token work.
 #if defined(__AVX512VNNI__)
+#define REAME_DPBUSD512(a, b) _mm512_dpbusd_epi32(_mm512_setzero_si512(), (a), (b))
 #define REAME_DPWSSD512(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
 #else
+#define REAME_DPBUSD512(a, b) _mm512_madd_epi16(_mm512_maddubs_epi16((a), (b)), _mm512_set1_epi16(1))
 #define REAME_DPWSSD512(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
 #endif
+#define REAME_COLS 8
 static inline __m512i reame_pair(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
-static inline __m256i reame_fold(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
-// sum over the block's four register pairs: w (weights, unsigned) . q8, times scales sc
+// one block of one token: the 4 weight registers w . its q8 values, 4-value sums packed as
+// _mm512_packs_epi32 leaves them (128-bit lane L: 4 sums of w[m]'s lane L, then 4 of
+// w[m+1]'s), times the scales sc[0], sc[1] laid out to match; 8 int32 lanes
 static inline __m256i reame_dot4(const __m512i * w, const __m512i * sc, const int8_t * q8) {
     const __m512i * q = (const __m512i *) q8;
-    __m512i sa = REAME_DPWSSD512(_mm512_setzero_si512(), sc[0], _mm512_maddubs_epi16(w[0], _mm512_loadu_si512(q + 0)));
-    __m512i sb = REAME_DPWSSD512(_mm512_setzero_si512(), sc[1], _mm512_maddubs_epi16(w[1], _mm512_loadu_si512(q + 1)));
-    sa = REAME_DPWSSD512(sa, sc[2], _mm512_maddubs_epi16(w[2], _mm512_loadu_si512(q + 2)));
-    sb = REAME_DPWSSD512(sb, sc[3], _mm512_maddubs_epi16(w[3], _mm512_loadu_si512(q + 3)));
-    return reame_fold(_mm512_add_epi32(sa, sb));
+    const __m512i p01 = _mm512_packs_epi32(REAME_DPBUSD512(w[0], _mm512_loadu_si512(q + 0)),
+                                           REAME_DPBUSD512(w[1], _mm512_loadu_si512(q + 1)));
+    const __m512i p23 = _mm512_packs_epi32(REAME_DPBUSD512(w[2], _mm512_loadu_si512(q + 2)),
+                                           REAME_DPBUSD512(w[3], _mm512_loadu_si512(q + 3)));
+    const __m512i s = REAME_DPWSSD512(REAME_DPWSSD512(_mm512_setzero_si512(), p01, sc[0]), p23, sc[1]);
+    return _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
 }
-void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
-    const block_q4_K * x = vx;
-    const block_q8_K * y0 = vy;
-    const int nb = n / QK_K;
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc[REAME_MC_MAX];
-    __m128 acc_m[REAME_MC_MAX];
-    for (int c = 0; c < nc; ++c) { acc[c] = _mm256_setzero_ps(); acc_m[c] = _mm_setzero_ps(); }
+// the scale of each 16-bit lane after the packs: Q4_K's w[m] holds chunks 2m (low half)
+// and 2m+1 (high half); Q6_K's lane L of w[m] is its 16-value group 4m+L
+static const int16_t reame_q4_K_sc_idx[64] = {
+    0,0,0,0, 2,2,2,2,  0,0,0,0, 2,2,2,2,  1,1,1,1, 3,3,3,3,  1,1,1,1, 3,3,3,3,
+    4,4,4,4, 6,6,6,6,  4,4,4,4, 6,6,6,6,  5,5,5,5, 7,7,7,7,  5,5,5,5, 7,7,7,7 };
+static const int16_t reame_q6_K_sc_idx[64] = {
+    0,0,0,0, 4,4,4,4,  1,1,1,1, 5,5,5,5,  2,2,2,2, 6,6,6,6,  3,3,3,3, 7,7,7,7,
+    8,8,8,8, 12,12,12,12,  9,9,9,9, 13,13,13,13,  10,10,10,10, 14,14,14,14,  11,11,11,11, 15,15,15,15 };
+// each of a Q4_K block's 8 mins twice, to meet the two 16-value bsums of its chunk
+static const uint8_t reame_q4_K_min_dup[32] = {
+    0,1,0,1, 2,3,2,3, 4,5,4,5, 6,7,6,7,  8,9,8,9, 10,11,10,11, 12,13,12,13, 14,15,14,15 };
+// nc (1..REAME_COLS, a constant after inlining) tokens against one weight row
+static inline __attribute__((always_inline)) void reame_q4_K_512_cols(
+        int nb, const block_q4_K * x, const block_q8_K * y0, size_t by, float * s, size_t bs, const int nc) {
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    const __m256i dup = _mm256_loadu_si256((const __m256i *) reame_q4_K_min_dup);
+    __m256 acc[REAME_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
         REAME_PREFETCH_BLOCK(x + i);
         const float dx = GGML_CPU_FP16_TO_FP32(x[i].d);
         const float dminx = GGML_CPU_FP16_TO_FP32(x[i].dmin);
         __m128i mins;
-        const __m256i scales = reame_q4_K_scales_mins(x + i, &mins);
-        __m512i w[4], sc[4];
-        const uint8_t * q4 = x[i].qs;
-        for (int j = 0; j < 4; ++j) {
-            sc[j] = reame_pair(_mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2*j+0)),
-                               _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2*j+1)));
-            const __m256i q4bits = _mm256_loadu_si256((const __m256i*)q4); q4 += 32;
-            w[j] = reame_pair(_mm256_and_si256(q4bits, m4), _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4));
+        const __m512i scales = _mm512_castsi256_si512(reame_q4_K_scales_mins(x + i, &mins));
+        const __m256i mins2 = _mm256_shuffle_epi8(MM256_SET_M128I(mins, mins), dup);
+        __m512i w[4], sc[2];
+        sc[0] = _mm512_permutexvar_epi16(_mm512_loadu_si512((const __m512i *) reame_q4_K_sc_idx), scales);
+        sc[1] = _mm512_permutexvar_epi16(_mm512_loadu_si512((const __m512i *) (reame_q4_K_sc_idx + 32)), scales);
+        for (int j = 0; j < 4; ++j) {  // low nibbles: chunk 2j, high nibbles: chunk 2j+1
+            const __m512i q4bits = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (x[i].qs + 32*j)));
+            w[j] = _mm512_and_si512(_mm512_srlv_epi16(q4bits, shift), m4);
         }
         for (int c = 0; c < nc; ++c) {
-            const block_q8_K * y = (const block_q8_K *)((const char *)y0 + c*by);
-            const float d = y[i].d * dx;
-            acc_m[c] = reame_q4_K_mins_acc(mins, y + i, dminx, acc_m[c]);
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(reame_dot4(w, sc, y[i].qs)), acc[c]);
+            const block_q8_K * y = (const block_q8_K *) ((const char *) y0 + c*by) + i;
+            const __m256i pm = _mm256_madd_epi16(mins2, _mm256_loadu_si256((const __m256i *) y->bsums));
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(y->d * dx), _mm256_cvtepi32_ps(reame_dot4(w, sc, y->qs)), acc[c]);
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(-y->d * dminx), _mm256_cvtepi32_ps(pm), acc[c]);
         }
     }
-    for (int c = 0; c < nc; ++c) s[c*bs] = reame_q4_K_sum(acc[c], acc_m[c]);
+    for (int c = 0; c < nc; ++c) s[c*bs] = hsum_float_8(acc[c]);
 }
-void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
-    const block_q6_K * x = vx;
-    const block_q8_K * y0 = vy;
-    const int nb = n / QK_K;
-    __m256 acc[REAME_MC_MAX];
+static inline __attribute__((always_inline)) void reame_q6_K_512_cols(
+        int nb, const block_q6_K * x, const block_q8_K * y0, size_t by, float * s, size_t bs, const int nc) {
+    __m256 acc[REAME_COLS];
     for (int c = 0; c < nc; ++c) acc[c] = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
         REAME_PREFETCH_BLOCK(x + i);
         const float dx = GGML_CPU_FP16_TO_FP32(x[i].d);
-        const uint8_t * q4 = x[i].ql;
-        const uint8_t * qh = x[i].qh;
-        const __m128i scales = _mm_loadu_si128((const __m128i*)x[i].scales);
-        const __m256i scales_16 = _mm256_cvtepi8_epi16(scales);
-        __m512i w[4], sc[4];
+        const __m256i scales = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales));
+        __m512i w[4], sc[2];
+        sc[0] = _mm512_permutexvar_epi16(_mm512_loadu_si512((const __m512i *) reame_q6_K_sc_idx), _mm512_castsi256_si512(scales));
+        sc[1] = _mm512_permutexvar_epi16(_mm512_loadu_si512((const __m512i *) (reame_q6_K_sc_idx + 32)), _mm512_castsi256_si512(scales));
         for (int j = 0; j < 2; ++j) {
-            __m256i b[4], s4[4];
-            reame_q6_K_bits(q4, qh, b);
-            q4 += 64;
-            qh += 32;
-            for (int k = 0; k < 4; ++k) s4[k] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(4*j + k)));
-            w[2*j] = reame_pair(b[0], b[1]); w[2*j+1] = reame_pair(b[2], b[3]);
-            sc[2*j] = reame_pair(s4[0], s4[1]); sc[2*j+1] = reame_pair(s4[2], s4[3]);
+            __m256i b[4];
+            reame_q6_K_bits(x[i].ql + 64*j, x[i].qh + 32*j, b);
+            w[2*j] = reame_pair(b[0], b[1]);
+            w[2*j+1] = reame_pair(b[2], b[3]);
         }
         for (int c = 0; c < nc; ++c) {
-            const block_q8_K * y = (const block_q8_K *)((const char *)y0 + c*by);
-            const float d = y[i].d * dx;
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i*)y[i].bsums);
-            const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5);
-            const __m256i sumi = _mm256_sub_epi32(reame_dot4(w, sc, y[i].qs), q8sclsub);
-            acc[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(&d), _mm256_cvtepi32_ps(sumi), acc[c]);
+            const block_q8_K * y = (const block_q8_K *) ((const char *) y0 + c*by) + i;
+            // the weights are stored +32: take 32 * scale * (sum of the q8 values) back off
+            const __m256i q8sclsub = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) y->bsums), scales), 5);
+            const __m256i sumi = _mm256_sub_epi32(reame_dot4(w, sc, y->qs), q8sclsub);
+            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(y->d * dx), _mm256_cvtepi32_ps(sumi), acc[c]);
         }
     }
     for (int c = 0; c < nc; ++c) s[c*bs] = hsum_float_8(acc[c]);
+}
+// a constant column count per call, so the compiler keeps the sums in registers
+#define REAME_COLS_DISPATCH(fn, nb, x, y, by, s, bs, m) do { switch (m) { \
+    case 1: fn(nb, x, y, by, s, bs, 1); break;  case 2: fn(nb, x, y, by, s, bs, 2); break; \
+    case 3: fn(nb, x, y, by, s, bs, 3); break;  case 4: fn(nb, x, y, by, s, bs, 4); break; \
+    case 5: fn(nb, x, y, by, s, bs, 5); break;  case 6: fn(nb, x, y, by, s, bs, 6); break; \
+    case 7: fn(nb, x, y, by, s, bs, 7); break;  default: fn(nb, x, y, by, s, bs, 8); break; } } while (0)
+void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
+    for (int c0 = 0; c0 < nc; c0 += REAME_COLS) {
+        REAME_COLS_DISPATCH(reame_q4_K_512_cols, n / QK_K, (const block_q4_K *) vx,
+                            (const block_q8_K *) ((const char *) vy + c0*by), by, s + c0*bs, bs, nc - c0);
+    }
+}
+void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
+    for (int c0 = 0; c0 < nc; c0 += REAME_COLS) {
+        REAME_COLS_DISPATCH(reame_q6_K_512_cols, n / QK_K, (const block_q6_K *) vx,
+                            (const block_q8_K *) ((const char *) vy + c0*by), by, s + c0*bs, bs, nc - c0);
+    }
 }
 #endif // reame AVX-512
 """
@@ -599,9 +630,14 @@ ok = patch("ggml-cpu.c", """    // CEIL(nr0/chunk_size)
 #if (defined(__AVX2__) || defined(__AVX__)) && defined(__x86_64__)
     // reame: a decode step of up to 64 tokens stays one column chunk, so the multi-token
     // Q4_K/Q6_K kernel unpacks each weight block once per 32 tokens (17 tokens split
-    // 9 + 8 paid twice)
+    // 9 + 8 paid twice); its rows go in few long chunks, four per thread: a chunk's first
+    // weight blocks wait on memory (the prefetch runs inside a chunk, and the threads take
+    // chunks in turn, so a thread's next chunk lies elsewhere). With ggml's 64-row chunks
+    // (16 for two tokens or more) a 1-token step took 1.2x and a 2-token step 1.5x as long
+    // on a 2-core Zen 4 guest (qwen2.5-coder-1.5b).
     if ((src0->type == GGML_TYPE_Q4_K || src0->type == GGML_TYPE_Q6_K) && nr1 <= 64) {
         nchunk1 = 1;
+        nchunk0 = nr0 >= nth * 4 * 64 ? nth * 4 : nth;
     }
 #endif
 """, "reame: a decode step of up to 64 tokens stays one column chunk") and ok
