@@ -2658,6 +2658,7 @@ class SpecController:
         self.default = default
         self.margin, self.probe_k, self.first_gap = margin, probe_k, probe_gap
         self.min_evidence = 1    # a free per-sequence source speculates after this many shadow scores
+        self.setup_horizon = 32  # tokens a probe's catch-up must pay back in
         self.hold = 4            # tokens past its last proposal a silent free source is expected back within
         self.cost = CostModel()
         self.acc = {name: Acceptance(64, prior) for name in self.sources}
@@ -2724,7 +2725,8 @@ class SpecController:
                 margin = self.margin if src.free else 3 * self.margin
                 if not src.free and not forced:  # a slow start: 2, 4, 8, ... drafts as it proves itself here
                     k_max = min(k_max, self.probe_k << min(acc.n[0], 4))
-                draft_s = src.cost_s_per_tok(step1) + src.setup_s(st, step1) / max(left, 1)
+                per_tok, setup = src.cost_s_per_tok(step1), src.setup_s(st, step1)
+                draft_s = per_tok + setup / max(left, 1)
                 if src.free:  # free to ask: see what it has first, and score it
                     draft = src.propose([st], [st.opts.max_k])[0]
                     self._shadow(st, name, draft)
@@ -2734,6 +2736,12 @@ class SpecController:
                         # silent a few tokens past what it proposed (an edit, the end of a
                         # copied stretch) in a copy: expected back soon
                         held = max(held, choose_k(acc.p, cost, n_cur, st.opts.max_k)[1])
+                    if not forced and not st.streak.get(name):
+                        # a slow start too: no deeper than twice the positions this request
+                        # has scored (a deep position's engine-wide estimate comes from other
+                        # texts: copies elsewhere made 12 drafts in prose look sure)
+                        depth = next((j for j, n in enumerate(acc.n) if not n), len(acc.n))
+                        k_max = min(k_max, max(self.probe_k, 2 * depth))
                     draft = draft[:k_max]
                     if not draft:
                         continue
@@ -2764,8 +2772,12 @@ class SpecController:
                         continue  # (a free source is scored in the shadow: no probe needed)
                     if sched is not st and acc.n[0] and len(st.history) < st.probe_at.get(name, 0):
                         continue  # lost here already: this request's own gap too (others reset the engine's)
-                    # probe only a source that could pay here at all, were every draft right
-                    _, best_case = choose_k([1.0] * k_max, cost, n_cur, k_max, draft_s)
+                    # probe only a source that could pay here at all, were every draft right,
+                    # its catch-up (a new prompt fed to a draft model) paid back within
+                    # setup_horizon tokens: a probe that loses is all the use it gets (one at a
+                    # prose request's start fed 40 tokens, 133 ms, for 2 drafts: 0.91x off)
+                    _, best_case = choose_k([1.0] * k_max, cost, n_cur, k_max,
+                                            per_tok + setup / max(min(left, self.setup_horizon), 1))
                     if not worth_it(best_case, margin):
                         continue
                     k, probe = min(self.probe_k, k_max), True
