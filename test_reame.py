@@ -1360,6 +1360,49 @@ def test_controller_spreads_a_draft_models_catch_up_over_the_tokens_left():
     assert ctl.plan([(st, 2000)], 1)[0][0] == "model"   # 2,000 left: it pays for itself
 
 
+def test_controller_probe_must_repay_its_catch_up_soon():
+    """A probe of a draft model that must first feed a new prompt (4 s here) is its only
+    use if it loses: it must repay the catch-up within setup_horizon tokens, however long
+    the answer; the same source caught up is probed."""
+    class CatchingUp(_CostlySource):
+        setup = 4.0
+
+        def setup_s(self, seq, step_s):
+            return self.setup
+    src = CatchingUp(list(range(100, 132)))
+    ctl = reame.SpecController([src], probe_k=4, probe_gap=16)
+    for _ in range(4):
+        ctl.observe_step(1, 0.1)
+        ctl.observe_step(5, 0.2)
+    ctl.acc["model"].p = [0.3] * 64               # not worth it on its record: a probe, if any
+    a = ctl.begin(0, list(range(2000)), reame.SpecOptions("auto", 16))
+    assert ctl.plan([(a, 2000)], 1) == [None]     # 4 s over 32 tokens: never repaid
+    src.setup = 0.0
+    assert ctl.plan([(a, 2000)], 1)[0] is not None  # caught up: the probe is due
+
+
+def test_controller_free_source_starts_short_in_each_request():
+    """A free source's engine-wide record (copies elsewhere, every position right) is only
+    a prior for new text: its first draft in a request is 2 tokens, and longer ones come
+    as this request's own text bears its proposals out (in prose a 12-token draft on
+    that prior cost a 13-row step, 5x a token)."""
+    src = _FixedSource([5] * 32)
+    src.per_sequence = True
+    ctl = reame.SpecController([src], margin=0.05)
+    for _ in range(4):
+        ctl.observe_step(1, 0.1)
+        ctl.observe_step(3, 0.11)
+        ctl.observe_step(17, 0.2)
+    ctl.acc["fixed"].p = [1.0] * 64
+    st = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 16))
+    lengths = []
+    for _ in range(5):
+        plan = ctl.plan([(st, 100)], 1)[0]
+        lengths.append(len(plan[1]) if plan else 0)
+        st.history.extend([5] * (lengths[-1] + 1))   # the drafts came true, and one more
+    assert lengths == [0, 2, 8, 16, 16]   # (first: scored in the shadow only)
+
+
 def test_controller_draft_model_acceptance_is_the_requests_own():
     """Two requests at once: a draft model always right on one (code) and always wrong
     on the other (prose) stays on for the first and goes off for the second."""
