@@ -2397,9 +2397,10 @@ class CostModel:
     first four observations set its shape (their mean). One step counts as at most 2x
     off the estimate (a stolen time slice is not the machine). Sizes between those seen
     are interpolated (kernels change with the batch shape, so the curve is not one
-    line), others extrapolated with the slope of a least-squares line through them;
-    before two sizes are known, with a prior slope (a fraction of one token's cost per
-    extra token).
+    line), others extrapolated with the slope of a least-squares line through the sizes
+    above one (one token can take other kernels: on qwen2.5-coder-0.5b a 2-token step
+    costs 2.2x one, a 3-token step 2.7x); before two such sizes are known, with a prior
+    slope (a fraction of the nearest known size's cost per token).
     A scheduler-thread object; pure given its observations.
     """
 
@@ -2410,7 +2411,7 @@ class CostModel:
         self._shape: dict = {}  # n -> relative cost
         self._seen: dict = {}   # n -> observations (capped: recent sizes weigh as much as old ones)
         self._ema: dict = {}    # n -> speed * shape[n], seconds (kept current for cost())
-        self._slope = None      # of the least-squares line, None until two sizes are seen
+        self._slope = None      # of the least-squares line, None until two sizes above one are seen
 
     def observe(self, n: int, seconds: float) -> None:
         if n < 1 or seconds <= 0:
@@ -2425,14 +2426,15 @@ class CostModel:
             self._speed *= r ** self.alpha
             self._shape[n] *= r ** (1.0 / (seen + 1) if seen < 4 else self.shape_alpha)
         self._seen[n] = min(seen + 1, 20)
-        self._ema = ema = {k: self._speed * s for k, s in self._shape.items()}
-        if len(ema) >= 2:
+        self._ema = {k: self._speed * s for k, s in self._shape.items()}
+        many = {k: t for k, t in self._ema.items() if k > 1}
+        if len(many) >= 2:
             w = self._seen
-            sw = sum(w[k] for k in ema)
-            mx = sum(w[k] * k for k in ema) / sw
-            my = sum(w[k] * t for k, t in ema.items()) / sw
-            var = sum(w[k] * (k - mx) ** 2 for k in ema)
-            self._slope = max(sum(w[k] * (k - mx) * (t - my) for k, t in ema.items()) / var, 0.0)
+            sw = sum(w[k] for k in many)
+            mx = sum(w[k] * k for k in many) / sw
+            my = sum(w[k] * t for k, t in many.items()) / sw
+            var = sum(w[k] * (k - mx) ** 2 for k in many)
+            self._slope = max(sum(w[k] * (k - mx) * (t - my) for k, t in many.items()) / var, 0.0)
 
     def cost(self, n: int) -> float:
         ema = self._ema

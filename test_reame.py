@@ -1097,12 +1097,28 @@ def test_cost_model_learns_a_line():
     cm = reame.CostModel()
     for _ in range(5):
         cm.observe(1, 0.10)
+        cm.observe(3, 0.20)
         cm.observe(5, 0.30)
     assert cm.cost(1) == pytest.approx(0.10) and cm.cost(5) == pytest.approx(0.30)
     assert cm.cost(9) == pytest.approx(0.50, rel=0.01)   # extrapolated on the line
     for _ in range(60):  # the machine got slower: the estimate follows
         cm.observe(1, 0.20)
     assert cm.cost(1) > 0.19
+
+
+def test_cost_model_one_token_is_no_guide_to_the_slope():
+    """One token can take other kernels than a few (qwen2.5-coder-0.5b: a 2-token step
+    2.2x one token, a 3-token step 2.7x): the jump from 1 to 2 is not extrapolated, or a
+    6-token step would look like 7x one token and never be tried (in a fresh engine, no
+    Suggeritore draft under a grammar got verified)."""
+    cm = reame.CostModel()
+    for _ in range(4):
+        cm.observe(1, 0.10)
+        cm.observe(2, 0.22)
+    assert cm.cost(6) == pytest.approx(0.22 + 4 * 0.5 * 0.11, rel=0.01)   # the prior slope from 2 on
+    for _ in range(4):
+        cm.observe(3, 0.27)
+    assert cm.cost(6) == pytest.approx(0.27 + 3 * 0.05, rel=0.02)   # the line through 2 and 3
 
 
 def test_cost_model_follows_the_machine_without_going_stale():
