@@ -84,7 +84,7 @@ __all__ = [
     "NgramIndex", "SpecState", "DraftSource", "PromptLookup", "check_draft_pair", "DraftModel",
     "SpecController", "vocab_fingerprint", "pal_record", "pal_parse", "pal_segments", "pal_append", "ngram_key",
     "ArchiveIndex", "Palimpsest", "ArchiveSource", "ArchiveResync", "VOTE_EXTRACTORS", "check_extractor", "extract_answer",
-    "conclave_vote", "ConclaveResult", "run_conclave", "suggest_list", "suggest_markdown", "suggest_fields",
+    "conclave_vote", "ConclaveResult", "run_conclave", "suggest_list", "suggest_markdown", "suggest_table", "suggest_fields",
     "schema_gaps", "JsonScan", "align_proposal", "SUGGEST_RULES", "Suggestion", "JSON_OBJECT_GRAMMAR",
     "json_schema_grammar", "grammar_sampler", "check_grammar", "structure_from_body",
 ]
@@ -3072,26 +3072,91 @@ def suggest_list(text: str) -> str:
 
 
 def suggest_markdown(text: str) -> str:
-    """Tables: after the header row, the separator row (a cell per column); after a
-    row, the next row's opening pipe. Headings: after a blank line in a document whose
-    sections so far each started with a heading of one level, that heading marker.
-    (Not code fences: where a code block ends cannot be seen from its text.)"""
+    """Headings: after a blank line in a document whose sections so far each started
+    with a heading of one level, that heading marker. (Tables: suggest_table. Not code
+    fences: where a code block ends cannot be seen from its text.)"""
     lines = _lines_before(text)
-    if not lines:
-        return ""
-    last = lines[-1].strip()
-    if last.startswith("|") and last.endswith("|") and last.count("|") >= 3:
-        prev = lines[-2].strip() if len(lines) > 1 else ""
-        if not prev.startswith("|"):  # the header row: the separator comes
-            return "|" + "---|" * (last.count("|") - 1)
-        return "|"
-    if last == "" and len(lines) > 1:
+    if len(lines) > 1 and lines[-1].strip() == "":
         heads = [ln for ln in lines if ln.startswith("#")]
         if len(heads) >= 2:
             level = {len(h) - len(h.lstrip("#")) for h in heads[-3:]}
             if len(level) == 1:
                 return "#" * level.pop()
     return ""
+
+
+_TABLE_RULE = re.compile(r"^\|(\s*:?-+:?\s*\|)+$")
+_DIGIT = re.compile(r"[0-9]")
+
+
+def _cells(row: str) -> List[str]:
+    """A table row's cells: the text between its pipes."""
+    return row.strip().split("|")[1:-1]
+
+
+def _cell_rest(a: str, b: str, p: str) -> Optional[tuple]:
+    """What comes after p, the start of a cell written so far, where the column's cells
+    a and b of the previous two rows agree: (text, whether the cell ends there), or None.
+    Equal cells are proposed whole; cells of one shape (digits apart: " 1883 ", " 1937 ")
+    their common start, then once p is as long as their content, their end; padded
+    cells of one width (" Go       ") the rest of the padding once p is padding."""
+    if a == b:
+        return (a[len(p):], True) if a.startswith(p) else None
+    shape = _DIGIT
+    common = os.path.commonprefix([a, b])
+    if common[len(p):].strip() and common.startswith(p):  # (a space alone: the next word's)
+        return common[len(p):], False
+    if shape.sub("0", a) == shape.sub("0", b) and shape.sub("0", a).startswith(shape.sub("0", p)):
+        return (a[len(p):], True) if len(p) == len(a.rstrip()) else None
+    if len(a) == len(b) > len(p) and p.endswith("  ") and p.strip():
+        return " " * (len(a) - len(p)), True
+    return None
+
+
+def suggest_table(text: str) -> str:
+    """Markdown tables. After the header row, the separator row, a run of dashes as
+    wide as each header cell (as models write it). In a data row, what the column's
+    cells in the previous two rows agree on from where the row is (_cell_rest): a
+    row's opening pipe and a shared start (``| Ponte di``), a year's `` 1``, a cell's
+    closing pipe once it is as long as theirs, whole cells they share, on to the next
+    cells and the next row's opening while they agree."""
+    lines = text.split("\n")[-40:]
+    cur, rows = lines[-1].lstrip(), [ln.strip() for ln in lines[:-1]]
+    i = len(rows)
+    while i > 0 and len(rows[i - 1]) > 1 and rows[i - 1][0] == "|" == rows[i - 1][-1]:
+        i -= 1
+    table = rows[i:]
+    if not table or (cur and cur[0] != "|"):
+        return ""
+    head = _cells(table[0])
+    if len(head) < 2:
+        return ""
+    if len(table) == 1:  # the separator row comes (or its rest), and the first row's pipe
+        sep = "|" + "|".join("-" * len(c) for c in head) + "|"
+        return sep[len(cur):] + "\n|" if sep.startswith(cur) else ""
+    if not _TABLE_RULE.match(table[1]):
+        return ""
+    data = [c for c in map(_cells, table[2:]) if len(c) == len(head)]
+    if cur:
+        parts = cur.split("|")
+        j, p, out = len(parts) - 2, parts[-1], ""
+    else:
+        j, p, out = 0, "", "|"
+    if len(data) < 2 or j >= len(head):
+        return out
+    for _ in range(len(head) + 1):  # at most into the next row's first cell
+        rest = _cell_rest(data[-1][j], data[-2][j], p)
+        if rest is None:
+            break
+        out += rest[0]
+        if not rest[1]:
+            break
+        out += "|"
+        j, p = j + 1, ""
+        if j == len(head):
+            out += "\n|"
+            j = 0
+    return out
 
 
 def suggest_fields(text: str) -> str:
@@ -3457,6 +3522,8 @@ def _json_probes(text: str) -> tuple:
 SUGGEST_RULES = {
     "list": (lambda w: suggest_list(w.text), (" A", " 1")),
     "markdown": (lambda w: suggest_markdown(w.text), (" a", "\n")),
+    "table": (lambda w: suggest_table(w.text),
+              lambda text: (" a", " A", " 1", "-") if text.endswith("|") else ("a", "A", "1", " a", " |")),
     "fields": (lambda w: suggest_fields(w.text), (" A", " 1")),
     "json": (lambda w: w.json.suggest(), _json_probes),
     "values": (lambda w: w.json.suggest(values=True),
