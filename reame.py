@@ -2611,6 +2611,7 @@ class DraftSource:
     name = ""
     free = True
     per_sequence = True
+    sure = False  # its engine-wide estimate holds for any text (a rule, not a lookup): no shadow score first
 
     def cost_s_per_tok(self, step_s: float) -> float:
         return 0.0
@@ -2795,7 +2796,7 @@ class SpecController:
                     draft = draft[:k_max]
                     if not draft:
                         continue
-                    if not forced and src.per_sequence and acc.n[0] < self.min_evidence:
+                    if not forced and src.per_sequence and acc.n[0] < self.min_evidence and not src.sure:
                         # the engine-wide prior alone is not trusted with a verify's cost, but
                         # a costly source must beat it to take this step (the evidence comes
                         # with the next token)
@@ -3587,6 +3588,7 @@ class Suggestion(DraftSource):
 
     free = True
     per_sequence = True
+    sure = True  # a rule's proposal means the same in any text (a lookup's depends on the text)
 
     def __init__(self, model: Model, rule: str):
         self.model, self.rule = model, rule
