@@ -2916,6 +2916,8 @@ class SpecController:
         source's acceptance comes from the shadow scoring, not from here."""
         if not self.sources[name].free:
             self._observe(st, name, min(n_accepted + 1, k) if rejected else n_accepted, n_accepted)
+        elif n_accepted >= 5:  # a copy that ran 5+ tokens is one, known now (its shadow score ends later)
+            st.streak[name] = True
         c = self.counters[name]
         c["proposed"] += k
         c["accepted"] += n_accepted

@@ -1339,6 +1339,8 @@ def test_controller_a_long_copy_with_one_edit_is_still_a_copy():
     st.history.extend([50, 51, 52, 9])               # 3 right, then a miss: no copy
     ctl._shadow(st, "copy", [])
     assert st.streak["copy"] is False
+    ctl.verified(st, "copy", 5, 5, rejected=False)   # a verified draft of 5, all right: a copy
+    assert st.streak["copy"] is True                 # now, not when its whole proposal is scored
 
 
 def test_controller_engine_wide_source_is_not_retried_by_every_request():
