@@ -53,7 +53,9 @@ import logging
 import os
 import queue
 import re
+import select
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -86,7 +88,7 @@ __all__ = [
     "ArchiveIndex", "Palimpsest", "ArchiveSource", "ArchiveResync", "VOTE_EXTRACTORS", "check_extractor", "extract_answer",
     "conclave_vote", "ConclaveResult", "run_conclave", "suggest_list", "suggest_markdown", "suggest_table", "suggest_fields",
     "schema_gaps", "JsonScan", "align_proposal", "SUGGEST_RULES", "Suggestion", "JSON_OBJECT_GRAMMAR",
-    "json_schema_grammar", "grammar_sampler", "check_grammar", "structure_from_body",
+    "json_schema_grammar", "grammar_sampler", "check_grammar", "gbnf_check", "structure_from_body",
 ]
 
 log = logging.getLogger("reame")
@@ -136,9 +138,11 @@ class ReameError(Exception):
     status = 500
     code = "internal_error"
 
-    def __init__(self, message: str, *, status: Optional[int] = None, code: Optional[str] = None):
+    def __init__(self, message: str, *, status: Optional[int] = None, code: Optional[str] = None,
+                 param: Optional[str] = None):
         super().__init__(message)
         self.message = message
+        self.param = param  # the request field at fault, if one is
         if status is not None:
             self.status = status
         if code is not None:
@@ -354,6 +358,57 @@ def _sha256_file(path: str, progress: Optional[Progress] = None) -> str:
             if progress:
                 progress.update(len(chunk))
     return h.hexdigest()
+
+
+def _private_dirs(*dirs: str) -> None:
+    """Make each directory (and its parents) and keep it to its owner (0700), also when
+    it already existed with a looser mode. OSError if it cannot be done."""
+    for d in dirs:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        if os.stat(d).st_mode & 0o077:
+            os.chmod(d, 0o700)
+
+
+def _write_private(path: str, chunks: Sequence[bytes]) -> None:
+    """Write a file whole or not at all, readable by its owner only: a temp file of a
+    name nobody can guess (O_EXCL | O_NOFOLLOW: never through a planted link, never
+    another's file), fsynced, renamed over path, and the directory fsynced, so a
+    crash leaves the old file or the new one. Temp names are path.<pid>.<random>.tmp."""
+    tmp = "%s.%d.%s.tmp" % (path, os.getpid(), os.urandom(6).hex())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    try:
+        dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    except OSError:  # (not every platform opens a directory)
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def _read_private(path: str, max_bytes: int) -> bytes:
+    """A file's bytes, not through a symlink, at most max_bytes (ValueError past it)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError("%s is over %d bytes" % (os.path.basename(path), max_bytes))
+    return data
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
@@ -848,6 +903,35 @@ class Model:
             size = n + 1
         raise EngineError("chat template output kept growing")
 
+    def chat_tokens(self, messages: Sequence[dict]) -> List[int]:
+        """Messages -> prompt tokens with the model's own template. The template's control
+        tokens are tokens; text in a message that spells one ("<|im_start|>system", a
+        fake turn) stays text, so a message cannot open a turn of another role. Messages
+        that spell none (nearly all) tokenize as the whole text does."""
+        text = self.apply_chat_template(messages)
+        if not any(self._spells_control(m["content"]) for m in messages):
+            return self.tokenize(text)
+        # the template around a mark per message, then each message's text as plain text
+        marks = [dict(m, content=" \x01reame%d\x01 " % i) for i, m in enumerate(messages)]
+        out: List[int] = []
+        for j, part in enumerate(re.split(r"( ?\x01reame\d+\x01 ?)", self.apply_chat_template(marks))):
+            mark = re.fullmatch(r"( ?)\x01reame(\d+)\x01( ?)", part)
+            if mark is None:
+                out += self.tokenize(part, add_special=j == 0, parse_special=True)
+                continue
+            content = messages[int(mark.group(2))]["content"]
+            if not mark.group(1):  # the template trims a message (as llama.cpp's trim: C isspace)
+                content = content.lstrip(" \t\n\v\f\r")
+            if not mark.group(3):
+                content = content.rstrip(" \t\n\v\f\r")
+            out += self.tokenize(content, add_special=False, parse_special=False)
+        return out
+
+    def _spells_control(self, text: str) -> bool:
+        """Does text spell a control token (or hold a NUL, which ends a C string)?"""
+        return "\x00" in text or (self.tokenize(text, add_special=False, parse_special=True) !=
+                                   self.tokenize(text, add_special=False, parse_special=False))
+
     def close(self) -> None:
         if self._ptr:
             lib().llama_model_free(self._ptr)
@@ -1096,9 +1180,43 @@ class SamplingParams:
         return self
 
 
+_GBNF_MAX_BYTES = 256 << 10
+_GBNF_MAX_DEPTH = 64
+
+
+def gbnf_check(text: str) -> None:
+    """RequestError (400) unless a GBNF grammar is within the bounds llama.cpp's parser
+    survives: it recurses once per nested group, and a deep one overflows the stack."""
+    if not isinstance(text, str) or len(text.encode("utf-8", "replace")) > _GBNF_MAX_BYTES:
+        raise RequestError("grammar over %d KB" % (_GBNF_MAX_BYTES >> 10), code="invalid_grammar")
+    if "\x00" in text:
+        raise RequestError("grammar holds a NUL character", code="invalid_grammar")
+    depth = i = 0
+    n = len(text)
+    while i < n:
+        ch = text[i]
+        if ch == '"' or ch == "[":
+            close = '"' if ch == '"' else "]"
+            i += 1
+            while i < n and text[i] != close:
+                i += 2 if text[i] == "\\" else 1
+        elif ch == "#":
+            while i < n and text[i] not in "\r\n":
+                i += 1
+        elif ch == "(":
+            depth += 1
+            if depth > _GBNF_MAX_DEPTH:
+                raise RequestError("grammar nests groups over %d deep" % _GBNF_MAX_DEPTH, code="invalid_grammar")
+        elif ch == ")":
+            depth = max(depth - 1, 0)
+        i += 1
+
+
 def grammar_sampler(model: Model, gbnf: str):
     """llama.cpp's grammar sampler for GBNF text (root rule "root"); RequestError with
-    the parser's message when the grammar does not parse. The caller owns the pointer."""
+    the parser's message when the grammar does not parse, or is over gbnf_check's
+    bounds (checked first: llama.cpp would crash on some). The caller owns the pointer."""
+    gbnf_check(gbnf)
     L = lib()
     L.take_errors()
     ptr = L.llama_sampler_init_grammar(model.vocab_ptr, gbnf.encode("utf-8"), b"root")
@@ -1138,12 +1256,21 @@ def check_grammar(model: Model, gbnf: str) -> None:
                            code="invalid_grammar") from None
 
 
+_GRAMMAR_STEP_S = 1.0  # a grammar step slower than this ends its request (an ambiguous grammar's stacks grow)
+
+
 class Sampler:
     """A llama.cpp sampler chain for one sequence (penalties, top-k/p, min-p, temperature).
 
     Plain greedy (no penalties) with numpy is an argmax over the logits: the same token
     as llama.cpp's greedy sampler (the first maximum), 20x cheaper than building its
     candidate array over the whole vocabulary (~1 ms for 262k tokens here).
+
+    A grammar is never part of the chain: llama.cpp's grammar sampler aborts the
+    process (GGML_ABORT, or a C++ exception through ctypes) when it must accept a token
+    it forbids, which a chain does when the grammar allows nothing. Here it only marks
+    what it forbids; a token is accepted into it only if it allowed that token, and a
+    step where it allows none ends this request with a 400 (grammar_dead_end).
     """
 
     def __init__(self, model: Model, params: SamplingParams):
@@ -1159,11 +1286,16 @@ class Sampler:
         self._ptr = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         add = lambda s: L.llama_sampler_chain_add(self._ptr, s)  # noqa: E731 - the chain owns s
         p = params
-        if p.grammar and _np is not None and not penalties:  # checked after the choice (sample)
+        if p.grammar:
+            # numpy without penalties: the chain's choice first, checked against the grammar
+            # (sample); otherwise the grammar marks the whole vocabulary, then the chain chooses
             self._grammar = grammar_sampler(model, p.grammar)
-            self._cand = _np.zeros(self._n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
-        elif p.grammar:  # first in the chain: the other samplers choose among what it allows
-            add(grammar_sampler(model, p.grammar))
+            self._quick = _np is not None and not penalties
+            if _np is not None:
+                self._cand = _np.zeros(self._n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+            else:  # llama_token_data entries (int32 id, float logit, float p) in a plain buffer
+                self._buf = ctypes.create_string_buffer(12 * self._n_vocab)
+                self._ids = memoryview(array.array("i", range(self._n_vocab)))
         if penalties:
             self._penalties = L.llama_sampler_init_penalties(model.n_vocab, p.penalty_last_n, p.repeat_penalty,
                                                              p.frequency_penalty, p.presence_penalty)
@@ -1186,12 +1318,19 @@ class Sampler:
         if self._argmax:
             logits = _np.ctypeslib.as_array(self._logits_ith(ctx.ptr, idx), shape=(self._n_vocab,))
             return int(logits.argmax())
-        if self._grammar:
+        if self._grammar is None:
+            return self._sample(self._ptr, ctx.ptr, idx)
+        t0 = time.perf_counter()
+        if self._quick:
             logits = _np.ctypeslib.as_array(self._logits_ith(ctx.ptr, idx), shape=(self._n_vocab,))
             tok = self._greedy_in_grammar(logits) if self._greedy else self._sample_in_grammar(ctx, idx, logits)
-            self._L.llama_sampler_accept(self._grammar, tok)
-            return tok
-        return self._sample(self._ptr, ctx.ptr, idx)
+        else:
+            tok = self._sample_all(ctx, idx)
+        self._L.llama_sampler_accept(self._grammar, tok)  # (a token it allowed: never an abort)
+        if time.perf_counter() - t0 > _GRAMMAR_STEP_S:
+            raise RequestError("the grammar is too costly to follow (one token took %.1f s); simplify it"
+                               % (time.perf_counter() - t0), code="grammar_too_costly")
+        return tok
 
     def _allowed(self, ids, logits) -> tuple:
         """The grammar applied to the candidates ids (in that order): (their array, whose
@@ -1219,7 +1358,7 @@ class Sampler:
             top = (_np.flatnonzero(logits >= _np.partition(logits, -n)[-n]) if n < self._n_vocab
                    else _np.arange(self._n_vocab))
             ids = top[_np.lexsort((top, -logits[top]))]
-        raise EngineError("the grammar allows no token here")
+        raise _grammar_dead_end()
 
     def _sample_in_grammar(self, ctx: Context, idx: int, logits) -> int:
         """Sample with the chain alone, keep the token if the grammar allows it, else
@@ -1229,11 +1368,35 @@ class Sampler:
         cand, _ = self._allowed(_np.array([tok]), logits)
         if cand["logit"][0] > -_np.inf:
             return tok
-        cand, arr = self._allowed(_np.arange(self._n_vocab), logits)
-        self._L.llama_sampler_apply(self._ptr, ctypes.byref(arr))
-        if not 0 <= arr.selected < arr.size or not cand["logit"][arr.selected] > -_np.inf:
-            raise EngineError("the grammar allows no token here")
-        return int(cand["id"][arr.selected])
+        return self._sample_all(ctx, idx, logits, accept=False)
+
+    def _sample_all(self, ctx: Context, idx: int, logits=None, accept: bool = True) -> int:
+        """The grammar over the whole vocabulary, then the chain (penalties first) over
+        what it allows; the token is accepted into the chain (the penalties see it)."""
+        L = self._L
+        if _np is not None:
+            if logits is None:
+                logits = _np.ctypeslib.as_array(self._logits_ith(ctx.ptr, idx), shape=(self._n_vocab,))
+            cand, arr = self._allowed(_np.arange(self._n_vocab), logits)
+            L.llama_sampler_apply(self._ptr, ctypes.byref(arr))
+            ok = 0 <= arr.selected < arr.size and cand["logit"][arr.selected] > -_np.inf
+            tok = int(cand["id"][arr.selected]) if ok else -1
+        else:  # the same with memoryviews: the entries' ids and logits copied in at C speed
+            n, raw = self._n_vocab, memoryview(self._buf).cast("B")
+            raw.cast("i")[0::3] = self._ids
+            src = ctypes.cast(self._logits_ith(ctx.ptr, idx), ctypes.POINTER(ctypes.c_float * n)).contents
+            raw.cast("f")[1::3] = memoryview(src).cast("B").cast("f")
+            arr = _llama_token_data_array(ctypes.addressof(self._buf), n, -1, False)
+            L.llama_sampler_apply(self._grammar, ctypes.byref(arr))
+            L.llama_sampler_apply(self._ptr, ctypes.byref(arr))
+            ok = 0 <= arr.selected < arr.size
+            tok, logit, _ = struct.unpack_from("<iff", self._buf, 12 * arr.selected) if ok else (-1, 0.0, 0.0)
+            ok = ok and logit > float("-inf") and logit == logit
+        if not ok:
+            raise _grammar_dead_end()
+        if accept:
+            L.llama_sampler_accept(self._ptr, tok)
+        return tok
 
     def see_prompt(self, prompt: Sequence[int]) -> None:
         """Let the penalties see the prompt's last penalty_last_n tokens, as llama-server
@@ -1249,6 +1412,11 @@ class Sampler:
         if self._grammar:
             self._L.llama_sampler_free(self._grammar)
             self._grammar = None
+
+
+def _grammar_dead_end() -> RequestError:
+    return RequestError("the grammar allows no token here: it cannot be completed from what was generated",
+                        code="grammar_dead_end")
 
 
 # == 8. Model registry and download =============================================
@@ -1417,7 +1585,7 @@ class _FileLock:
         self._f = None
 
     def __enter__(self):
-        self._f = open(self.path, "a+")
+        self._f = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600), "r+")
         try:
             import fcntl
             fcntl.flock(self._f, fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX)
@@ -1577,6 +1745,21 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 _KV_MAGIC = b"REAMEKV\x00"
 _KV_VERSION = 1
+_KV_MAX_HEADER = 32 << 20  # a snapshot header's bytes (its token list: ~8 bytes a token)
+
+
+def _kv_header(raw: bytes, hlen: int) -> dict:
+    """A snapshot's JSON header; ValueError for one that is too long, cut, too deeply
+    nested or not an object (a damaged or crafted file under REAME_HOME)."""
+    if hlen > _KV_MAX_HEADER or len(raw) != hlen:
+        raise ValueError("header length %d is not what the file holds" % hlen)
+    try:
+        head = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("header nested too deeply") from None
+    if not isinstance(head, dict):
+        raise ValueError("header is not an object")
+    return head
 
 
 def model_fingerprint(model: "Model") -> str:
@@ -1624,9 +1807,7 @@ class DiskCache:
         self._warned: set = set()
         self._pending: "queue.Queue" = queue.Queue(maxsize=2)  # bounded: snapshots are big
         try:
-            os.makedirs(self.dir, mode=0o700, exist_ok=True)
-            for d in (root, self.dir):
-                os.chmod(d, 0o700)
+            _private_dirs(root, self.dir)
         except OSError as e:
             self._disable(e)
         self._sweep_temp()
@@ -1634,7 +1815,7 @@ class DiskCache:
         self._thread.start()
 
     def _sweep_temp(self) -> None:
-        """Remove temp files of writers that died (SIGKILL mid-write): name.kv.<pid>.<tid>.tmp."""
+        """Remove temp files of writers that died (SIGKILL mid-write): name.kv.<pid>.<random>.tmp."""
         try:
             names = os.listdir(self.dir)
         except OSError:
@@ -1656,11 +1837,14 @@ class DiskCache:
                     pass
 
     # -- naming and lookup (any thread) --
-    def candidates(self, tokens: Sequence[int], limit: int, cuts: Sequence[int] = ()) -> List[tuple]:
+    def candidates(self, tokens: Sequence[int], limit: int, cuts: Sequence[int] = (), scope: str = "") -> List[tuple]:
         """(length, path) for every chunk end of tokens[:limit], longest first. Chunks end
         at multiples of block and at the extra cuts; the name covers both, because
-        KV computed in other chunks is not the same bits."""
+        KV computed in other chunks is not the same bits. ``scope``: the tenant whose
+        snapshots these are ("": shared), so one tenant never finds another's prefix."""
         h, out, prev = self._key.copy(), [], 0
+        if scope:
+            h.update(b"|scope " + scope.encode())
         for end in sorted(set(range(self.block, limit + 1, self.block)) | {c for c in cuts if 0 < c <= limit}):
             h.update(array.array("i", tokens[prev:end]).tobytes())
             if end % self.block:
@@ -1670,12 +1854,12 @@ class DiskCache:
         return out[::-1]
 
     def find(self, tokens: Sequence[int], limit: int, cuts: Sequence[int] = (),
-             more_than: int = 0) -> Optional[tuple]:
+             more_than: int = 0, scope: str = "") -> Optional[tuple]:
         """The longest valid snapshot of a prefix of tokens[:limit] longer than more_than:
         (length, state bytes)."""
         if not self.enabled:
             return None
-        for n, path in self.candidates(tokens, limit, cuts):
+        for n, path in self.candidates(tokens, limit, cuts, scope):
             if n <= more_than:
                 break
             if os.path.exists(path):
@@ -1694,7 +1878,7 @@ class DiskCache:
             version, hlen = int.from_bytes(data[8:12], "little"), int.from_bytes(data[12:16], "little")
             if version != _KV_VERSION:
                 raise ValueError("format version %d, not %d" % (version, _KV_VERSION))
-            head = json.loads(data[16:16 + hlen].decode("utf-8"))
+            head = _kv_header(data[16:16 + hlen], hlen)
             payload = data[16 + hlen:]
             if head.get("fingerprint") != self.fingerprint or head.get("params") != self.params:
                 raise ValueError("made for another model or KV layout")
@@ -1706,7 +1890,7 @@ class DiskCache:
                      if head["codec"] == "zstd" else zlib.decompress(payload))
             if len(state) != head["raw_size"]:
                 raise ValueError("decompressed size mismatch")
-        except (OSError, ValueError, KeyError, TypeError, zlib.error) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, zlib.error) as e:
             self.reject(path, str(e))
             return None
         except Exception as e:  # noqa: BLE001 - zstandard's own errors
@@ -1731,13 +1915,13 @@ class DiskCache:
             pass
 
     # -- writing (the scheduler queues, the writer thread compresses and writes) --
-    def wants(self, tokens: Sequence[int], cuts: Sequence[int] = ()) -> bool:
+    def wants(self, tokens: Sequence[int], cuts: Sequence[int] = (), scope: str = "") -> bool:
         """Is a snapshot of exactly these tokens (a chunk end) worth taking: not on disk yet?"""
         if not self.enabled or not tokens or self._pending.full():
             return False
         if len(tokens) % self.block and len(tokens) not in cuts:
             return False
-        path = self.candidates(tokens, len(tokens), cuts)[0][1]
+        path = self.candidates(tokens, len(tokens), cuts, scope)[0][1]
         if os.path.exists(path):
             try:
                 os.utime(path)
@@ -1746,29 +1930,31 @@ class DiskCache:
             return False
         return True
 
-    def save(self, tokens: Sequence[int], cuts: Sequence[int], state: bytes) -> None:
+    def save(self, tokens: Sequence[int], cuts: Sequence[int], state: bytes, scope: str = "") -> None:
         try:
-            self._pending.put_nowait((list(tokens), tuple(c for c in cuts if c <= len(tokens)), state))
+            self._pending.put_nowait((list(tokens), tuple(c for c in cuts if c <= len(tokens)), state, scope))
         except queue.Full:
             pass  # the writer is behind: skip this one rather than stall the scheduler
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued writes (the engine calls this on close)."""
-        self._pending.put((None, None, None))
+        self._pending.put((None, None, None, None))
         self._thread.join(timeout)
 
     def _writer(self) -> None:
         while True:
-            tokens, cuts, state = self._pending.get()
+            tokens, cuts, state, scope = self._pending.get()
             if tokens is None:
                 return
             try:
-                self._write(tokens, state, cuts)
+                self._write(tokens, state, cuts, scope)
             except OSError as e:
                 self._disable(e)
+            except Exception:  # noqa: BLE001 - a writer that dies would leave the queue full for good
+                log.exception("KV snapshot writer: this snapshot is skipped")
 
-    def _write(self, tokens: List[int], state: bytes, cuts: Sequence[int] = ()) -> None:
-        path = self.candidates(tokens, len(tokens), cuts)[0][1]
+    def _write(self, tokens: List[int], state: bytes, cuts: Sequence[int] = (), scope: str = "") -> None:
+        path = self.candidates(tokens, len(tokens), cuts, scope)[0][1]
         if _zstd is not None:
             codec, payload = "zstd", _zstd.ZstdCompressor(level=3).compress(state)
         else:
@@ -1780,21 +1966,7 @@ class DiskCache:
         total = len(blob) + len(payload)
         if total > self.max_bytes or not self._make_room(total):
             return
-        tmp = "%s.%d.%d.tmp" % (path, os.getpid(), threading.get_ident())
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-                f.write(payload)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-            raise
+        _write_private(path, (blob, payload))
         self.n_saved += 1
 
     def _make_room(self, need: int) -> bool:
@@ -1857,8 +2029,8 @@ def kv_cache_entries(root: str) -> List[dict]:
                     hlen = int.from_bytes(pre[12:16], "little")
                     if pre[:8] != _KV_MAGIC or int.from_bytes(pre[8:12], "little") != _KV_VERSION:
                         raise ValueError("not a Reame KV snapshot of format %d" % _KV_VERSION)
-                    head = json.loads(f.read(hlen).decode("utf-8"))
-                    e.update(tokens=len(head["tokens"]), raw_bytes=head["raw_size"], codec=head["codec"])
+                    head = _kv_header(f.read(min(hlen, _KV_MAX_HEADER + 1)), hlen)
+                    e.update(tokens=len(head["tokens"]), raw_bytes=int(head["raw_size"]), codec=str(head["codec"]))
                     if st.st_size != 16 + hlen + head["size"]:
                         raise ValueError("truncated")
             except (OSError, ValueError, KeyError, TypeError) as ex:
@@ -2169,10 +2341,13 @@ class ArchiveIndex:
         return self.tokens.itemsize * len(self.tokens) + sum(a.itemsize * len(a) for a in list(self._base.values()))
 
 
+_PAL_SEGMENT = re.compile(r"^seg-[0-9]{8}\.pal$")
+
+
 def pal_segments(path: str) -> List[str]:
-    """An archive directory's segment files, oldest first."""
+    """An archive directory's segment files, oldest first (other names are not ours)."""
     try:
-        return sorted(f for f in os.listdir(path) if f.startswith("seg-") and f.endswith(".pal"))
+        return sorted(f for f in os.listdir(path) if _PAL_SEGMENT.match(f))
     except OSError:  # none yet, or unreadable (then nothing to draft from)
         return []
 
@@ -2180,8 +2355,7 @@ def pal_segments(path: str) -> List[str]:
 def pal_append(path: str, record: bytes, max_bytes: int) -> None:
     """Append one record under the directory's lock: a new segment when the last one
     is full (an eighth of the bound), then the oldest segments go while over the bound."""
-    for d in (os.path.dirname(os.path.dirname(path)), os.path.dirname(path), path):  # root, vocabulary, scope
-        os.makedirs(d, mode=0o700, exist_ok=True)  # (makedirs gives the mode to the last one only)
+    _private_dirs(os.path.dirname(os.path.dirname(path)), os.path.dirname(path), path)  # root, vocabulary, scope
     seg_bytes = max(1 << 20, max_bytes // 8)
     with _FileLock(os.path.join(path, ".lock")):
         segs = pal_segments(path)
@@ -2207,13 +2381,20 @@ class _ScopeArchive:
         self.dir = path
         self.index = ArchiveIndex()
         self._read: dict = {}     # segment file name -> bytes parsed
+        self._stale = 0           # bytes parsed from segments deleted since (still in the index)
         self._building = None     # (thread, result box) of a background build
         self.t_build_s = None     # the last build's seconds
 
     def refresh(self) -> int:
-        """Take in what was appended since (by any process); returns the runs read."""
+        """Take in what was appended since (by any process); returns the runs read.
+        The index follows the disk's bound: once the segments deleted since it was
+        made held a quarter of what it indexes, it is made again from the files there."""
         added = 0
         segs = pal_segments(self.dir)
+        gone = set(self._read) - set(segs)
+        self._stale += sum(self._read.pop(name) for name in gone)
+        if self._stale and self._stale >= max(1 << 20, sum(self._read.values()) // 4):
+            self.index, self._read, self._stale, self._building = ArchiveIndex(), {}, 0, None
         for name in segs:
             path = os.path.join(self.dir, name)
             done = self._read.get(name, 0)
@@ -2230,8 +2411,6 @@ class _ScopeArchive:
             for _, toks in runs:
                 self.index.append(toks)
             added += len(runs)
-        for name in set(self._read) - set(segs):
-            del self._read[name]
         self._update()
         return added
 
@@ -2327,10 +2506,11 @@ class Palimpsest:
                 continue
             try:
                 pal_append(os.path.join(self.dir, name), record, self.max_bytes)
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - a dead writer would drop every later run silently
                 self.n_failed += 1
                 if self.n_failed == 1:  # once: an unwritable disk would say it on every request
-                    log.warning("archive: could not append to %s (%s); generations are not archived", self.dir, e)
+                    log.warning("archive: could not append to %s (%s); generations are not archived", self.dir,
+                                e if isinstance(e, OSError) else "%s: %s" % (type(e).__name__, e))
 
     def stats(self) -> dict:
         return {name: {"runs": sa.index.n_runs, "tokens": len(sa.index.tokens), "index_bytes": sa.index.nbytes(),
@@ -2570,7 +2750,7 @@ class SpecState:
     state, and its own acceptance estimates (seeded from the source's global ones)."""
 
     __slots__ = ("slot", "history", "opts", "scope", "schema", "n_prompt", "state", "acc", "shadow",
-                 "streak", "proposed_until", "probe_at", "probe_gap")
+                 "streak", "proposed_until", "probe_at", "probe_gap", "failed")
 
     def __init__(self, slot: int, history: List[int], opts: SpecOptions, scope: Optional[str] = None,
                  schema: Optional[dict] = None):
@@ -2585,6 +2765,7 @@ class SpecState:
         self.proposed_until: dict = {}  # free source name -> where its last proposal would have ended
         self.probe_at: dict = {}   # source name -> len(history) at which to try it again
         self.probe_gap: dict = {}  # source name -> tokens between probes (doubles while it loses)
+        self.failed: set = set()   # sources that raised on this sequence: not asked again for it
 
 
 class DraftSource:
@@ -2704,8 +2885,10 @@ class SpecController:
     """
 
     def __init__(self, sources: Sequence[DraftSource], *, default: SpecOptions = SpecOptions(),
-                 margin: float = 0.05, probe_k: int = 2, probe_gap: int = 32, prior: float = 0.6):
+                 margin: float = 0.05, probe_k: int = 2, probe_gap: int = 32, prior: float = 0.6,
+                 n_vocab: int = 1 << 31):
         self.sources = {s.name: s for s in sources}
+        self.n_vocab = n_vocab   # a draft token outside 0..n_vocab-1 (a crafted archive file) ends the draft
         self.default = default
         self.margin, self.probe_k, self.first_gap = margin, probe_k, probe_gap
         self.min_evidence = 1    # a free per-sequence source speculates after this many shadow scores
@@ -2728,10 +2911,31 @@ class SpecController:
 
     def allowed(self, st: SpecState) -> List[DraftSource]:
         names = st.opts.sources
-        if not names:
-            return list(self.sources.values())
         # a group name ("suggest") allows its members ("suggest.list", ...)
-        return [s for n, s in self.sources.items() if any(n == x or n.startswith(x + ".") for x in names)]
+        return [s for n, s in self.sources.items() if n not in st.failed and
+                (not names or any(n == x or n.startswith(x + ".") for x in names))]
+
+    def _ask(self, src: DraftSource, seqs: List[SpecState], ks: List[int]) -> Optional[List[List[int]]]:
+        """src's proposals, each cut at a token outside the vocabulary; None if it
+        raised. Drafts are optional: a source that raises (a bug, a state it did not
+        expect) is forgotten and not asked again for these sequences; the output is
+        the same without it."""
+        try:
+            got = src.propose(seqs, ks)
+        except Exception as e:  # noqa: BLE001 - a draft source's failure is never the request's
+            src.forget()
+            if isinstance(e, ReameError):  # (a draft model's decode: it may work next step)
+                log.warning("draft source %s failed (%s); it starts over", src.name, e)
+                return None
+            log.error("draft source %s failed; not used again for this request", src.name, exc_info=e)
+            for st in seqs:
+                st.failed.add(src.name)
+            return None
+        out = []
+        for d in got:
+            bad = next((j for j, t in enumerate(d) if not (isinstance(t, int) and 0 <= t < self.n_vocab)), None)
+            out.append(list(d) if bad is None else list(d[:bad]))
+        return out
 
     def plan(self, items: Sequence[tuple], n_batch: int, max_rows: int = 512,
              ids: Optional[Sequence[int]] = None) -> List[Optional[tuple]]:
@@ -2779,7 +2983,7 @@ class SpecController:
                 per_tok, setup = src.cost_s_per_tok(step1), src.setup_s(st, step1)
                 draft_s = per_tok + setup / max(left, 1)
                 if src.free:  # free to ask: see what it has first, and score it
-                    draft = src.propose([st], [st.opts.max_k])[0]
+                    draft = (self._ask(src, [st], [st.opts.max_k]) or [[]])[0]
                     self._shadow(st, name, draft)
                     if draft:
                         st.proposed_until[name] = len(st.history) + len(draft)
@@ -2865,14 +3069,8 @@ class SpecController:
         for i, name, k in model_wants:
             by_source.setdefault(name, []).append((i, k))
         for name, wants in by_source.items():
-            src = self.sources[name]
-            try:
-                drafts = src.propose([items[i][0] for i, _ in wants], [k for _, k in wants])
-            except ReameError as e:  # drafts are optional: the step goes on without them (same output)
-                log.warning("draft source %s failed (%s); it starts over", name, e)
-                src.forget()
-                continue
-            for (i, _), d in zip(wants, drafts):
+            drafts = self._ask(self.sources[name], [items[i][0] for i, _ in wants], [k for _, k in wants])
+            for (i, _), d in zip(wants, drafts or ()):
                 plans[i] = (name, d)
         return plans
 
@@ -3241,14 +3439,23 @@ def suggest_fields(text: str) -> str:
     return ""
 
 
+def _schema_type(node: dict) -> Optional[str]:
+    """A json_schema node's one type: "type" as a string, or a list of one (a list of
+    several, ["string", "null"], forces no shape)."""
+    typ = node.get("type")
+    if isinstance(typ, list) and len(typ) == 1:
+        typ = typ[0]
+    return typ if isinstance(typ, str) else None
+
+
 def _opens(node) -> str:
     """The first character a json_schema node's value always starts with ("" if not one)."""
     if not isinstance(node, dict):
         return ""
-    enum = node.get("enum")
-    if node.get("type") == "string" or (enum and all(isinstance(v, str) for v in enum)):
+    enum, typ = node.get("enum"), _schema_type(node)
+    if typ == "string" or (isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum)):
         return '"'
-    return {"object": "{", "array": "["}.get(node.get("type"), "")
+    return {"object": "{", "array": "["}.get(typ, "")
 
 
 def schema_gaps(node: Optional[dict]) -> Optional[tuple]:
@@ -3258,11 +3465,12 @@ def schema_gaps(node: Optional[dict]) -> Optional[tuple]:
     None for anything else."""
     if not isinstance(node, dict):
         return None
-    if node.get("type") == "object" and node.get("properties"):
-        keys = list(node["properties"])
+    typ, props = _schema_type(node), node.get("properties")
+    if typ == "object" and isinstance(props, dict) and props:
+        keys = list(props)
         return (['{%s: ' % json.dumps(keys[0])] + [', %s: ' % json.dumps(k) for k in keys[1:]] + ["}"],
-                [_opens(node["properties"][k]) for k in keys])
-    if node.get("type") == "array":
+                [_opens(props[k]) for k in keys])
+    if typ == "array":
         return ["[", ", ", "]"], [_opens(node.get("items"))]
     return None
 
@@ -3332,7 +3540,8 @@ class JsonScan:
         node = top.schema
         if not isinstance(node, dict):
             return None
-        sub = node.get("items") if top.kind == "[" else (node.get("properties") or {}).get(top.key)
+        props = node.get("properties")
+        sub = node.get("items") if top.kind == "[" else props.get(top.key) if isinstance(props, dict) else None
         return sub if isinstance(sub, dict) else None
 
     def _start_value(self, top: _Frame, ch: str) -> None:
@@ -3650,22 +3859,58 @@ def _bounds(node: dict, lo_key: str, hi_key: str, cap: int) -> tuple:
     return lo, hi
 
 
+_SCHEMA_MAX_DEPTH = 32          # nested schema nodes
+_SCHEMA_MAX_NODES = 5000        # schema nodes converted
+_SCHEMA_MAX_GRAMMAR = 256 << 10  # bytes of GBNF
+
+
 class _SchemaGrammar:
-    """json_schema_grammar's worker: one GBNF rule per schema node that needs one."""
+    """json_schema_grammar's worker: one GBNF rule per schema node that needs one.
+    Each (node, type) is converted once (a list of types, or a $ref, names the same
+    node again: re-expanding it made a 576-byte schema a 20 MB grammar), and depth,
+    node count and grammar size are bounded."""
 
     def __init__(self, root: dict):
         self.root, self.rules, self.refs = root, [], {}
+        self.done: dict = {}   # (id(node), type) -> its expression
+        self.keep: list = []   # the nodes done's ids name (an id is unique only while its object lives)
+        self.depth = self.n_nodes = self.size = 0
 
     def add(self, body: str) -> str:
         name = "n%d" % len(self.rules)
         self.rules.append((name, body))
+        self.size += len(body) + 12
+        if self.size > _SCHEMA_MAX_GRAMMAR:
+            raise RequestError("json_schema: its grammar would be over %d KB; simplify the schema"
+                               % (_SCHEMA_MAX_GRAMMAR >> 10), code="invalid_schema")
         return name
 
-    def expr(self, node, path: str) -> str:
+    def expr(self, node, path: str, typ=None) -> str:
+        """The GBNF expression of a schema node (typ: one of its list of types)."""
         if node is True or node == {}:
             return "value"
         if not isinstance(node, dict):
             raise RequestError("json_schema at %s: a schema must be an object" % path, code="invalid_schema")
+        key = (id(node), typ)
+        got = self.done.get(key)
+        if got is not None:
+            return got
+        self.n_nodes += 1
+        if self.depth >= _SCHEMA_MAX_DEPTH or self.n_nodes > _SCHEMA_MAX_NODES:
+            raise RequestError("json_schema at %s: over %d levels deep or %d nodes; simplify the schema"
+                               % (path[:200], _SCHEMA_MAX_DEPTH, _SCHEMA_MAX_NODES), code="invalid_schema")
+        self.depth += 1
+        try:
+            got = self._expr(node, path, typ)
+        finally:
+            self.depth -= 1
+        if len(got) > 64:  # named once, referred to by name wherever it is used again
+            got = self.add(got)
+        self.done[key] = got
+        self.keep.append(node)
+        return got
+
+    def _expr(self, node: dict, path: str, typ) -> str:
         unknown = sorted(set(node) - _SCHEMA_KNOWN)
         if unknown:
             raise RequestError("json_schema at %s: %s not supported (supported: type, properties, required, "
@@ -3687,9 +3932,13 @@ class _SchemaGrammar:
                     raise RequestError("json_schema at %s: '%s' must be a non-empty list" % (path, key),
                                        code="invalid_schema")
                 return "( " + " | ".join(self.expr(s, "%s/%s/%d" % (path, key, i)) for i, s in enumerate(subs)) + " )"
-        typ = node.get("type")
+        if typ is None:
+            typ = node.get("type")
         if isinstance(typ, list):
-            return "( " + " | ".join(self.expr(dict(node, type=t), path) for t in typ) + " )"
+            if not typ or not all(isinstance(t, str) for t in typ):
+                raise RequestError("json_schema at %s: 'type' must be a string or a non-empty list of strings"
+                                   % path, code="invalid_schema")
+            return "( " + " | ".join(self.expr(node, path, t) for t in dict.fromkeys(typ)) + " )"
         if typ is None:
             return "object" if "properties" in node else "value"
         if typ in ("number", "integer", "boolean", "null"):
@@ -3712,13 +3961,14 @@ class _SchemaGrammar:
         raise RequestError("json_schema at %s: unknown type %r" % (path, typ), code="invalid_schema")
 
     def ref(self, ref, path: str) -> str:
-        if ref in self.refs:
-            return self.refs[ref]
         parts = ref.split("/") if isinstance(ref, str) else []
         if len(parts) != 3 or parts[0] != "#" or parts[1] not in ("$defs", "definitions"):
-            raise RequestError("json_schema at %s: only local refs '#/$defs/NAME' are supported, not %r"
+            raise RequestError("json_schema at %s: only local refs '#/$defs/NAME' are supported, not %.100r"
                                % (path, ref), code="invalid_schema")
-        target = (self.root.get(parts[1]) or {}).get(parts[2])
+        if ref in self.refs:
+            return self.refs[ref]
+        defs = self.root.get(parts[1])
+        target = defs.get(parts[2]) if isinstance(defs, dict) else None
         if target is None:
             raise RequestError("json_schema at %s: %r points to nothing" % (path, ref), code="invalid_schema")
         name = self.refs[ref] = "n%d" % len(self.rules)
@@ -3770,7 +4020,10 @@ def json_schema_grammar(schema: dict) -> str:
     if not isinstance(schema, dict):
         raise RequestError("json_schema: the schema must be an object", code="invalid_schema")
     g = _SchemaGrammar(schema)
-    top = g.expr(schema, "#")
+    try:
+        top = g.expr(schema, "#")
+    except RecursionError:  # (a $ref chain deeper than the depth bound counts)
+        raise RequestError("json_schema: nested too deeply", code="invalid_schema") from None
     lines = ["root ::= " + top] + ["%s ::= %s" % (n, b) for n, b in g.rules]
     return "\n".join(lines) + "\n" + _GBNF_BASE
 
@@ -3811,6 +4064,7 @@ class Request:
         self.params = params
         self.index = index
         self.cache_tag = cache_tag
+        self.tenant = ""   # whose prefix cache it may reuse and feeds ("": the shared one)
         self.cuts = ()     # extra prefill chunk ends (the end of a chat's system message)
         self.snap = ()     # chunk ends worth a snapshot on the disk tier
         self.disk = None   # (length, state) found on the disk tier by submit()
@@ -3843,6 +4097,10 @@ class Request:
             else:
                 raise payload
 
+    def finished(self, timeout: Optional[float] = None) -> bool:
+        """Wait up to timeout for the end (without consuming events): has it ended?"""
+        return self._done.wait(timeout)
+
     def wait(self, timeout: Optional[float] = None) -> Result:
         """Block until done (without consuming events) and return the Result."""
         if not self._done.wait(timeout):
@@ -3857,6 +4115,8 @@ class Request:
         self.events.put(("text", text, self.index))
 
     def _finish(self, result: Optional[Result], error: Optional[ReameError] = None) -> None:
+        if self._done.is_set():  # exactly one end per choice, whichever path ends it first
+            return
         if result is not None:
             result.index = self.index
         self._result, self._error = result, error
@@ -3868,7 +4128,7 @@ class _Seq:
     """Scheduler-private state of one active sequence (one slot)."""
 
     __slots__ = ("req", "seq_id", "n_prompt", "n_done", "n_past", "n_cached", "n_exact", "cuts", "sampler",
-                 "stream", "last", "tokens", "max_tokens", "t_first", "twins", "spec")
+                 "stream", "last", "tokens", "max_tokens", "t_first", "twins", "spec", "ended")
 
     def __init__(self, req: Request, seq_id: int, sampler: Sampler, max_tokens: int, n_cached: int = 0,
                  n_exact: int = 0):
@@ -3886,6 +4146,7 @@ class _Seq:
         self.t_first = 0.0
         self.twins: List["_Seq"] = []  # choices whose tokens are this one's so far (no KV, no rows of their own)
         self.spec: Optional[SpecState] = None  # speculation state (None: this sequence does not speculate)
+        self.ended = False       # finished: its slot is free (Engine._finish ran)
 
 
 _STOP = object()
@@ -3919,7 +4180,9 @@ class _SlotTable:
 
         Exact reuse ends at a chunk end both prompts share, below the first extra cut
         where their chunkings differ (then every chunk before it was cut the same way)."""
-        _, tokens, _, exact, cuts = entry
+        tokens, exact, cuts = entry[1], entry[3], entry[4]
+        if entry[5] != req.tenant:
+            return 0, 0  # another tenant's KV: never reused, so its prompt cannot be probed
         prompt = req.prompt
         common = min(common_prefix(tokens, prompt), len(prompt) - 1)  # the last token is computed, for logits
         limit = min(common, exact)
@@ -4061,6 +4324,17 @@ class _SlotTable:
 # request with that tag prefills only what follows the common token prefix.
 
 
+def _request_failure(e: Exception, where: str) -> ReameError:
+    """The error one request ends with when something on its own path raised: a
+    ReameError as it is; anything else is a bug, logged with its traceback, and the
+    request gets a 500 (the engine and the other requests go on)."""
+    if isinstance(e, ReameError):
+        return e
+    log.error("%s failed", where, exc_info=e)
+    return EngineError("internal error (%s); the server goes on" % type(e).__name__, status=500,
+                       code="internal_error")
+
+
 class Engine(_SlotTable):
     """A model, one context with ``n_slots`` sequences, and the scheduler thread.
 
@@ -4117,7 +4391,7 @@ class Engine(_SlotTable):
             self.draft_model = draft if isinstance(draft, Model) else Model(draft)
             check_draft_pair(self.model, self.draft_model)
             sources.append(DraftModel(self.draft_model, self.model, self.n_ctx, n_slots, n_threads))
-        self.spec = SpecController(sources, default=spec_default)
+        self.spec = SpecController(sources, default=spec_default, n_vocab=self.model.n_vocab)
         self._own_draft = draft is not None and not isinstance(draft, Model)
         self._incoming: "queue.Queue" = queue.Queue()
         self._ids = iter(range(1, 1 << 62))
@@ -4126,7 +4400,7 @@ class Engine(_SlotTable):
         self._free = list(range(n_slots))
         self._waiting: collections.deque = collections.deque()  # groups (lists of Requests)
         self._active: List[_Seq] = []
-        self._resident: dict = {}  # free slot -> [cache_tag, tokens in its KV, last use, n_exact]
+        self._resident: dict = {}  # free slot -> [cache_tag, tokens in its KV, last use, n_exact, cuts, tenant]
         self._closing = False
         # Counters: written by the scheduler only, read by anyone (ints/floats; atomic under the GIL).
         self.n_steps = 0
@@ -4164,7 +4438,8 @@ class Engine(_SlotTable):
 
     def submit_n(self, prompt, params: Optional[SamplingParams] = None, n: int = 1, *,
                  cache_tag: Optional[str] = None, snap_at: Sequence[int] = (),
-                 spec: Optional[SpecOptions] = None, archive: Optional[str] = "shared", **kw) -> List[Request]:
+                 spec: Optional[SpecOptions] = None, archive: Optional[str] = "shared", tenant: str = "",
+                 **kw) -> List[Request]:
         """Queue n choices of one prompt: one prefill, KV copied to n-1 more slots.
 
         They share one events queue (events carry the choice index). With a seed,
@@ -4173,6 +4448,8 @@ class Engine(_SlotTable):
         then a request with the same system prompt reuses all of it, exactly).
         ``spec``: speculation for these choices (default: the engine's). ``archive``: the
         archive scope the output is stored in and drafted from (None: neither).
+        ``tenant``: the prefix cache (memory and disk) these choices reuse and feed: one
+        tenant's prompts are never reused for another's ("": the shared cache).
         """
         if self._closing:
             raise EngineError("engine is shut down")
@@ -4204,7 +4481,7 @@ class Engine(_SlotTable):
         if archive is not None and not re.match(r"^[A-Za-z0-9_-]{1,64}$", archive):
             raise RequestError("archive scope %r: letters, digits, _ and - only" % archive)
         for req in group:
-            req.archive = archive
+            req.archive, req.tenant = archive, tenant
         if self.disk is not None:
             self._disk_plan(group[0])
         self._incoming.put(group)
@@ -4219,8 +4496,9 @@ class Engine(_SlotTable):
         n, c = len(req.prompt), self.chunk
         # A hint from the memory tier (read without the scheduler: a stale answer only
         # costs a needless disk read or a recompute): no disk read for what memory holds.
-        in_memory = max((common_prefix(e[1], req.prompt) for e in list(self._resident.values())), default=0)
-        req.disk = self.disk.find(req.prompt, n - 1, req.cuts, more_than=in_memory)
+        in_memory = max((common_prefix(e[1], req.prompt) for e in list(self._resident.values())
+                         if e[5] == req.tenant), default=0)
+        req.disk = self.disk.find(req.prompt, n - 1, req.cuts, more_than=in_memory, scope=req.tenant)
         ends = set(range(c, n, c)) | set(req.cuts)
         points = {max(ends, default=0)} | set(req.cuts)
         p = 256
@@ -4240,8 +4518,7 @@ class Engine(_SlotTable):
         key = (system.get("content"),)
         head = self._heads.get(key)
         if head is None:
-            a, b = (self.model.tokenize(self.model.apply_chat_template([system, {"role": "user", "content": q}]))
-                    for q in ("A", "B"))
+            a, b = (self.model.chat_tokens([system, {"role": "user", "content": q}]) for q in ("A", "B"))
             head = a[:common_prefix(a, b)]
             if len(self._heads) > 64:
                 self._heads.clear()
@@ -4259,7 +4536,7 @@ class Engine(_SlotTable):
 
     def chat_prompt(self, messages: Sequence[dict]) -> List[int]:
         """Messages -> prompt tokens with the model's own chat template."""
-        return self.model.tokenize(self.model.apply_chat_template(messages))
+        return self.model.chat_tokens(messages)
 
     def stats(self) -> dict:
         steps = max(self.n_decode_only_steps, 1)
@@ -4347,24 +4624,48 @@ class Engine(_SlotTable):
         return True
 
     def _start(self, group: List[Request]) -> None:
-        """Give a group its slots. The first choice prefills; the rest are its twins."""
-        seqs = []
-        for i, req in enumerate(group):
-            slot, n_cached, n_exact = self._take_slot(req, reuse=i == 0)
-            p = req.params
-            sampler = Sampler(self.model, p)
-            sampler.see_prompt(req.prompt)
-            room = self.n_ctx - len(req.prompt)
-            s = _Seq(req, slot, sampler, min(p.max_tokens or room, room), n_cached, n_exact)
-            scope = req.archive if self.archive is not None else None
-            if scope is not None and i == 0:
-                self.archive.refresh(scope)  # what any process appended since
-            s.spec = self.spec.begin(slot, list(req.prompt), req.spec, scope, p.schema)
-            seqs.append(s)
+        """Give a group its slots. The first choice prefills; the rest are its twins.
+        If a choice cannot start (its grammar does not load, a bug), the group ends
+        with the error and every slot it took is free again."""
+        seqs: List[_Seq] = []
+        slot = None
+        try:
+            for i, req in enumerate(group):
+                slot, n_cached, n_exact = self._take_slot(req, reuse=i == 0)
+                p = req.params
+                sampler = Sampler(self.model, p)
+                room = self.n_ctx - len(req.prompt)
+                s = _Seq(req, slot, sampler, min(p.max_tokens or room, room), n_cached, n_exact)
+                seqs.append(s)
+                slot = None  # (s owns it now)
+                sampler.see_prompt(req.prompt)
+                scope = req.archive if self.archive is not None else None
+                if scope is not None and i == 0:
+                    self.archive.refresh(scope)  # what any process appended since
+                s.spec = self.spec.begin(s.seq_id, list(req.prompt), req.spec, scope, p.schema)
+        except Exception as e:  # noqa: BLE001 - this group's failure, not the engine's
+            if slot is not None:  # taken, not yet owned by a sequence
+                self.ctx.seq_rm(slot)
+                self._free.append(slot)
+            err = _request_failure(e, "starting request %s" % group[0].id)
+            for s in seqs:
+                self._finish(s, None, err)
+            for req in group:
+                req._finish(None, err)
+            return
         seqs[0].twins = seqs[1:]
         if seqs[0].n_cached:
             self.n_cached_tok += seqs[0].n_cached
         self._active.append(seqs[0])
+
+    def _fail_group(self, lead: _Seq, detached: Sequence[_Seq], e: Exception) -> None:
+        """One request failed inside a step (its sampler, its grammar, a bug on its
+        path): every choice of it ends with the error and frees its slot (the active
+        ones, their twins, and twins detached for sampling); the others go on."""
+        err = _request_failure(e, "request %s" % lead.req.id)
+        events = lead.req.events
+        for s in [a for a in self._active if a.req.events is events] + [lead] + list(detached):
+            self._finish(s, None, err)
 
     def _step(self) -> None:
         """One step: a decode batch for every generating sequence, then prefill chunks
@@ -4395,9 +4696,13 @@ class Engine(_SlotTable):
         if decoding:
             # (a sequence with twins does not speculate: they would have to follow every draft)
             ids = [s.seq_id for s in decoding]
-            plans = self.spec.plan([(None if s.twins else s.spec,
-                                     min(s.max_tokens - len(s.tokens) - 1, self.n_ctx - s.n_past - 2))
-                                    for s in decoding], len(decoding), b.capacity, ids)
+            try:
+                plans = self.spec.plan([(None if s.twins else s.spec,
+                                         min(s.max_tokens - len(s.tokens) - 1, self.n_ctx - s.n_past - 2))
+                                        for s in decoding], len(decoding), b.capacity, ids)
+            except Exception:  # noqa: BLE001 - drafts are optional: this step goes without (same output)
+                log.exception("speculation controller failed; this step has no drafts")
+                plans = [None] * len(decoding)
             b.clear()
             for s, plan in zip(decoding, plans):
                 b.add(s.last, s.n_past, s.seq_id, True)
@@ -4409,12 +4714,16 @@ class Engine(_SlotTable):
             if not self._decode(b, decoding, rowwise=rowwise):
                 return
             t2 = time.perf_counter()
-            i = 0
+            row = 0
             for s, plan in zip(decoding, plans):
                 twins, s.twins = s.twins, []
-                row, i = i, self._verify(s, i, plan)
-                if twins:
-                    self._twins_sample(s, s.last, twins, row)
+                try:
+                    self._verify(s, row, plan)
+                    if twins:
+                        self._twins_sample(s, s.last, twins, row)
+                except Exception as e:  # noqa: BLE001 - this request's failure only
+                    self._fail_group(s, twins, e)
+                row += 1 + (len(plan[1]) if plan else 0)
             # what a step of b.n rows costs: the decode and each row's sampling and checks
             self.spec.observe_step(decode_passes(ids, [1 + len(p[1]) if p else 1 for p in plans])
                                    if len(decoding) > 1 else b.n, time.perf_counter() - t1)
@@ -4448,17 +4757,21 @@ class Engine(_SlotTable):
         self.t_decode_s += time.perf_counter() - t1
         if s.n_exact == start and (end % self.chunk == 0 or end in s.cuts):
             s.n_exact = end  # a whole chunk on an exact prefix: what a cold prefill computes
-            if end in s.req.snap and self.disk.wants(prompt[:end], s.cuts):
-                self.disk.save(prompt[:end], s.cuts, self.ctx.state_seq_get(seq_id))  # the writer compresses
+            if end in s.req.snap and self.disk.wants(prompt[:end], s.cuts, s.req.tenant):
+                self.disk.save(prompt[:end], s.cuts, self.ctx.state_seq_get(seq_id), s.req.tenant)  # the writer compresses
                 self.n_disk_snaps += 1
         s.n_done = s.n_past = end
         self.n_prefill_tok += end - start
         if end == s.n_prompt:
             self.n_prefills += 1
             twins, s.twins = s.twins, []
-            tok = s.sampler.sample(self.ctx, b.n - 1)
-            self._accept(s, tok)
-            self._twins_sample(s, tok, twins, b.n - 1)
+            try:
+                tok = s.sampler.sample(self.ctx, b.n - 1)
+                self._accept(s, tok)
+                self._twins_sample(s, tok, twins, b.n - 1)
+            except Exception as e:  # noqa: BLE001 - this request's failure only
+                self._fail_group(s, twins, e)
+                return -1
         return end - start
 
     def _twins_sample(self, lead: _Seq, tok: int, twins: List[_Seq], row: int) -> None:
@@ -4551,6 +4864,9 @@ class Engine(_SlotTable):
             self._finish(s, "length")
 
     def _finish(self, s: _Seq, reason: Optional[str], error: Optional[ReameError] = None, flush: bool = True) -> None:
+        if s.ended:
+            return
+        s.ended = True
         req = s.req
         if flush and error is None:
             tail = s.stream.flush()
@@ -4571,7 +4887,7 @@ class Engine(_SlotTable):
             s.n_past = n_valid
         if error is None and s.n_past:  # the memory tier: the KV stays until the slot is needed
             self._resident[s.seq_id] = [req.cache_tag, (req.prompt + s.tokens)[:s.n_past], time.monotonic(),
-                                        s.n_exact, tuple(c for c in s.cuts if c <= s.n_exact)]
+                                        s.n_exact, tuple(c for c in s.cuts if c <= s.n_exact), req.tenant]
         else:
             self.ctx.seq_rm(s.seq_id)
         s.sampler.close()
@@ -4712,10 +5028,12 @@ class ConclaveResult:
 
 
 def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vote: str = "last_number",
-                 early_stop: bool = True, on_event=None, **submit_kw) -> ConclaveResult:
+                 early_stop: bool = True, on_event=None, alive=None, **submit_kw) -> ConclaveResult:
     """Submit n candidates (one prefill), tally them as they finish, cancel the rest once
     they cannot change the winner (early_stop; see conclave_vote). ``on_event(kind, payload, index)``
-    sees every engine event (streaming). Raises the first candidate error."""
+    sees every engine event (streaming). ``alive()``: is the caller still there (asked while
+    nothing happens; False cancels every candidate: EngineError code client_gone).
+    Raises the first candidate error."""
     check_extractor(vote)
     if params.temperature <= 0:
         raise RequestError("best_of needs a temperature above 0 (identical greedy candidates cannot vote)",
@@ -4727,7 +5045,12 @@ def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vo
     decided, left = False, n
     try:
         while left:
-            kind, payload, i = reqs[0].events.get()
+            try:
+                kind, payload, i = reqs[0].events.get(timeout=0.5)
+            except queue.Empty:
+                if alive is not None and not alive():
+                    raise EngineError("the client went away", status=499, code="client_gone") from None
+                continue
             if on_event is not None:
                 on_event(kind, payload, i)
             if kind == "error":
@@ -4768,7 +5091,7 @@ def _openai_error(err: ReameError) -> dict:
     kind = "invalid_request_error" if 400 <= err.status < 500 else "server_error"
     if err.status == 401:
         kind = "authentication_error"
-    return {"error": {"message": err.message, "type": kind, "param": getattr(err, "param", None),
+    return {"error": {"message": err.message, "type": kind, "param": err.param,
                       "code": err.code}}
 
 
@@ -4905,6 +5228,16 @@ def _messages_from_body(body: dict) -> List[dict]:
 # tag) between turns. Sessions belong to the API key that made them.
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_SESSION_MAX_BYTES = 64 << 20  # a saved session file read back (a longer one is not ours)
+
+
+def _session_id(sid) -> str:
+    """A session id as given, or a 400: 1-128 of A-Z a-z 0-9 . _ : - (checked once, for
+    every method: it becomes a file name)."""
+    if not isinstance(sid, str) or not _SESSION_ID.match(sid) or sid in (".", ".."):
+        raise RequestError("'session_id' must be 1-128 characters of A-Z a-z 0-9 . _ : -", code="invalid_value",
+                           param="session_id")
+    return sid
 
 
 class _Session:
@@ -4924,36 +5257,37 @@ class _Session:
 
 
 class Sessions:
-    """Conversations the server keeps: history by id, scoped to the API key that made
-    them (a key sees only its own), bounded in count and idle time. A session's KV
-    stays resident in the engine (cache tag) until a slot is needed for someone else;
-    its prompts' whole chunks are on the disk tier. With a ``store`` directory the
-    histories are also written there (one 0600 JSON file per session, under a
-    directory per key), so a conversation continues after a restart."""
+    """Conversations the server keeps: history by id, in a namespace per API key (a
+    key's ids are its own: another key may use the same id for another conversation,
+    and cannot tell whether it exists), bounded in count per key and in idle time. A
+    session's KV stays resident in the engine (cache tag) until a slot is needed for
+    someone else; its prompts' whole chunks are on the disk tier. With a ``store``
+    directory the histories are also written there (one 0600 JSON file per session,
+    under a 0700 directory per key), so a conversation continues after a restart.
+    ``owner`` is the caller's scope (Server.authorized: "" without keys, else a keyed
+    hash of the key); ids are validated before any path is built from them."""
 
     def __init__(self, engine_fn, max_count: int = 256, idle_s: float = 3600.0, store: Optional[str] = None):
         self._engine_fn = engine_fn
         self.max_count, self.idle_s, self.store = max_count, idle_s, store
         self._lock = threading.Lock()
-        self._by_id: dict = {}
-        self._gone = collections.OrderedDict()  # ids that expired or were deleted: 404, not a new session
+        self._by_key: dict = {}  # (owner, id) -> _Session; guarded by _lock
+        self._gone = collections.OrderedDict()  # (owner, id) that expired or were deleted: 404, not a new session
 
     def __len__(self) -> int:
-        return len(self._by_id)
+        return len(self._by_key)
 
     def begin(self, sid, owner: str, chat: bool) -> _Session:
         """The session for a request (created on first use), marked busy until end()."""
-        if not isinstance(sid, str) or not _SESSION_ID.match(sid):
-            raise RequestError("'session_id' must be 1-128 characters of A-Z a-z 0-9 . _ : -", code="invalid_value")
+        sid = _session_id(sid)
         with self._lock:
-            self._sweep()
-            s = self._by_id.get(sid) or self._load(sid, owner)
-            if s is None or s.owner != owner:
-                if s is not None or (owner, sid) in self._gone:
-                    raise RequestError("session %s not found (expired, deleted or another key's)" % sid,
-                                       status=404, code="session_not_found")
-                s = _Session(sid, owner, chat)
-            self._by_id[sid] = s
+            self._sweep(owner)
+            s = self._find(sid, owner)
+            if s is None:
+                if (owner, sid) in self._gone:
+                    raise RequestError("session %s not found (expired or deleted)" % sid, status=404,
+                                       code="session_not_found")
+                s = self._by_key[(owner, sid)] = _Session(sid, owner, chat)
             if s.chat != chat:
                 raise RequestError("session %s belongs to /v1/%s" % (sid, "chat/completions" if s.chat else
                                                                     "completions"), code="session_mismatch")
@@ -4966,67 +5300,67 @@ class Sessions:
     def end(self, s: _Session) -> None:
         with self._lock:
             s.busy, s.last_used = False, time.time()
-            if self.store and (s.messages or s.text):
+            if self.store and (s.messages or s.text) and self._by_key.get((s.owner, s.id)) is s:
                 self._save(s)
 
-    def _file(self, sid: str, owner: str) -> str:
-        return os.path.join(self.store, owner or "open", sid + ".json")
-
-    def _save(self, s: _Session) -> None:
-        path = self._file(s.id, s.owner)
-        tmp = path + ".%d.tmp" % os.getpid()
-        try:
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            for d in (self.store, os.path.dirname(path)):
-                os.chmod(d, 0o700)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"id": s.id, "chat": s.chat, "messages": s.messages, "text": s.text,
-                           "tokens": s.n_tokens, "created": s.created}, f)
-            os.replace(tmp, path)
-        except OSError as e:
-            log.warning("cannot save session %s (%s): it lives in memory only", s.id, e)
-
-    def _load(self, sid: str, owner: str) -> Optional[_Session]:
-        """A session saved by an earlier run of the server (same key), if still fresh."""
-        if not self.store or (owner, sid) in self._gone:
-            return None
-        path = self._file(sid, owner)
-        try:
-            if time.time() - os.path.getmtime(path) > self.idle_s:
-                os.remove(path)
-                self._gone[(owner, sid)] = True
-                return None
-            with open(path) as f:
-                d = json.load(f)
-            s = _Session(sid, owner, bool(d["chat"]))
-            s.messages, s.text, s.n_tokens, s.created = list(d["messages"]), str(d["text"]), int(d["tokens"]), \
-                float(d["created"])
-            return s
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-    def get(self, sid: str, owner: str) -> dict:
+    def get(self, sid, owner: str) -> dict:
+        sid = _session_id(sid)
         with self._lock:
-            s = self._by_id.get(sid) or self._load(sid, owner)
-            if s is None or s.owner != owner:
-                raise RequestError("session %s not found" % sid, status=404, code="session_not_found")
+            s = self._found(sid, owner)
             out = {"id": s.id, "object": "session", "created": int(s.created), "last_used": int(s.last_used),
                    "tokens": s.n_tokens}
             out.update({"messages": list(s.messages)} if s.chat else {"prompt": s.text})
             return out
 
-    def delete(self, sid: str, owner: str) -> None:
+    def delete(self, sid, owner: str) -> None:
+        sid = _session_id(sid)
         with self._lock:
-            s = self._by_id.get(sid) or self._load(sid, owner)
-            if s is not None and s.owner == owner:
-                self._by_id[sid] = s
-            if s is None or s.owner != owner:
-                raise RequestError("session %s not found" % sid, status=404, code="session_not_found")
-            self._drop(s)
+            self._drop(self._found(sid, owner))
+
+    def _found(self, sid: str, owner: str) -> _Session:
+        s = self._find(sid, owner)
+        if s is None:
+            raise RequestError("session %s not found" % sid, status=404, code="session_not_found")
+        return s
+
+    def _find(self, sid: str, owner: str) -> Optional[_Session]:
+        """The caller's session sid: in memory, or saved by an earlier run (if still fresh)."""
+        s = self._by_key.get((owner, sid))
+        if s is None and self.store and (owner, sid) not in self._gone:
+            s = self._load(sid, owner)
+            if s is not None:
+                self._by_key[(owner, sid)] = s
+        return s
+
+    def _file(self, sid: str, owner: str) -> str:
+        return os.path.join(self.store, owner or "open", sid + ".json")  # (both validated: no separators)
+
+    def _save(self, s: _Session) -> None:
+        path = self._file(s.id, s.owner)
+        try:
+            _private_dirs(self.store, os.path.dirname(path))
+            _write_private(path, [json.dumps({"id": s.id, "chat": s.chat, "messages": s.messages, "text": s.text,
+                                              "tokens": s.n_tokens, "created": s.created}).encode()])
+        except OSError as e:
+            log.warning("cannot save session %s (%s): it lives in memory only", s.id, e)
+
+    def _load(self, sid: str, owner: str) -> Optional[_Session]:
+        path = self._file(sid, owner)
+        try:
+            if time.time() - os.lstat(path).st_mtime > self.idle_s:
+                os.remove(path)
+                self._gone[(owner, sid)] = True
+                return None
+            d = json.loads(_read_private(path, _SESSION_MAX_BYTES).decode("utf-8"))
+            s = _Session(sid, owner, bool(d["chat"]))
+            s.messages, s.text, s.n_tokens, s.created = _messages_from_body(d) if s.chat else [], str(d["text"]), \
+                int(d["tokens"]), float(d["created"])
+            return s
+        except (OSError, ValueError, KeyError, TypeError, RecursionError, ReameError):
+            return None
 
     def _drop(self, s: _Session) -> None:
-        del self._by_id[s.id]
+        del self._by_key[(s.owner, s.id)]
         if self.store:
             try:
                 os.remove(self._file(s.id, s.owner))
@@ -5039,14 +5373,15 @@ class Sessions:
         if eng is not None:
             eng.forget(s.tag)
 
-    def _sweep(self) -> None:
+    def _sweep(self, owner: str) -> None:
+        """Idle sessions go (every key's); then, at owner's cap, owner's least recently used."""
         now = time.time()
-        idle = [s for s in self._by_id.values() if not s.busy and now - s.last_used > self.idle_s]
-        for s in idle:
+        for s in [s for s in self._by_key.values() if not s.busy and now - s.last_used > self.idle_s]:
             self._drop(s)
-        if len(self._by_id) >= self.max_count:  # room for one more: the least recently used goes
-            lru = sorted((s for s in self._by_id.values() if not s.busy), key=lambda s: s.last_used)
-            for s in lru[:len(self._by_id) - self.max_count + 1]:
+        mine = [s for s in self._by_key.values() if s.owner == owner]
+        if len(mine) >= self.max_count:  # room for one more of this key's: its least recently used goes
+            lru = sorted((s for s in mine if not s.busy), key=lambda s: s.last_used)
+            for s in lru[:len(mine) - self.max_count + 1]:
                 self._drop(s)
 
 
@@ -5080,6 +5415,91 @@ class _Histogram:
                       "%s_count %d" % (name, self.n)]
 
 
+def _installation_secret() -> bytes:
+    """This installation's secret for keyed scope names ($REAME_HOME/secret, 32 random
+    bytes, 0600, made on first use; two servers starting at once agree on it). Without
+    a writable REAME_HOME: a secret for this process only (then sessions and archives
+    kept on disk are not found again after a restart; logged)."""
+    home = Config.from_env().home
+    path = os.path.join(home, "secret")
+    for _ in range(50):
+        try:
+            data = _read_private(path, 4096)
+            if len(data) >= 32:
+                return data
+            time.sleep(0.02)  # another process is writing it (one 32-byte write)
+            continue
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as e:
+            log.warning("cannot read %s (%s): key scopes are this process's only", path, e)
+            return os.urandom(32)
+        try:
+            _private_dirs(home)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            log.warning("cannot create %s (%s): key scopes are this process's only", path, e)
+            return os.urandom(32)
+        data = os.urandom(32)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return data
+    log.warning("%s stays shorter than 32 bytes: key scopes are this process's only", path)
+    return os.urandom(32)
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    """A thread per connection, at most max_connections at once: one more gets a 503
+    with Retry-After and is closed, without a thread of its own."""
+
+    daemon_threads = True
+    max_connections = 256
+
+    def __init__(self, *a, **kw):
+        self._n_open = 0
+        self._open_lock = threading.Lock()  # guards _n_open
+        super().__init__(*a, **kw)
+
+    def process_request(self, request, client_address):
+        with self._open_lock:
+            full = self._n_open >= self.max_connections
+            if not full:
+                self._n_open += 1
+        if full:
+            body = json.dumps(_openai_error(ReameError(
+                "too many connections (%d); retry later" % self.max_connections, status=503,
+                code="too_many_connections"))).encode()
+            try:
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+                                + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._closed()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._closed()
+
+    def _closed(self) -> None:
+        with self._open_lock:
+            self._n_open -= 1
+
+
 class Server:
     """The HTTP front of one Engine. ``serve_forever`` blocks; ``shutdown`` stops it.
 
@@ -5090,17 +5510,25 @@ class Server:
     def __init__(self, engine: Optional[Engine], model_name: str, *, host: str = "127.0.0.1", port: int = 8080,
                  api_keys: Sequence[str] = (), max_tokens_cap: Optional[int] = None, max_queue: int = 64,
                  max_sessions: int = 256, session_idle_s: float = 3600.0, session_dir: Optional[str] = None,
-                 header_timeout_s: float = 30.0, body_timeout_s: float = 60.0):
+                 header_timeout_s: float = 30.0, body_timeout_s: float = 60.0, max_connections: int = 256,
+                 max_body_in_flight: int = 16 << 20, shared_cache: bool = False, secret: Optional[bytes] = None):
         self.engine, self.model_name = engine, model_name
         self.api_keys = tuple(k.encode() for k in api_keys if k)
+        # a key's scope (directories, cache, metrics) is a keyed hash: the names on disk do
+        # not let anyone test guesses of a key offline without this installation's secret
+        self._secret = secret if secret is not None else (_installation_secret() if self.api_keys else b"")
+        self.shared_cache = shared_cache or not self.api_keys  # one tenant without keys
         self._max_tokens_cap = max_tokens_cap
         self.max_queue = max_queue
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
+        self.max_body_in_flight = max_body_in_flight
+        self.body_in_flight = 0  # bytes of request bodies being read or served now; guarded by _lock
         self.sessions = Sessions(lambda: self.engine, max_sessions, session_idle_s, session_dir)
         self.created = int(time.time())
         handler = type("_BoundHandler", (_Handler,), {"server_ref": self})
-        self.httpd = http.server.ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.httpd = type("_BoundHTTPServer", (_HTTPServer,), {"address_family": family})((host, port), handler)
+        self.httpd.max_connections = max_connections
         self.port = self.httpd.server_address[1]
         # Counters for /metrics, guarded by _lock (many handler threads).
         self._lock = threading.Lock()
@@ -5134,14 +5562,32 @@ class Server:
                     self.h_token.observe((r.total_s - r.ttft_s) / (r.n_gen_tok - 1))
 
     def authorized(self, header: Optional[str]) -> Optional[str]:
-        """The caller's identity (a hash of its key; "" without keys), or None: refused."""
+        """The caller's scope ("" without keys; else an HMAC of its key under this
+        installation's secret, 16 hex digits), or None: refused."""
         if not self.api_keys:
             return ""
-        given = (header or "")[7:].strip().encode() if (header or "").startswith("Bearer ") else b""
+        h = header or ""
+        given = h[7:].strip().encode("utf-8", "replace") if h[:7].lower() == "bearer " else b""
         ok = False
         for key in self.api_keys:  # compare with every key: time does not depend on which matched
             ok |= hmac.compare_digest(given, key)
-        return hashlib.sha256(given).hexdigest()[:16] if ok else None
+        return hmac.new(self._secret, given, hashlib.sha256).hexdigest()[:16] if ok else None
+
+    def tenant(self, owner: str) -> str:
+        """The prefix cache a caller reuses and feeds: its own, unless --shared-cache."""
+        return "" if self.shared_cache else owner
+
+    def reserve_body(self, n: int) -> bool:
+        """Take n bytes of the in-flight body budget (False: over it, answer 503)."""
+        with self._lock:
+            if n and self.body_in_flight + n > self.max_body_in_flight:
+                return False
+            self.body_in_flight += n
+            return True
+
+    def release_body(self, n: int) -> None:
+        with self._lock:
+            self.body_in_flight -= n
 
     def retry_after(self) -> int:
         st = self.engine.stats()
@@ -5156,7 +5602,6 @@ class Server:
                 self._reading[conn] = time.monotonic() + seconds
 
     def _watchdog(self) -> None:
-        import socket
         while not self._stop.wait(0.25):
             now = time.monotonic()
             with self._lock:
@@ -5195,15 +5640,50 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def handle_one_request(self):
         self.server_ref.watch(self.connection, self.server_ref.header_timeout_s)  # idle or slow head
         self._status, self._results, self._t0 = 0, (), time.monotonic()
+        self._body_len, self._body_done, self._reserved = 0, True, 0
         try:
             super().handle_one_request()
         finally:
             self.server_ref.watch(self.connection, None)
+            if self._reserved:
+                self.server_ref.release_body(self._reserved)
 
     def parse_request(self):
         ok = super().parse_request()
         self.server_ref.watch(self.connection, None)  # the head is in
-        return ok
+        return ok and self._framed()
+
+    def _framed(self) -> bool:
+        """Only a body whose length the head states, in digits, once: a chunked body or
+        an odd Content-Length is refused and the connection closed (a proxy in front may
+        frame the bytes otherwise, and what we left unread would be read as a request)."""
+        lengths = self.headers.get_all("Content-Length") or []
+        if self.headers.get_all("Transfer-Encoding"):
+            self.send_error(411, "Transfer-Encoding is not supported: send the body with a Content-Length")
+            return False
+        if len(lengths) > 1 or (lengths and not re.fullmatch(r"[0-9]{1,12}", lengths[0].strip(" \t"))):
+            self.send_error(400, "bad Content-Length: one header, digits only")
+            return False
+        self._body_len = int(lengths[0]) if lengths else 0
+        self._body_done = not self._body_len
+        return True
+
+    def _head_done(self) -> None:
+        """End the response head; a body still unread closes the connection after this
+        reply, so it is never read as the next request."""
+        if not self._body_done:
+            self.close_connection = True
+            self.send_header("Connection", "close")
+        self.end_headers()
+
+    def _client_gone(self) -> bool:
+        """The client has closed its side (its socket reads as end of file)."""
+        try:
+            if not select.select([self.connection], [], [], 0)[0]:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
 
     def log_request(self, code="-", size="-"):
         self._status = code if isinstance(code, int) else getattr(code, "value", 0)
@@ -5228,7 +5708,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         for k, v in headers:
             self.send_header(k, v)
-        self.end_headers()
+        self._head_done()
         self.wfile.write(data)
 
     def _send_error(self, err: ReameError) -> None:
@@ -5239,24 +5719,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send_json(err.status, _openai_error(err), extra)
 
     def _read_body(self) -> dict:
-        try:
-            n = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            n = -1
-        if n < 0:
-            self.close_connection = True
-            raise RequestError("bad Content-Length", code="invalid_request")
+        n, srv = self._body_len, self.server_ref
         if n > _MAX_BODY_BYTES:
-            self.close_connection = True
             raise RequestError("request body over %d bytes" % _MAX_BODY_BYTES, status=413, code="body_too_large")
-        self.server_ref.watch(self.connection, self.server_ref.body_timeout_s)
+        if not srv.reserve_body(n):  # bodies parsed at once are bounded (JSON takes ~25x their bytes)
+            err = ReameError("the server is reading too many request bodies at once; retry later", status=503,
+                             code="busy")
+            err.headers = [("Retry-After", "1")]
+            raise err
+        self._reserved = n  # (released when this request ends)
+        srv.watch(self.connection, srv.body_timeout_s)
         try:
             raw = self.rfile.read(n)
         finally:
-            self.server_ref.watch(self.connection, None)
+            srv.watch(self.connection, None)
         if len(raw) < n:
             self.close_connection = True
             raise RequestError("the body ended early (%d of %d bytes)" % (len(raw), n), code="invalid_request")
+        self._body_done = True
         try:
             body = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -5412,16 +5892,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if best_of > 1:
                 self._conclave(tokens, params, best_of, ext, chat, stream, bool(opts.get("include_usage")),
                                snap_at=eng.prefix_boundary(history, tokens) if chat else (), spec=spec,
-                               archive=archive)
+                               archive=archive, tenant=srv.tenant(owner))
                 return
             reqs = eng.submit_n(tokens, params, n, cache_tag=session.tag if session else None,
                                 snap_at=eng.prefix_boundary(history, tokens) if chat else (), spec=spec,
-                                archive=archive)
+                                archive=archive, tenant=srv.tenant(owner))
             rid = ("chatcmpl-" if chat else "cmpl-") + reqs[0].id
             if stream:
                 results = self._stream(reqs, rid, chat, bool(opts.get("include_usage")))
             else:
-                results = [r.wait() for r in reqs]
+                results = self._wait(reqs)
+                if results is None:
+                    return
                 self._results = results
                 srv.count(200, results)
                 choices = [({"index": r.index, "message": {"role": "assistant", "content": r.text},
@@ -5474,8 +5956,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._sse_start()
         try:
             res = run_conclave(srv.engine, tokens, params, n, vote=vote, early_stop=early,
-                               on_event=on_event if stream and want else None, **submit_kw)
+                               on_event=on_event if stream and want else None,
+                               alive=lambda: not self._client_gone(), **submit_kw)
         except ReameError as e:
+            if e.code == "client_gone":
+                srv.count(499)
+                self._status, self.close_connection = 499, True
+                return
             if not stream:
                 raise
             send(_openai_error(e))
@@ -5507,11 +5994,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
+    def _wait(self, reqs: List[Request]) -> Optional[List[Result]]:
+        """Every choice's Result; None if the client hung up meanwhile (they are cancelled:
+        their slots free at the next step, as for a stream)."""
+        for r in reqs:
+            while not r.finished(0.25):
+                if self._client_gone():
+                    for q in reqs:
+                        q.cancel()
+                    self.server_ref.count(499)
+                    self._status, self.close_connection = 499, True
+                    return None
+        return [r.wait() for r in reqs]
+
     def _sse_start(self) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.end_headers()
+        self._head_done()
         self.close_connection = True  # the stream ends when the socket closes
 
     def _sse_send(self, obj) -> None:
@@ -5637,17 +6137,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         lines += ["# TYPE reame_conclave_tokens_saved_total counter",
                   "reame_conclave_tokens_saved_total %d" % conc.get("saved_tokens", 0)]
         arc = st["archive"]
-        if arc is not None:  # Palimpsest: runs stored, and what this process has read, per scope
+        if arc is not None:  # Palimpsest: runs stored, and the tokens this process has read (all
+            # scopes together: a scope per key would list the other tenants to every caller)
             lines += ["# TYPE reame_archive_stored_total counter", "reame_archive_stored_total %d" % arc["stored"],
                       "# TYPE reame_archive_dropped_total counter", "reame_archive_dropped_total %d" % arc["dropped"],
-                      "# TYPE reame_archive_tokens gauge"]
-            lines += ['reame_archive_tokens{scope="%s"} %d' % (name, sc["tokens"])
-                      for name, sc in sorted(arc["scopes"].items())]
+                      "# TYPE reame_archive_tokens gauge",
+                      "reame_archive_tokens %d" % sum(sc["tokens"] for sc in arc["scopes"].values())]
         data = ("\n".join(lines) + "\n").encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
         self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
+        self._head_done()
         self.wfile.write(data)
 
 
@@ -5772,10 +6272,15 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-tokens", type=int, default=None, help="cap on a request's max_tokens (default: --ctx)")
     sv.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before new ones get "
                     "429 with Retry-After (default 64)")
-    sv.add_argument("--sessions", type=int, default=256, help="conversations kept (session_id); the least "
+    sv.add_argument("--sessions", type=int, default=256, help="conversations kept per API key (session_id); its least "
                     "recently used goes first (default 256)")
     sv.add_argument("--session-idle", type=float, default=3600.0, help="seconds an idle session is kept "
                     "(default 3600)")
+    sv.add_argument("--max-connections", type=int, default=256, help="open connections at most; one more gets "
+                    "503 with Retry-After (default 256)")
+    sv.add_argument("--shared-cache", action="store_true", help="with API keys, let every key reuse every "
+                    "other's prompt-prefix KV (memory and disk). Default: each key has its own, so a key cannot "
+                    "learn another's prompts from cached_tokens or timing")
     sv.add_argument("--cache-reuse", choices=("exact", "all"), default="exact", help="exact (default): reuse "
                     "only KV that a cold prefill would compute bit for bit (whole 128-token prompt chunks), so "
                     "greedy output never depends on the cache; all: also reuse partial chunks and generated "
@@ -5927,15 +6432,16 @@ def _cmd_serve(args) -> int:
     if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("!!! serving on %s WITHOUT an API key: anyone who can reach this port can use it. "
                     "Pass --api-key or set REAME_API_KEY.", args.host)
-    if args.parallel < 1 or args.ctx < 16 or args.max_queue < 0:
-        raise RequestError("--parallel must be >= 1, --ctx >= 16, --max-queue >= 0")
+    if args.parallel < 1 or args.ctx < 16 or args.max_queue < 0 or args.max_connections < 1:
+        raise RequestError("--parallel must be >= 1, --ctx >= 16, --max-queue >= 0, --max-connections >= 1")
     _ensure_library()
     path = resolve_model(args.model)
     name = _spec_for(args.model).alias if _spec_for(args.model) else os.path.basename(path)
     # The port opens first (/health says "loading"), then the model loads.
     server = Server(None, name, host=args.host, port=args.port, api_keys=keys, max_tokens_cap=args.max_tokens,
                     max_queue=args.max_queue, max_sessions=args.sessions, session_idle_s=args.session_idle,
-                    session_dir=None if args.no_disk_cache else os.path.join(Config.from_env().home, "sessions"))
+                    session_dir=None if args.no_disk_cache else os.path.join(Config.from_env().home, "sessions"),
+                    max_connections=args.max_connections, shared_cache=args.shared_cache)
 
     def on_signal(signum, frame):
         threading.Thread(target=server.shutdown, name="reame-shutdown", daemon=True).start()

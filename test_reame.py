@@ -2401,11 +2401,17 @@ def test_server_sessions(server, gemma):
                 assert json.loads(payload)["choices"][0]["message"] == out["choices"][0]["message"]
         finally:
             gemma.cache_reuse = "exact"
-        # scoped to the key that made it
+        # ids are per key: k2 cannot see k1's session, and its own "sid" is another conversation
         assert _http(server, "GET", "/v1/sessions/" + sid, key="k2")[0] == 404
-        assert _http(server, "POST", "/v1/chat/completions", {"messages": [new_turn], "session_id": sid,
-                                                              "max_tokens": 2}, key="k2")[0] == 404
         assert _http(server, "DELETE", "/v1/sessions/" + sid, key="k2")[0] == 404
+        assert _http(server, "POST", "/v1/chat/completions", {"messages": [new_turn], "session_id": sid,
+                                                              "max_tokens": 2}, key="k2")[0] == 200
+        status, payload = _http(server, "GET", "/v1/sessions/" + sid, key="k2")
+        assert status == 200 and json.loads(payload)["messages"][0] == new_turn
+        assert len(json.loads(payload)["messages"]) == 2
+        assert _http(server, "DELETE", "/v1/sessions/" + sid, key="k2")[0] == 200
+        status, payload = _http(server, "GET", "/v1/sessions/" + sid)
+        assert status == 200 and len(json.loads(payload)["messages"]) == 5  # k1's, untouched
         assert _http(server, "DELETE", "/v1/sessions/" + sid)[0] == 200
         assert _http(server, "GET", "/v1/sessions/" + sid)[0] == 404
         # a deleted session is not silently restarted
