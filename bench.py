@@ -145,6 +145,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import http.client
 import inspect
 import json
@@ -678,7 +679,7 @@ class ReameServer(ServerProcess):
     name = "reame serve"
 
     def __init__(self, model_path: str, *, threads: int, n_parallel: int, ctx_per_slot: int, n_batch: int,
-                 log_path: str, help_text: str, env: Optional[dict] = None):
+                 log_path: str, help_text: str, env: Optional[dict] = None, extra_args: tuple = ()):
         self.log_path = log_path
         self.help = help_text
         self.port = free_port()
@@ -690,6 +691,7 @@ class ReameServer(ServerProcess):
             self.args += ["--batch", str(n_batch)]
         if self._knows("--grace"):  # close() cancels what is left instead of draining for 30 s
             self.args += ["--grace", "1"]
+        self.args += list(extra_args)  # e.g. --api-key KEY (--soak)
         self._start(dict(os.environ) if env is None else env)
 
 
@@ -1217,11 +1219,13 @@ def chat_stream(port: int, body: bytes, timeout_s: float = 900) -> dict:
             "timings": timings}
 
 
-def reame_metrics(srv: ServerProcess) -> dict:
-    """Reame's /metrics as {name: value} (unlabelled counters and gauges only)."""
+def reame_metrics(srv: ServerProcess, key: Optional[str] = None) -> dict:
+    """Reame's /metrics as {name: value} (unlabelled counters and gauges only); {} when it
+    cannot be read. A server started with API keys wants one for /metrics too (key)."""
     out = {}
+    req = urllib.request.Request(srv.base + "/metrics", headers={"Authorization": "Bearer " + key} if key else {})
     try:
-        with urllib.request.urlopen(srv.base + "/metrics", timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=10) as r:
             for line in r.read().decode("utf-8", "replace").splitlines():
                 parts = line.split()
                 if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
@@ -2195,6 +2199,956 @@ def run_conclave_only(args) -> dict:
                                                              "reame_version": getattr(reame, "__version__", "?")}}
 
 
+# -- soak: one reame.py serve under load, attacks and disconnects --------------------
+
+
+SOAK_KEYS = ("soak-key-tenant-a", "soak-key-tenant-b")  # two tenants: sessions are scoped per key
+SOAK_CTX, SOAK_PARALLEL = 1024, 4
+SOAK_CLIENTS, SOAK_ATTACKERS = 8, 2
+SOAK_REQUEST_S = 120.0   # a normal request's time limit (8 clients share 4 slots on a small machine)
+SOAK_ATTACK_S = 30.0     # an attack's time limit (all ask for <= 48 tokens): past it, 'timeout'
+SOAK_HEALTH_MAX_S = 1.0  # /health slower than this fails the soak
+SOAK_DRAIN_S = 60.0      # after the load: time for threads to finish and for /metrics to read idle
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+class SoakError(Exception):
+    """A normal soak request that did not get its answer (HTTP error, error event, cut stream)."""
+
+
+def soak_owner(key: str) -> str:
+    """Reame's identity for an API key (Server.authorized): its session files live under it."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def soak_requests() -> list:
+    """The normal requests of --soak: greedy (temperature 0) and short, so each has one right
+    answer, the one it gets alone; over both keys, both endpoints, streamed and not, n=2, a
+    json_schema, and two-turn sessions (each run gets a fresh session id, so the second turn
+    always continues the same first one)."""
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": person}}
+
+    def chat(text, max_tokens, **kw):
+        return dict({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                     "temperature": 0}, **kw)
+
+    def comp(prompt, max_tokens, **kw):
+        return dict({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, **kw)
+
+    usage = {"include_usage": True}
+    return [
+        {"name": "chat", "key": 0, "path": CHAT, "turns": [chat("Name three primary colors.", 24)]},
+        {"name": "chat-stream", "key": 1, "path": CHAT,
+         "turns": [chat("Write one sentence about the sea.", 32, stream=True)]},
+        {"name": "chat-system-stream", "key": 0, "path": CHAT, "turns": [dict(chat(
+            "What is 12 times 7?", 16, stream=True, stream_options=usage), messages=[
+                {"role": "system", "content": "You answer in one short line."},
+                {"role": "user", "content": "What is 12 times 7?"}])]},
+        {"name": "completion", "key": 1, "path": COMPLETIONS, "turns": [comp("The capital of France is", 16)]},
+        {"name": "completion-stream", "key": 0, "path": COMPLETIONS,
+         "turns": [comp("def fibonacci(n):\n", 48, stream=True, stream_options=usage)]},
+        {"name": "chat-n2", "key": 1, "path": CHAT, "turns": [chat("Give me a name for a cat.", 20, n=2)]},
+        {"name": "completion-n2-stream", "key": 0, "path": COMPLETIONS,
+         "turns": [comp("A list of fruits: apple,", 16, n=2, stream=True)]},
+        {"name": "chat-json-schema", "key": 0, "path": CHAT,
+         "turns": [chat("Describe a person as JSON.", 40, response_format=schema)]},
+        {"name": "chat-json-schema-stream", "key": 1, "path": CHAT,
+         "turns": [chat("Invent a fictional person; answer as JSON.", 40, response_format=schema, stream=True)]},
+        {"name": "completion-long", "key": 1, "path": COMPLETIONS,
+         "turns": [comp("Once upon a time, in a small village,", 48)]},
+        {"name": "chat-session", "key": 1, "path": CHAT, "session": True,
+         "turns": [chat("My name is Ada. Say hello to me.", 24), chat("What is my name?", 16)]},
+        {"name": "completion-session-stream", "key": 0, "path": COMPLETIONS, "session": True,
+         "turns": [comp("Q: What is 2 + 2?\nA:", 16, stream=True), comp("\nQ: And 3 + 3?\nA:", 16, stream=True)]},
+    ]
+
+
+def soak_call(port: int, key: str, path: str, body: dict, timeout_s: float = SOAK_REQUEST_S) -> str:
+    """One normal request; its answer as text: the choices' texts (a stream's deltas
+    concatenated per choice) joined by \\x1e in index order. SoakError unless it ended
+    cleanly (200; a stream: no error event, and [DONE])."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    texts = {}
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json", "Authorization": "Bearer " + key})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise SoakError("HTTP %d: %s" % (resp.status, resp.read(300).decode("utf-8", "replace")))
+        if not body.get("stream"):
+            for c in json.loads(resp.read()).get("choices") or []:
+                texts[c.get("index", 0)] = (c["message"].get("content") if "message" in c else c.get("text")) or ""
+        else:
+            while True:
+                line = resp.readline()
+                if not line:
+                    raise SoakError("the stream ended without data: [DONE]")
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    raise SoakError("error event: %s" % json.dumps(chunk["error"])[:300])
+                for c in chunk.get("choices") or []:
+                    piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                    texts[c.get("index", 0)] = texts.get(c.get("index", 0), "") + (piece or "")
+    except (OSError, http.client.HTTPException, ValueError, KeyError, AttributeError) as e:
+        raise SoakError("%s: %s" % (type(e).__name__, str(e)[:200])) from None
+    finally:
+        conn.close()
+    return "\x1e".join(texts[i] for i in sorted(texts))
+
+
+def soak_delete_session(port: int, key: str, sid: str) -> None:
+    """Best effort: sessions the soak made go away, so the server's session table stays small."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("DELETE", "/v1/sessions/" + sid, headers={"Authorization": "Bearer " + key})
+        conn.getresponse().read()
+    except (OSError, http.client.HTTPException):
+        pass
+    finally:
+        conn.close()
+
+
+def soak_answer(port: int, req: dict) -> str:
+    """A normal request's answer; a session's turns (on a fresh session id) joined by \\x1d."""
+    key = SOAK_KEYS[req["key"]]
+    if not req.get("session"):
+        return soak_call(port, key, req["path"], req["turns"][0])
+    sid = "soak-%s" % os.urandom(6).hex()
+    try:
+        return "\x1d".join(soak_call(port, key, req["path"], dict(b, session_id=sid)) for b in req["turns"])
+    finally:
+        soak_delete_session(port, key, sid)
+
+
+# Attacks speak raw bytes: http.client would normalize the very headers they get wrong.
+
+def raw_head(method: str, path: str, key: Optional[str] = None, body: bytes = b"", headers=(),
+             length: bool = True) -> bytes:
+    """An HTTP/1.1 request as bytes: Authorization for key, Content-Length for body unless
+    length is False (the caller then frames the body itself in headers), then the body."""
+    lines = ["%s %s HTTP/1.1" % (method, path), "Host: 127.0.0.1"]
+    if key is not None:
+        lines.append("Authorization: Bearer " + key)
+    if body:
+        lines.append("Content-Type: application/json")
+    if length and (body or method == "POST"):
+        lines.append("Content-Length: %d" % len(body))
+    lines += ["%s: %s" % kv for kv in headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def _recv(sock, deadline: float) -> bytes:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("deadline")
+    sock.settimeout(left)
+    return sock.recv(65536)
+
+
+def read_raw_response(sock, deadline: float, linger_s: float = 0.0) -> dict:
+    """One HTTP response from sock: {"status": int, or "dropped" (closed or reset without a
+    whole response head) or "timeout", "headers" (lower-case names), "body", "extra": bytes
+    that came after it within linger_s on a connection left open}."""
+    out = {"status": "dropped", "headers": {}, "body": b"", "extra": b""}
+    buf = b""
+    try:
+        while b"\r\n\r\n" not in buf:
+            got = _recv(sock, deadline)
+            if not got:
+                return out
+            buf += got
+    except socket.timeout:
+        return dict(out, status="timeout")
+    except OSError:
+        return out
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    m = re.match(r"HTTP/1\.[01] (\d{3})", lines[0])
+    if not m:
+        return dict(out, status="garbage", body=buf[:200])
+    out["status"] = int(m.group(1))
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        out["headers"][name.strip().lower()] = value.strip()
+    n = out["headers"].get("content-length")
+    closed = False
+    try:
+        while (n is None or len(rest) < int(n)) and not closed:
+            got = _recv(sock, deadline)
+            closed = not got
+            rest += got
+    except (socket.timeout, OSError, ValueError):
+        out["truncated"] = True
+        closed = True
+    cut = len(rest) if n is None or not n.isdigit() else int(n)
+    out["body"], extra = rest[:cut], rest[cut:]
+    end = time.monotonic() + linger_s
+    try:
+        while linger_s and not closed and time.monotonic() < end:
+            got = _recv(sock, end)
+            closed = not got
+            extra += got
+    except (socket.timeout, OSError):
+        pass
+    out["extra"] = extra
+    return out
+
+
+def raw_exchange(port: int, data: bytes, timeout_s: float = SOAK_ATTACK_S, linger_s: float = 0.0) -> dict:
+    """Send data on a fresh connection and read one response (read_raw_response, plus
+    "wall_s"). A second thread sends, so an answer that comes before the body is all sent
+    (413 to a body over the limit) is read at once, before the server's close can reset it."""
+    t0 = time.monotonic()
+    try:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    except OSError as e:
+        return {"status": "refused", "headers": {}, "body": str(e).encode(), "extra": b"", "wall_s": 0.0}
+    sender = threading.Thread(target=lambda: _send_quietly(sock, data), name="soak-send", daemon=True)
+    sender.start()
+    try:
+        out = read_raw_response(sock, t0 + timeout_s, linger_s)
+    finally:
+        _close_hard(sock)
+        sender.join(5)
+    out["wall_s"] = time.monotonic() - t0
+    return out
+
+
+def _send_quietly(sock, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:  # the server answered and closed before reading it all: that is allowed
+        pass
+
+
+def _close_hard(sock) -> None:
+    """shutdown() first: it wakes a sendall blocked in another thread, close() alone does not."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def sse_events(body: bytes) -> tuple:
+    """(the parsed data: payloads, whether data: [DONE] came) of an SSE body."""
+    events, done = [], False
+    for line in body.split(b"\n"):
+        if line.startswith(b"data: "):
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                done = True
+                continue
+            try:
+                events.append(json.loads(payload))
+            except ValueError:
+                events.append({"unparsed": payload[:100].decode("utf-8", "replace")})
+    return events, done
+
+
+def is_sse(resp: dict) -> bool:
+    return "text/event-stream" in resp["headers"].get("content-type", "")
+
+
+def error_shape(body: bytes) -> Optional[str]:
+    """None if body is the OpenAI error JSON {"error": {"message": str, "type": str}}, else what is wrong."""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return "not JSON: %r" % body[:80]
+    if not isinstance(err, dict) or not isinstance(err.get("message"), str) or not isinstance(err.get("type"), str):
+        return "no error.message / error.type: %r" % body[:80]
+    return None
+
+
+def internal_error(err) -> Optional[str]:
+    """What is wrong with an error object that reports an exception inside the server (Reame's
+    "internal error ..." messages: a bug that a 503 or an error event only dresses up), or None."""
+    msg = err.get("message") if isinstance(err, dict) else str(err)
+    return "internal error: %s" % str(msg)[:120] if "internal error" in str(msg).lower() else None
+
+
+def resp_choices(resp: dict) -> list:
+    """[(text, finish_reason)] per choice of a 200 answer, JSON or SSE; ValueError if it has none."""
+    if is_sse(resp):
+        texts, finish = {}, {}
+        for ev in sse_events(resp["body"])[0]:
+            for c in ev.get("choices") or []:
+                i = c.get("index", 0)
+                piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                texts[i] = texts.get(i, "") + (piece or "")
+                finish[i] = c.get("finish_reason") or finish.get(i)
+        if not texts:
+            raise ValueError("a stream without choices")
+        return [(texts[i], finish.get(i)) for i in sorted(texts)]
+    choices = json.loads(resp["body"]).get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise ValueError("no choices")
+    return [((c["message"].get("content") if "message" in c else c.get("text")) or "", c.get("finish_reason"))
+            for c in choices]
+
+
+def judge(resp: dict, ok200=None, also=()) -> tuple:
+    """(label, problem) of an attack's response: label the status ('dropped', 'timeout', ...);
+    problem None when clean. Clean: 4xx or 503 (or a status in also) with the error JSON; a
+    200 stream whose error event is followed by data: [DONE]; a 200 where the attack table
+    allows one, when ok200(resp) finds nothing wrong with it (returns None)."""
+    st = resp["status"]
+    if not isinstance(st, int):
+        return st, "no response (%s)" % st
+    if 400 <= st < 500 or st == 503 or st in also:
+        why = error_shape(resp["body"]) or internal_error(json.loads(resp["body"])["error"])
+        return str(st), None if why is None else "%d %s" % (st, why)
+    if st != 200:
+        return str(st), "HTTP %d" % st
+    if is_sse(resp):
+        events, done = sse_events(resp["body"])
+        errors = [e["error"] for e in events if "error" in e]
+        if errors:
+            why = internal_error(errors[0]) or (None if done else "an error event without data: [DONE] after it")
+            return "200+sse-error", why
+        if not done:
+            return "200", "a stream cut short (no data: [DONE])"
+    if ok200 is None:
+        return "200", "200 where an error was due"
+    try:
+        why = ok200(resp)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        why = "unreadable answer (%s)" % e
+    return "200", None if why is None else "200: %s" % why
+
+
+def any_answer(resp: dict) -> Optional[str]:
+    """ok200 for attacks a server may simply answer (within the time limit): a completion."""
+    resp_choices(resp)
+    return None
+
+
+def only_texts(*allowed):
+    """ok200: every choice's text is one of allowed (all a grammar lets through)."""
+    def check(resp):
+        bad = [t for t, _ in resp_choices(resp) if t not in allowed]
+        return None if not bad else "text %r is outside the grammar" % bad[0][:60]
+    return check
+
+
+def nullable_person(resp: dict) -> Optional[str]:
+    """ok200 for schema-nullable: a finished answer is JSON with name a string or null and age
+    an integer or null."""
+    for text, finish in resp_choices(resp):
+        if finish == "length":
+            continue
+        obj = json.loads(text)
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), (str, type(None)))
+                and (obj.get("age") is None or type(obj.get("age")) is int)):
+            return "answer %r does not match the schema" % text[:80]
+    return None
+
+
+def soak_post(port: int, path: str, body, key: Optional[str] = SOAK_KEYS[0], ok200=None, **kw) -> tuple:
+    """An attack that is one POST: judged."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return judge(raw_exchange(port, raw_head("POST", path, key, data)), ok200, **kw)
+
+
+_VICTIMS: dict = {}  # port -> (session id, secret): made once per server (each costs generations)
+_VICTIMS_LOCK = threading.Lock()
+
+
+def soak_victim(port: int) -> tuple:
+    """(session id, secret): tenant B's session whose history holds a secret, made on first use
+    and again whenever B cannot read it any more (an attack deleted it); tenant A also gets a
+    session of its own first, so A's session directory exists (a path through it resolves)."""
+    with _VICTIMS_LOCK:
+        if port in _VICTIMS and not _victim_there(port, *_VICTIMS[port]):
+            del _VICTIMS[port]
+        if port not in _VICTIMS:
+            _VICTIMS[port] = _make_victim(port)
+        return _VICTIMS[port]
+
+
+def _victim_there(port: int, sid: str, secret: str) -> bool:
+    mine = raw_exchange(port, raw_head("GET", "/v1/sessions/" + sid, SOAK_KEYS[1]))
+    return mine["status"] == 200 and secret.encode() in mine["body"]
+
+
+def _make_victim(port: int) -> tuple:
+    secret = "soak-secret-%s" % os.urandom(6).hex()
+    sid = "soak-victim-%s" % os.urandom(4).hex()
+    for key, s, text in ((SOAK_KEYS[0], "soak-own-%s" % os.urandom(4).hex(), "Hello."),
+                         (SOAK_KEYS[1], sid, "Remember the code word %s." % secret)):
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2, "temperature": 0, "session_id": s}
+        r = raw_exchange(port, raw_head("POST", CHAT, key, json.dumps(body).encode()))
+        if r["status"] != 200:
+            raise SoakError("creating the tenants' sessions: %s" % r["status"])
+        if key == SOAK_KEYS[0]:
+            soak_delete_session(port, key, s)  # its directory stays
+    return sid, secret
+
+
+def attack_session(port: int, method: str, path_fmt: str) -> tuple:
+    """Tenant A reads (GET) or deletes (DELETE) tenant B's session through path_fmt ({sid}:
+    B's session id, {owner}: B's directory). Clean: a 4xx, no byte of B's history in the
+    answer, and (DELETE) B's session still there for B."""
+    try:
+        sid, secret = soak_victim(port)
+    except SoakError as e:
+        return "setup-failed", str(e)
+    r = raw_exchange(port, raw_head(method, path_fmt.format(sid=sid, owner=soak_owner(SOAK_KEYS[1])), SOAK_KEYS[0]))
+    label, problem = judge(r)
+    if secret.encode() in r["body"]:
+        problem = "LEAK: tenant B's session history in the answer to tenant A"
+    if method == "DELETE" and not _victim_there(port, sid, secret):
+        problem = problem or "tenant A's DELETE removed tenant B's session"
+    return label, problem
+
+
+def attack_smuggle(port: int) -> tuple:
+    """A 401 (wrong key) POST on a keep-alive connection whose body is itself a request (with
+    a valid key): the server must answer 401 once and never answer the body as a request."""
+    inner = raw_head("GET", "/v1/models", SOAK_KEYS[1])
+    r = raw_exchange(port, raw_head("POST", COMPLETIONS, "wrong-key", inner, headers=(("Connection", "keep-alive"),)),
+                     linger_s=1.5)
+    label, problem = judge(r)
+    if r["status"] != 401:
+        problem = problem or "%s, not 401, to a wrong key" % r["status"]
+    if b"HTTP/1." in r["extra"]:
+        problem = "SMUGGLED: the 401's body was answered as a second request: %r" % r["extra"][:60]
+    return label, problem
+
+
+def _framed(port: int, head_and_body: bytes, ok200=None, also=()) -> tuple:
+    """A framing attack on a keep-alive connection: judged, and a second response (the
+    server read part of the body as the next request) is a desync."""
+    r = raw_exchange(port, head_and_body, linger_s=1.5)
+    label, problem = judge(r, ok200, also)
+    if b"HTTP/1." in r["extra"]:
+        problem = "DESYNC: part of the body was answered as another request: %r" % r["extra"][:60]
+    return label, problem
+
+
+def _small_completion(size: Optional[int] = None) -> bytes:
+    """A valid one-token completion request body, padded with spaces to size bytes."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 1, "temperature": 0}).encode()
+    return body + b" " * max(0, (size or 0) - len(body))
+
+
+def attack_chunked(port: int) -> tuple:
+    """Transfer-Encoding: chunked and no Content-Length: a 4xx or 501 (or a real answer:
+    chunked is HTTP/1.1), never the chunk framing read as the next request."""
+    body = _small_completion()
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    return _framed(port, raw_head("POST", COMPLETIONS, SOAK_KEYS[0], chunked, length=False,
+                                  headers=(("Transfer-Encoding", "chunked"),)), any_answer, also=(501,))
+
+
+def attack_content_length(port: int, *values: str) -> tuple:
+    """Content-Length headers with the given values around a 64-byte valid body: a 400 (a
+    lenient parser takes 6_4 as 64, or the first of two, and answers 200)."""
+    body = _small_completion(64)
+    return _framed(port, raw_head("POST", COMPLETIONS, SOAK_KEYS[0], body, length=False,
+                                  headers=[("Content-Length", v) for v in values]))
+
+
+def attack_big_body(port: int) -> tuple:
+    """A body just over 8 MiB, all of it sent: 413 (a dropped socket is only noted: the server
+    may close after answering while the body is still coming)."""
+    body = b'{"prompt": "' + b"x" * (8 << 20) + b'", "max_tokens": 1}'
+    return judge(raw_exchange(port, raw_head("POST", COMPLETIONS, SOAK_KEYS[0], body)))
+
+
+def attack_idle_connections(port: int, n: int = 300) -> tuple:
+    """n connections opened at once (non-blocking connects, all in flight together) that send
+    nothing, then GET /health on one more: it must answer (200, or 503 from a connection cap)
+    within 5 x SOAK_HEALTH_MAX_S. The label says how many of the n the kernel completed
+    within 2 s (a server that caps connections leaves the rest in its backlog)."""
+    import selectors
+    socks, sel = [], selectors.DefaultSelector()
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            socks.append(s)
+            sel.register(s, selectors.EVENT_WRITE)
+        opened, deadline = 0, time.monotonic() + 2.0
+        while sel.get_map() and time.monotonic() < deadline:
+            for key, _ in sel.select(max(0.0, deadline - time.monotonic())):
+                sel.unregister(key.fileobj)
+                opened += key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+        r = raw_exchange(port, raw_head("GET", "/health"), timeout_s=30)
+    finally:
+        sel.close()
+        for s in socks:
+            s.close()
+    st = r["status"]
+    label = "%s (%d/%d open)" % (st, opened, n)
+    if st not in (200, 503):
+        return label, "/health with %d idle connections open: %s" % (opened, st)
+    if r["wall_s"] > 5 * SOAK_HEALTH_MAX_S:
+        return label, "/health took %.1f s with %d idle connections open" % (r["wall_s"], opened)
+    return label, None
+
+
+DEAD_END = r'root ::= "a" [^\x00-\U0010FFFF]'  # parses; after "a" no character, nor the end, is allowed
+
+
+def soak_exponential_schema(levels: int = 6) -> dict:
+    """Objects nested levels deep whose type is ["object"] x 4: expanded per type naively, the
+    grammar grows 4^levels; the schema is ~600 bytes."""
+    node = {"type": "string"}
+    for i in range(levels):
+        node = {"type": ["object"] * 4, "properties": {"k%d" % i: node, "v": {"type": ["string", "null"]}},
+                "required": ["k%d" % i]}
+    return node
+
+
+def soak_attacks() -> list:
+    """(name, framing, attack(port) -> (label, problem)). Framing attacks may end in a dropped
+    socket (noted, not failed: a server may close on a request it cannot frame). The order is
+    the run order: what only answers wrong first, what may crash or freeze the server last."""
+    def chat(text, **kw):
+        return dict({"messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": 8}, **kw)
+
+    def comp(prompt, **kw):
+        return dict({"prompt": prompt, "temperature": 0, "max_tokens": 8}, **kw)
+
+    nullable = {"type": "object", "required": ["name", "age"], "properties": {
+        "name": {"type": ["string", "null"]}, "age": {"type": ["integer", "null"]}}}
+    deep = "root ::= " + "(" * 200000 + '"a"' + ")" * 200000
+    redos = {"best_of": 2, "temperature": 0.8, "seed": 1, "max_tokens": 48, "reame": {"vote": "regex:(a+)+$"}}
+    a = [
+        ("session-other-key-get", False, lambda p: attack_session(p, "GET", "/v1/sessions/{sid}")),
+        ("session-traversal-get", False, lambda p: attack_session(p, "GET", "/v1/sessions/../{owner}/{sid}")),
+        ("session-traversal-get-encoded", False,
+         lambda p: attack_session(p, "GET", "/v1/sessions/..%2F{owner}%2F{sid}")),
+        ("session-traversal-delete", False,
+         lambda p: attack_session(p, "DELETE", "/v1/sessions/../{owner}/{sid}")),
+        ("session-traversal-delete-encoded", False,
+         lambda p: attack_session(p, "DELETE", "/v1/sessions/..%2F{owner}%2F{sid}")),
+        ("smuggle-in-401-body", True, attack_smuggle),
+        ("transfer-encoding-chunked", True, attack_chunked),
+        ("content-length-6_4", True, lambda p: attack_content_length(p, "6_4")),
+        ("content-length-twice", True, lambda p: attack_content_length(p, "64", "71")),
+        ("body-over-8mib", True, attack_big_body),
+        ("idle-connections-300", True, attack_idle_connections),
+        ("json-nested-100k", False, lambda p: soak_post(
+            p, COMPLETIONS, b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}")),
+        ("stop-list-5000", False, lambda p: soak_post(p, COMPLETIONS, comp(
+            "Count: 1, 2, 3,", stop=["stop-%05d-%s" % (i, "x" * 80) for i in range(5000)]), ok200=any_answer)),
+        ("stop-strings-long", False, lambda p: soak_post(p, COMPLETIONS, comp(
+            "Count: 1, 2, 3,", stop=[c * 250000 for c in "yzw"]), ok200=any_answer)),
+        ("max-tokens-huge", False, lambda p: soak_post(p, CHAT, chat("Say OK.", max_tokens=10 ** 18),
+                                                       ok200=any_answer)),
+        ("unknown-fields", False, lambda p: soak_post(p, CHAT, chat(
+            "Say OK.", logit_bias={"1": 100, "2": -100}, logprobs=True, top_logprobs=5, user="x",
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            frobnicate={"x": [1, 2, 3]}), ok200=any_answer)),
+        ("schema-nullable", False, lambda p: soak_post(p, CHAT, chat(
+            "Describe a person as JSON.", max_tokens=48, response_format={
+                "type": "json_schema", "json_schema": {"name": "p", "schema": nullable}}), ok200=nullable_person)),
+        ("schema-exponential", False, lambda p: soak_post(p, CHAT, chat(
+            "Answer with JSON.", max_tokens=32, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": soak_exponential_schema()}}),
+            ok200=any_answer)),
+        ("grammar-deep-parens", False, lambda p: soak_post(p, COMPLETIONS, comp(
+            "Answer:", grammar=deep, max_tokens=4), ok200=only_texts("a"))),
+        ("grammar-dead-end-penalty", False, lambda p: soak_post(p, COMPLETIONS, comp(
+            "a", grammar=DEAD_END, repeat_penalty=1.1), ok200=only_texts("", "a"))),
+        ("grammar-dead-end-stream", False, lambda p: soak_post(p, COMPLETIONS, comp(
+            "a", grammar=DEAD_END, stream=True), ok200=only_texts("", "a"))),
+        ("grammar-dead-end-n2", False, lambda p: soak_post(p, COMPLETIONS, comp(
+            "a", grammar=DEAD_END, n=2), ok200=only_texts("", "a"))),
+        ("grammar-dead-end-n4-stream", False, lambda p: soak_post(p, COMPLETIONS, comp(
+            "a", grammar=DEAD_END, n=4, repeat_penalty=1.1, stream=True), ok200=only_texts("", "a"))),
+        ("vote-regex-redos", False, lambda p: soak_post(p, COMPLETIONS, dict(
+            redos, prompt="Write the letter a sixty times: " + "a" * 30), ok200=any_answer)),
+        ("vote-regex-redos-grammar", False, lambda p: soak_post(p, COMPLETIONS, dict(
+            redos, prompt="aaaa", grammar='root ::= "a"{40,60} "!"'), ok200=any_answer)),
+    ]
+    return a
+
+
+# Disconnects: requests the client abandons; Reame must notice (or finish) and free the slot.
+
+def _disconnect(port: int, data: bytes, wait_for: Optional[bytes] = None, hold_s: float = 0.0) -> str:
+    """Send data, wait until wait_for arrives (or hold_s passes), close. Returns what happened."""
+    try:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    except OSError as e:
+        return "refused (%s)" % e
+    try:
+        sock.sendall(data)
+        if wait_for is not None:
+            buf, deadline = b"", time.monotonic() + 30
+            while wait_for not in buf:
+                got = _recv(sock, deadline)
+                if not got:
+                    return "closed by the server first"
+                buf += got
+        time.sleep(hold_s)
+        return "made"
+    except OSError as e:
+        return "error (%s)" % type(e).__name__
+    finally:
+        sock.close()
+
+
+SOAK_DISCONNECTS = (  # name, disconnect(port) -> "made" or what happened instead
+    ("stream-closed-after-first-chunk", lambda p: _disconnect(p, raw_head("POST", CHAT, SOAK_KEYS[0], json.dumps(
+        {"messages": [{"role": "user", "content": "Tell a long story about a lighthouse."}], "max_tokens": 64,
+         "temperature": 0, "stream": True}).encode()), wait_for=b"data: ")),
+    ("closed-before-answer", lambda p: _disconnect(p, raw_head("POST", COMPLETIONS, SOAK_KEYS[1], json.dumps(
+        {"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0}).encode()), hold_s=0.3)),
+    ("half-request-head", lambda p: _disconnect(
+        p, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bea", hold_s=1.0)),
+    ("body-shorter-than-content-length", lambda p: _disconnect(p, raw_head(
+        "POST", COMPLETIONS, SOAK_KEYS[0], b'{"prompt": "Hi", "max_tokens": 1}', length=False,
+        headers=(("Content-Length", "200"),)), hold_s=0.3)),
+)
+
+
+class SoakLog:
+    """What the soak's threads saw, under one lock. Once closed (the load stopped, or the
+    server died) nothing more is recorded: errors from requests cut by the end or the crash
+    are not the server's answers, and are only counted (ignored)."""
+
+    def __init__(self, srv: ServerProcess):
+        self.srv = srv
+        self.lock = threading.Lock()
+        self.closed = False
+        self.ignored = 0
+        self.normal = {}      # name -> {"ok", "mismatch", "error", "examples"}
+        self.attacks = {}     # name -> {"runs", "statuses": {label: n}, "problems": {problem: n}}
+        self.disconnects = {}  # name -> {what happened: n}
+        self.health = []      # latency of each good /health
+        self.health_failures = []
+        self.in_flight = {}   # thread name -> (what, name, t0): what a crash interrupted
+
+    def _open(self) -> bool:
+        if self.closed or self.srv.proc.poll() is not None:
+            self.ignored += 1
+            return False
+        return True
+
+    def normal_result(self, name: str, outcome: str, detail: Optional[str] = None) -> None:
+        with self.lock:
+            if not self._open():
+                return
+            d = self.normal.setdefault(name, {"ok": 0, "mismatch": 0, "error": 0, "examples": []})
+            d[outcome] += 1
+            if detail and len(d["examples"]) < 3:
+                d["examples"].append(detail)
+
+    def attack_result(self, name: str, label: str, problem: Optional[str]) -> None:
+        with self.lock:
+            if not self._open():
+                return
+            d = self.attacks.setdefault(name, {"runs": 0, "statuses": {}, "problems": {}})
+            d["runs"] += 1
+            d["statuses"][label] = d["statuses"].get(label, 0) + 1
+            if problem:
+                d["problems"][problem] = d["problems"].get(problem, 0) + 1
+
+    def disconnect_result(self, name: str, what: str) -> None:
+        with self.lock:
+            if self._open():
+                d = self.disconnects.setdefault(name, {})
+                d[what] = d.get(what, 0) + 1
+
+    def health_result(self, latency: float, failure: Optional[str]) -> None:
+        with self.lock:
+            if not self._open():
+                return
+            if failure is None:
+                self.health.append(latency)
+            else:
+                self.health_failures.append("%s after %.2f s" % (failure, latency))
+
+    def begin(self, what: str, name: str) -> None:
+        with self.lock:
+            self.in_flight[threading.current_thread().name] = (what, name, time.monotonic())
+
+    def end(self) -> None:
+        with self.lock:
+            self.in_flight.pop(threading.current_thread().name, None)
+
+
+def soak_normal_client(i: int, port: int, reqs: list, solo: dict, lg: SoakLog, stop: threading.Event,
+                       seed: int) -> None:
+    """Loop over the normal requests in a seeded random order; each answer must be its solo answer."""
+    rng = random.Random(seed * 1000 + i)
+    while not stop.is_set():
+        req = rng.choice(reqs)
+        lg.begin("request", req["name"])
+        try:
+            got = soak_answer(port, req)
+        except SoakError as e:
+            lg.normal_result(req["name"], "error", str(e))
+            time.sleep(0.2)  # a dead or refusing server must not be hammered in a tight loop
+            continue
+        finally:
+            lg.end()
+        if got == solo[req["name"]]:
+            lg.normal_result(req["name"], "ok")
+        else:
+            lg.normal_result(req["name"], "mismatch", "solo %r, under load %r" % (solo[req["name"]][:120], got[:120]))
+
+
+def soak_attacker(port: int, attacks: list, cursor: list, lg: SoakLog, stop: threading.Event) -> None:
+    """Take the next attack of the shared cycle (attackers together run the table in order)."""
+    while not stop.is_set() and attacks:
+        with lg.lock:
+            name, _framing, fn = attacks[cursor[0] % len(attacks)]
+            cursor[0] += 1
+        lg.begin("attack", name)
+        try:
+            label, problem = fn(port)
+        except Exception as e:  # noqa: BLE001 - a harness bug must show, not kill the thread
+            label, problem = "harness-error", "%s: %s" % (type(e).__name__, e)
+        finally:
+            lg.end()
+        lg.attack_result(name, str(label), problem)
+        time.sleep(0.1)
+
+
+def soak_disconnecter(port: int, lg: SoakLog, stop: threading.Event) -> None:
+    k = 0
+    while not stop.is_set():
+        name, fn = SOAK_DISCONNECTS[k % len(SOAK_DISCONNECTS)]
+        k += 1
+        lg.begin("disconnect", name)
+        try:
+            what = fn(port)
+        finally:
+            lg.end()
+        lg.disconnect_result(name, what)
+        time.sleep(0.2)
+
+
+def soak_prober(port: int, lg: SoakLog, stop: threading.Event, every_s: float = 0.5) -> None:
+    """GET /health every every_s on a fresh connection: latency, or what went wrong."""
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        failure = None
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            r.read()
+            if r.status != 200:
+                failure = "HTTP %d" % r.status
+        except (OSError, http.client.HTTPException) as e:
+            failure = type(e).__name__
+        finally:
+            conn.close()
+        dt = time.perf_counter() - t0
+        lg.health_result(dt, failure)
+        stop.wait(max(0.0, every_s - dt))
+
+
+def wait_soak_idle(srv: ServerProcess, timeout_s: float = SOAK_DRAIN_S) -> dict:
+    """/metrics once reame_active_sequences and reame_queued_requests read 0 (or the last reading
+    at timeout_s, {} if none could be read, or the server exited)."""
+    deadline, m = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline and srv.proc.poll() is None:
+        m = reame_metrics(srv, SOAK_KEYS[0]) or m
+        if m.get("reame_active_sequences") == 0 and m.get("reame_queued_requests") == 0:
+            return m
+        time.sleep(0.5)
+    return m
+
+
+def soak_crash(srv: ServerProcess, lg: SoakLog, t_load: float) -> dict:
+    """The server's exit, with what was in flight when it was seen gone."""
+    with lg.lock:
+        lg.closed = True
+        flight = sorted({"%s %s" % (what, name) for what, name, _ in lg.in_flight.values()})
+    return {"returncode": srv.proc.returncode, "at_s": round(time.monotonic() - t_load, 1), "in_flight": flight,
+            "log_tail": srv.log_tail(15)}
+
+
+def run_soak(args) -> dict:
+    """--soak: one ``reame.py serve`` with two API keys under normal load, attacks and
+    disconnects for --soak-seconds; every normal answer must equal its solo answer, every
+    attack get a clean refusal, /health stay fast, and the server end idle (see the module
+    docstring). A crash is recorded and ends the run."""
+    reame.resolve_model(args.model, pull=False)  # pulled already: the soak never downloads
+    home = tempfile.mkdtemp(prefix="bench-soak-home-")
+    os.symlink(reame.Config.from_env().models_dir, os.path.join(home, "models"))
+    log_dir = tempfile.mkdtemp(prefix="bench-soak-logs-")
+    serve_help = ServerProcess.help_text([sys.executable, REAME_SCRIPT, "serve", "--help"])
+    keys = [x for k in SOAK_KEYS for x in ("--api-key", k)]
+    all_attacks = soak_attacks()
+    attacks = [a for a in all_attacks if args.soak_attacks is None or a[0] in args.soak_attacks]
+    reqs = soak_requests()
+    srv = ReameServer(args.model, threads=args.threads, n_parallel=SOAK_PARALLEL, ctx_per_slot=SOAK_CTX,
+                      n_batch=args.batch, log_path=os.path.join(log_dir, "reame-serve.log"), help_text=serve_help,
+                      env=dict(os.environ, REAME_HOME=home), extra_args=tuple(keys))
+    lg = SoakLog(srv)
+    out = {"config": {"model": args.model, "cmd": "REAME_HOME=%s %s" % (home, " ".join(srv.args)),
+                      "seconds": args.soak_seconds, "clients": SOAK_CLIENTS, "attackers": SOAK_ATTACKERS,
+                      "attacks": [a[0] for a in attacks], "log": srv.log_path, "seed": args.seed},
+           "solo": {}, "solo_errors": {}, "crash": None}
+    stop = threading.Event()
+    threads = []
+    try:
+        srv.wait_ready()
+        log("soak: reame serve pid %d on port %d (REAME_HOME %s); solo answers" % (srv.proc.pid, srv.port, home))
+        for req in reqs:
+            try:
+                out["solo"][req["name"]] = soak_answer(srv.port, req)
+            except SoakError as e:
+                out["solo_errors"][req["name"]] = str(e)
+            if srv.proc.poll() is not None:
+                out["crash"] = soak_crash(srv, lg, time.monotonic())
+                break
+        live = [r for r in reqs if r["name"] in out["solo"]]
+        t_load = time.monotonic()
+        if out["crash"] is None and live:
+            log("soak: %d s of load: %d clients, %d attackers (%d attacks), 1 disconnecter, /health every 0.5 s"
+                % (args.soak_seconds, SOAK_CLIENTS, SOAK_ATTACKERS, len(attacks)))
+            cursor = [0]
+            work = [(soak_normal_client, (i, srv.port, live, out["solo"], lg, stop, args.seed), "soak-client-%d" % i)
+                    for i in range(SOAK_CLIENTS)]
+            work += [(soak_attacker, (srv.port, attacks, cursor, lg, stop), "soak-attacker-%d" % i)
+                     for i in range(SOAK_ATTACKERS if attacks else 0)]
+            work += [(soak_disconnecter, (srv.port, lg, stop), "soak-disconnecter"),
+                     (soak_prober, (srv.port, lg, stop), "soak-health")]
+            for fn, fargs, name in work:
+                t = threading.Thread(target=fn, args=fargs, name=name, daemon=True)
+                t.start()
+                threads.append(t)
+            end = t_load + args.soak_seconds
+            while time.monotonic() < end and srv.proc.poll() is None:
+                time.sleep(0.2)
+            if srv.proc.poll() is not None:
+                out["crash"] = soak_crash(srv, lg, t_load)
+                log("soak: the server exited with %s after %.1f s" % (srv.proc.returncode, out["crash"]["at_s"]))
+        stop.set()
+        log("soak: load stopped; waiting for the threads and for /metrics to read idle")
+        drain = time.monotonic() + SOAK_DRAIN_S  # a dead server's sockets fail at once: no wait then
+        for t in threads:
+            t.join(max(0.0, drain - time.monotonic()))
+        with lg.lock:
+            out["stuck"] = sorted("%s %s (%.0f s)" % (what, name, time.monotonic() - t0)
+                                  for what, name, t0 in lg.in_flight.values()) if out["crash"] is None else []
+            lg.closed = True
+        if out["crash"] is None and srv.proc.poll() is not None:
+            out["crash"] = soak_crash(srv, lg, t_load)
+        out["metrics_end"] = wait_soak_idle(srv) if out["crash"] is None else {}
+        if out["crash"] is None and srv.proc.poll() is not None:
+            out["crash"] = soak_crash(srv, lg, t_load)
+        out["alive_at_end"] = srv.proc.poll() is None
+    finally:
+        stop.set()
+        srv.close()
+        shutil.rmtree(home, ignore_errors=True)
+    out.update(normal=lg.normal, attacks=lg.attacks, disconnects=lg.disconnects, ignored_after_end=lg.ignored,
+               health={"probes": len(lg.health) + len(lg.health_failures),
+                       "max_s": max(lg.health) if lg.health else None,
+                       "p99_s": nearest_rank(lg.health, 0.99), "failures": lg.health_failures[:10],
+                       "n_failures": len(lg.health_failures)})
+    out["failures"] = soak_failures(out, {a[0]: a[1] for a in all_attacks})
+    out["passed"] = not out["failures"]
+    return out
+
+
+def soak_failures(s: dict, framing: dict) -> list:
+    """Everything that fails the soak, one line each."""
+    f = []
+    if s["crash"]:
+        c = s["crash"]
+        f.append("CRASH: the server exited with %s after %s s of load; in flight: %s"
+                 % (c["returncode"], c["at_s"], ", ".join(c["in_flight"]) or "nothing"))
+    f += ["solo answer of %s failed: %s" % kv for kv in sorted(s["solo_errors"].items())]
+    for name, d in sorted(s["normal"].items()):
+        if d["mismatch"] or d["error"]:
+            f.append("normal %s: %d mismatched, %d errored (%s)" % (name, d["mismatch"], d["error"],
+                                                                   "; ".join(d["examples"][:1])))
+    for name, d in s["attacks"].items():
+        for problem, n in sorted(d["problems"].items()):
+            if framing.get(name) and problem == "no response (dropped)":
+                continue  # noted in the table, not failed
+            f.append("attack %s: %s (x%d)" % (name, problem, n))
+    h = s["health"]
+    if h["n_failures"]:
+        f.append("/health failed %d times (%s)" % (h["n_failures"], "; ".join(h["failures"][:3])))
+    if h["max_s"] is not None and h["max_s"] > SOAK_HEALTH_MAX_S:
+        f.append("/health took up to %.2f s (limit %.1f s)" % (h["max_s"], SOAK_HEALTH_MAX_S))
+    if s.get("stuck"):
+        f.append("still running %.0f s after the load stopped: %s" % (SOAK_DRAIN_S, ", ".join(s["stuck"])))
+    if not s["crash"]:
+        m = s.get("metrics_end") or {}
+        if not m:
+            f.append("/metrics could not be read after the load")
+        for metric in ("reame_active_sequences", "reame_queued_requests", "reame_kv_cells_used"):
+            if m and m.get(metric) != 0:
+                f.append("LEAK: %s is %s after the load" % (metric, m.get(metric)))
+        if not s.get("alive_at_end"):
+            f.append("the server was gone at the end")
+    return f
+
+
+def print_soak(s: dict, w) -> None:
+    c = s["config"]
+    w("Soak: %s for %d s: %d clients, %d attackers, 1 disconnecter, /health every 0.5 s\n  %s\n"
+      % (c["model"], c["seconds"], c["clients"], c["attackers"], c["cmd"]))
+    w("\n%-28s %6s %11s %8s\n" % ("normal request (vs solo)", "ok", "mismatched", "errored"))
+    for name in sorted(set(s["solo"]) | set(s["solo_errors"]) | set(s["normal"])):
+        if name in s["solo_errors"]:
+            w("  %-26s solo answer failed: %s\n" % (name, s["solo_errors"][name][:80]))
+            continue
+        d = s["normal"].get(name, {"ok": 0, "mismatch": 0, "error": 0})
+        w("  %-26s %6d %11d %8d\n" % (name, d["ok"], d["mismatch"], d["error"]))
+    w("\n%-34s %5s  %-26s %s\n" % ("attack", "runs", "statuses", "problems"))
+    for name in c["attacks"]:
+        d = s["attacks"].get(name)
+        if d is None:
+            w("  %-32s %5s\n" % (name, "-"))
+            continue
+        st = ", ".join("%s x%d" % kv for kv in sorted(d["statuses"].items()))
+        probs = "; ".join("%s (x%d)" % (p[:90], n) for p, n in sorted(d["problems"].items())) or "clean"
+        w("  %-32s %5d  %-26s %s\n" % (name, d["runs"], st, probs))
+    w("\ndisconnects: %s\n" % (", ".join("%s %s" % (name, ", ".join("%s x%d" % kv for kv in sorted(d.items())))
+                                          for name, d in sorted(s["disconnects"].items())) or "none"))
+    h = s["health"]
+    w("/health: %d probes, max %s s, p99 %s s, %d failures\n" % (h["probes"], _fmt(h["max_s"], 3),
+                                                                 _fmt(h["p99_s"], 3), h["n_failures"]))
+    if s["crash"]:
+        cr = s["crash"]
+        w("server: CRASHED (exit %s) after %s s; in flight: %s\n  log tail:\n    %s\n"
+          % (cr["returncode"], cr["at_s"], ", ".join(cr["in_flight"]) or "nothing",
+             "\n    ".join(cr["log_tail"].splitlines()[-8:])))
+    else:
+        m = s.get("metrics_end") or {}
+        w("server: %s; after the load: active sequences %s, queued %s, KV cells used %s (cached %s)\n"
+          % ("alive, never restarted" if s.get("alive_at_end") else "GONE",
+             *(_fmt(m.get(k), 0) for k in ("reame_active_sequences", "reame_queued_requests",
+                                           "reame_kv_cells_used", "reame_kv_cells_cached"))))
+    w("server log: %s\n" % c["log"])
+    if s["failures"]:
+        w("\nFAILED (%d):\n" % len(s["failures"]))
+        for line in s["failures"]:
+            w("  - %s\n" % line)
+    else:
+        w("\nPASSED\n")
+
+
+def run_soak_only(args) -> dict:
+    """--soak: only the soak."""
+    return {"soak": run_soak(args), "config": {"model": args.model, "threads": args.threads,
+                                               "reame_version": getattr(reame, "__version__", "?")}}
+
+
+
 # -- the run ---------------------------------------------------------------------------
 
 
@@ -2469,6 +3423,9 @@ def _fmt(x, digits=1):
 def print_table(out: dict, stream=sys.stdout) -> None:
     c = out.get("config")
     w = stream.write
+    if "soak" in out:
+        print_soak(out["soak"], w)
+        return
     if "spec" in out:  # Reame against itself; the burner's CPU time is the point, not noise
         print_spec(out["spec"], w)
         return
@@ -2610,6 +3567,16 @@ def parse_args(argv=None):
                         "(default 25M: a 100 MB archive)")
     p.add_argument("--spec-max", type=int, default=16, help="--spec: most drafts per step for lookup and auto")
     p.add_argument("--spec-draft-k", type=int, default=4, help="--spec: drafts per step, draft model forced on")
+    p.add_argument("--soak", action="store_true",
+                   help="only the soak: one 'reame.py serve MODEL --parallel 4 --ctx 1024' with two API keys; "
+                        "8 clients check every greedy answer against its solo answer while 2 attackers send "
+                        "the attack table (--soak-attacks), 1 thread drops connections and /health is probed "
+                        "every 0.5 s; then the server must be alive and idle (no leaked slots or KV cells). "
+                        "Exit status 1 on any failure (default model gemma3-270m)")
+    p.add_argument("--soak-seconds", type=float, default=600, help="--soak: seconds of load (default 600)")
+    p.add_argument("--soak-attacks", default=None, metavar="NAMES",
+                   help="--soak: only these attacks, comma-separated (default all; 'none': load and "
+                        "disconnects only). Names: " + ", ".join(a[0] for a in soak_attacks()))
     p.add_argument("--server-log", default=None, help="llama-server log file (default: a temp file)")
     p.add_argument("--no-server", action="store_true", help="Reame only")
     p.add_argument("--quick", action="store_true", help="smoke test: gemma3-270m, few tokens, under a minute")
@@ -2618,7 +3585,7 @@ def parse_args(argv=None):
     p.add_argument("--save-json", default=None, metavar="PATH", help="also write the JSON to PATH")
     args = p.parse_args(argv)
     q = args.quick
-    args.model = args.model or ("gemma3-270m" if q else "qwen2.5-coder-1.5b")
+    args.model = args.model or ("gemma3-270m" if q or args.soak else "qwen2.5-coder-1.5b")
     args.threads = args.threads or reame.pick_threads()
     if args.prefix_cache:  # cold runs of a 1.5B model take ~40 s each
         args.repeats = args.repeats or 1
@@ -2653,6 +3620,19 @@ def parse_args(argv=None):
         p.error("--http runs only the HTTP section: use --with-http to add it to the full run")
     if args.prefix_cache and (args.http or args.with_http or args.variants):
         p.error("--prefix-cache runs only the prefix-cache section: not with --http, --with-http or --variants")
+    if args.soak:
+        others = [f for f in ("http", "with_http", "variants", "prefix_cache", "spec", "palimpsest", "conclave",
+                              "step_cost", "suggest") if getattr(args, f)]
+        if others:
+            p.error("--soak runs only the soak: not with --%s" % others[0].replace("_", "-"))
+        if args.soak_seconds <= 0:
+            p.error("--soak-seconds must be positive")
+    if args.soak_attacks is not None:
+        names = [a[0] for a in soak_attacks()]
+        args.soak_attacks = [x.strip() for x in args.soak_attacks.split(",") if x.strip() and x.strip() != "none"]
+        unknown = [x for x in args.soak_attacks if x not in names]
+        if unknown:
+            p.error("--soak-attacks: unknown attack %r (known: %s)" % (unknown[0], ", ".join(names)))
     if args.prefill_tokens + 8 > args.ctx:
         p.error("--prefill-tokens must fit in --ctx")
     if args.server_log is None:
@@ -2670,7 +3650,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
     try:
-        out = (run_prefix_only(args) if args.prefix_cache else run_http_only(args) if args.http else
+        out = (run_soak_only(args) if args.soak else
+               run_prefix_only(args) if args.prefix_cache else run_http_only(args) if args.http else
                run_spec_only(args) if args.spec else run_palimpsest_only(args) if args.palimpsest else
                run_conclave_only(args) if args.conclave else run_suggest_only(args) if args.suggest else
                {"step_cost": run_step_cost_against(args) if args.against else run_step_cost(args)}
@@ -2686,6 +3667,8 @@ def main(argv=None) -> int:
         sys.stdout.write("\n")
     else:
         print_table(out)
+    if args.soak and not out["soak"]["passed"]:
+        return 1
     return 0
 
 

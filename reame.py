@@ -1180,36 +1180,265 @@ class SamplingParams:
         return self
 
 
-_GBNF_MAX_BYTES = 256 << 10
-_GBNF_MAX_DEPTH = 64
+_GBNF_MAX_BYTES = 320 << 10      # grammar text (a json_schema's is up to 256 KB of rules, plus the base)
+_GBNF_MAX_DEPTH = 64             # nested groups: llama.cpp's parser recurses per group (~18k crash it)
+_GBNF_MAX_RULES = 100_000        # rules llama.cpp builds, repetitions expanded (~40 MB at the bound)
+_GBNF_MAX_ELEMENTS = 2_000_000   # their elements ("<1000 chars>"{1999} is 2M: ~60 MB)
+_GBNF_MAX_NAMES = 16 << 20       # bytes of rule names (each generated rule copies its parent's name)
+_GBNF_MAX_CHAIN = 10_000         # leading references in a row: llama.cpp recurses along them (~65k crash it)
+_GBNF_MAX_WORK = 2_000_000       # rule visits of llama.cpp's left-recursion check (it has no memo)
+_GBNF_MAX_STATES = 10_000        # parse states a rule starts in (its init and each step grow with them)
+_GBNF_ESCAPES = set('xuUtrn\\"[]-')
+_GRAMMAR_STEP_S = 1.0          # a grammar step slower than this ends its request (an ambiguous grammar)
+
+
+class _GbnfScan:
+    """gbnf_check's reader: llama.cpp's GBNF syntax (llama-grammar.cpp, parse_*), read to
+    count what its parser will build and which rules each alternative starts with."""
+
+    def __init__(self, text: str):
+        self.s, self.i = text, 0
+        self.rules: dict = {}        # name (or a group's "(N") -> [alternatives: [items]]
+        self.n_rules = self.n_elements = self.n_names = self.n_groups = 0
+        self.rule = ""
+
+    def fail(self, why: str, at_line: bool = True):
+        where = ", line %d" % (self.s.count("\n", 0, self.i) + 1) if at_line else ""
+        rule = self.rule if not self.rule.startswith("(") else "a group"
+        raise RequestError("invalid grammar (rule %s%s): %s" % (rule[:40] or "?", where, why), code="invalid_grammar")
+
+    def space(self, newline_ok: bool) -> None:
+        s, i = self.s, self.i
+        while i < len(s) and (s[i] in " \t#" or (newline_ok and s[i] in "\r\n")):
+            if s[i] == "#":
+                while i < len(s) and s[i] not in "\r\n":
+                    i += 1
+            else:
+                i += 1
+        self.i = i
+
+    def name(self) -> str:
+        m = re.compile(r"[A-Za-z0-9-]+").match(self.s, self.i)
+        if not m:
+            self.fail("expecting a name")
+        self.i = m.end()
+        return m.group()
+
+    def char(self) -> None:
+        s = self.s
+        if s[self.i] == "\\":
+            if self.i + 1 >= len(s) or s[self.i + 1] not in _GBNF_ESCAPES:
+                self.fail("unknown escape")
+            self.i += {"x": 4, "u": 6, "U": 10}.get(s[self.i + 1], 2)
+        else:
+            self.i += 1
+
+    def grow(self, n_rules: int, n_elements: int) -> None:
+        self.n_rules += n_rules
+        self.n_elements += n_elements
+        self.n_names += n_rules * (len(self.rule) + 8)
+        if self.n_rules > _GBNF_MAX_RULES or self.n_elements > _GBNF_MAX_ELEMENTS or \
+                self.n_names > _GBNF_MAX_NAMES:
+            self.fail("it expands to over %d rules, %d elements or %d MB of names"
+                      % (_GBNF_MAX_RULES, _GBNF_MAX_ELEMENTS, _GBNF_MAX_NAMES >> 20))
+
+    def alternates(self, key: str, depth: int) -> None:
+        alts = [self.sequence(depth)]
+        while self.i < len(self.s) and self.s[self.i] == "|":
+            self.i += 1
+            self.space(True)
+            alts.append(self.sequence(depth))
+        self.rules.setdefault(key, []).extend(alts)
+        self.grow(1, len(alts))
+
+    def sequence(self, depth: int) -> list:
+        """Items [(kind, ref or None, nullable-by-repetition)] of one alternative; kind is
+        "t" (a terminal) or "r" (a rule or group, by name)."""
+        s, items, run = self.s, [], 0  # run: elements of the last item, which a repetition copies
+        nested = depth > 0
+        while self.i < len(s):
+            c = s[self.i]
+            start = self.i
+            if c in "\"[":
+                close = '"' if c == '"' else "]"
+                self.i += 1
+                if c == "[" and self.i < len(s) and s[self.i] == "^":
+                    self.i += 1
+                while self.i < len(s) and s[self.i] != close:
+                    self.char()
+                if self.i >= len(s):
+                    self.fail("unexpected end of input")
+                self.i += 1
+                run = max(self.i - start - 2, 1)
+                items.append(["t", None, c == '"' and run == 1 and self.i - start == 2])  # "" matches empty
+                self.grow(0, run)
+            elif c in "<!":
+                end = s.find(">", self.i)
+                if end < 0:
+                    self.fail("expecting '>'")
+                self.i, run = end + 1, 1
+                items.append(["t", None, False])
+                self.grow(0, 1)
+            elif c == ".":
+                self.i, run = self.i + 1, 1
+                items.append(["t", None, False])
+                self.grow(0, 1)
+            elif re.match(r"[A-Za-z0-9-]", c):
+                items.append(["r", self.name(), False])
+                run = 1
+                self.grow(0, 1)
+            elif c == "(":
+                if depth >= _GBNF_MAX_DEPTH:
+                    self.fail("groups nested over %d deep" % _GBNF_MAX_DEPTH)
+                self.i += 1
+                self.space(True)
+                self.n_groups += 1
+                key = "(%d" % self.n_groups
+                self.alternates(key, depth + 1)
+                if self.i >= len(s) or s[self.i] != ")":
+                    self.fail("expecting ')'")
+                self.i, run = self.i + 1, 1
+                items.append(["r", key, False])
+                self.grow(0, 1)
+            elif c in "*+?{":
+                if not items:
+                    self.fail("a repetition with nothing before it")
+                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}.get(c, (None, None))
+                self.i += 1
+                if c == "{":
+                    self.space(nested)
+                    m = re.compile(r"([0-9]+)\s*(?:(,)\s*([0-9]*))?\s*}").match(s, self.i)
+                    if not m:
+                        self.fail("expecting {m}, {m,} or {m,n}")
+                    self.i = m.end()
+                    lo = int(m.group(1))
+                    hi = lo if not m.group(2) else (int(m.group(3)) if m.group(3) else None)
+                    if lo > 2000:
+                        self.fail("over 2000 repetitions")
+                    if hi is not None and hi < lo:  # llama.cpp would count n - m below zero: no end
+                        self.fail("{%d,%d}: the upper bound is below the lower" % (lo, hi))
+                    if hi is not None and hi > 2000:
+                        hi = None  # (as llama.cpp: unbounded)
+                n_opt = 1 if hi is None else hi - lo
+                self.grow(n_opt, run * max(lo - 1, 0) + n_opt * (run + 3))
+                run = run * lo + (1 if n_opt else 0)
+                item = items[-1]
+                item[2] = item[2] or lo == 0
+                if hi is None or n_opt:  # its optional copies are rules that lead to it again
+                    item.append(("rep", n_opt if hi is not None else 1))
+            else:
+                break
+            self.space(nested)
+        return items
+
+    def parse(self) -> None:
+        s = self.s
+        self.space(True)
+        while self.i < len(s):
+            self.rule = self.name()
+            self.space(False)
+            if not s.startswith("::=", self.i):
+                self.fail("expecting ::=")
+            self.i += 3
+            self.space(True)
+            self.alternates(self.rule, 0)
+            if self.i < len(s) and s[self.i] not in "\r\n":
+                self.fail("expecting a newline or the end")
+            self.space(True)
 
 
 def gbnf_check(text: str) -> None:
-    """RequestError (400) unless a GBNF grammar is within the bounds llama.cpp's parser
-    survives: it recurses once per nested group, and a deep one overflows the stack."""
-    if not isinstance(text, str) or len(text.encode("utf-8", "replace")) > _GBNF_MAX_BYTES:
+    """RequestError (400) unless a GBNF grammar is within what llama.cpp survives, checked
+    before it sees the grammar: its parser and its left-recursion check recurse without a
+    limit (a deep grammar overflows the stack), {m,n} with n < m makes it build rules
+    without end, repetitions multiply what it builds, and a left recursion hidden behind
+    a rule that can match nothing makes it grow a stack until std::bad_alloc aborts the
+    process. Syntax errors past those are left to llama.cpp's parser (a clear 400)."""
+    if not isinstance(text, str):
+        raise RequestError("'grammar' must be a string", code="invalid_grammar")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise RequestError("grammar is not valid UTF-8 text", code="invalid_grammar") from None
+    if size > _GBNF_MAX_BYTES:
         raise RequestError("grammar over %d KB" % (_GBNF_MAX_BYTES >> 10), code="invalid_grammar")
     if "\x00" in text:
         raise RequestError("grammar holds a NUL character", code="invalid_grammar")
-    depth = i = 0
-    n = len(text)
-    while i < n:
-        ch = text[i]
-        if ch == '"' or ch == "[":
-            close = '"' if ch == '"' else "]"
-            i += 1
-            while i < n and text[i] != close:
-                i += 2 if text[i] == "\\" else 1
-        elif ch == "#":
-            while i < n and text[i] not in "\r\n":
-                i += 1
-        elif ch == "(":
-            depth += 1
-            if depth > _GBNF_MAX_DEPTH:
-                raise RequestError("grammar nests groups over %d deep" % _GBNF_MAX_DEPTH, code="invalid_grammar")
-        elif ch == ")":
-            depth = max(depth - 1, 0)
-        i += 1
+    g = _GbnfScan(text)
+    g.parse()
+    rules = g.rules
+    # Which rules can match nothing, then the graph of leading references: rule -> rule
+    # it may start with (all before it can be empty); "push" when more follows it in the
+    # alternative (llama.cpp keeps that on the stack: a cycle of those grows it forever).
+    nullable: set = set()
+    changed = True
+    while changed:
+        changed = False
+        for name, alts in rules.items():
+            if name not in nullable and any(all(_gbnf_empty(it, nullable) for it in alt) for alt in alts):
+                nullable.add(name)
+                changed = True
+    edges, terminals = {}, {}  # rule -> [(rule it starts with, push)]; rule -> terminals it starts with
+    for name, alts in rules.items():
+        out, n = edges[name], terminals[name] = [], 0
+        for alt in alts:
+            for j, it in enumerate(alt):
+                if it[0] == "t":
+                    n += 1
+                elif it[1] not in rules:
+                    break  # (llama.cpp reports the undefined rule)
+                else:
+                    out.append((it[1], j + 1 < len(alt) or len(it) > 3))
+                    if len(it) > 3 and it[1] in nullable:  # x* with x empty: its rule starts with itself
+                        out.append((it[1], True))
+                if not _gbnf_empty(it, nullable):
+                    break
+            else:
+                n += 1  # the alternative can end here: a state too
+        terminals[name] = n
+    _gbnf_walk(edges, terminals, g)
+
+
+def _gbnf_empty(item: list, nullable: set) -> bool:
+    return item[2] or (item[0] == "r" and item[1] in nullable)
+
+
+def _gbnf_walk(edges: dict, terminals: dict, g: _GbnfScan) -> None:
+    """Over the leading-reference graph, without recursion: no cycle in it that pushes,
+    and bounded chain length, left-recursion check work and start states per rule."""
+    # paths from a rule through leading references: llama.cpp's check visits each
+    # (work), its deepest run is its recursion (chain), and each ends in a parse state
+    chain, work, states = {}, {}, {}
+    for root in edges:
+        if root in chain:
+            continue
+        stack, on_path = [[root, iter(edges[root]), False]], {root: 0}  # [rule, its edges, pushed to get here]
+        while stack:
+            top = stack[-1]
+            nxt = next(top[1], None)
+            if nxt is not None:
+                ref, push = nxt
+                if ref in on_path:  # a cycle: harmless only if no step of it keeps anything on the stack
+                    if push or any(e[2] for e in stack[on_path[ref] + 1:]):
+                        g.rule = top[0]
+                        g.fail("left recursion: it starts with itself again, perhaps after a rule that can "
+                               "match nothing", at_line=False)
+                elif ref not in chain:
+                    on_path[ref] = len(stack)
+                    stack.append([ref, iter(edges[ref]), push])
+                continue
+            stack.pop()
+            name = top[0]
+            del on_path[name]
+            refs = [r for r, _ in edges[name] if r in chain]
+            chain[name] = 1 + max((chain[r] for r in refs), default=0)
+            work[name] = 1 + sum(work[r] for r in refs)
+            states[name] = terminals[name] + sum(states[r] for r in refs)
+            g.rule = name
+            if chain[name] > _GBNF_MAX_CHAIN:
+                g.fail("over %d rules start one another in a row" % _GBNF_MAX_CHAIN, at_line=False)
+            if work[name] > _GBNF_MAX_WORK or states[name] > _GBNF_MAX_STATES:
+                g.fail("too ambiguous: it can start in over %d ways" % _GBNF_MAX_STATES, at_line=False)
 
 
 def grammar_sampler(model: Model, gbnf: str):
@@ -1239,7 +1468,11 @@ def check_grammar(model: Model, gbnf: str) -> None:
         with tempfile.TemporaryFile() as f:
             os.dup2(f.fileno(), 2)
             try:
-                lib().llama_sampler_free(grammar_sampler(model, gbnf))
+                ptr = grammar_sampler(model, gbnf)
+                try:
+                    step_s = _grammar_step_estimate(model, ptr)
+                finally:
+                    lib().llama_sampler_free(ptr)
                 err = None
             except RequestError as e:
                 err = e
@@ -1254,9 +1487,21 @@ def check_grammar(model: Model, gbnf: str) -> None:
     if err is not None:
         raise RequestError("invalid grammar: %s" % (why.group(1).strip()[:500] if why else err.message),
                            code="invalid_grammar") from None
+    if step_s > _GRAMMAR_STEP_S:
+        raise RequestError("the grammar is too costly to follow (its first step would take ~%.1f s); simplify it"
+                           % step_s, code="grammar_too_costly")
 
 
-_GRAMMAR_STEP_S = 1.0  # a grammar step slower than this ends its request (an ambiguous grammar's stacks grow)
+def _grammar_step_estimate(model: Model, ptr) -> float:
+    """Seconds the grammar's first step would take over the whole vocabulary, from one
+    over every 64th token (on the caller's thread, outside the GIL: an ambiguous grammar
+    costs its own request this much, not the scheduler a whole step)."""
+    ids = range(0, model.n_vocab, 64)
+    buf = ctypes.create_string_buffer(b"".join(struct.pack("<iff", t, 0.0, 0.0) for t in ids))
+    arr = _llama_token_data_array(ctypes.addressof(buf), len(ids), -1, False)
+    t0 = time.perf_counter()
+    lib().llama_sampler_apply(ptr, ctypes.byref(arr))
+    return (time.perf_counter() - t0) * model.n_vocab / max(len(ids), 1)
 
 
 class Sampler:
@@ -1854,15 +2099,18 @@ class DiskCache:
         return out[::-1]
 
     def find(self, tokens: Sequence[int], limit: int, cuts: Sequence[int] = (),
-             more_than: int = 0, scope: str = "") -> Optional[tuple]:
+             more_than: int = 0, scope: str = "", load: bool = True) -> Optional[tuple]:
         """The longest valid snapshot of a prefix of tokens[:limit] longer than more_than:
-        (length, state bytes)."""
+        (length, state bytes); with load=False, (length, None) for the longest file
+        there, unread (it is checked when it is loaded)."""
         if not self.enabled:
             return None
         for n, path in self.candidates(tokens, limit, cuts, scope):
             if n <= more_than:
                 break
             if os.path.exists(path):
+                if not load:
+                    return n, None
                 state = self._load(path, tokens[:n])
                 if state is not None:
                     return n, state
@@ -2393,7 +2641,7 @@ class _ScopeArchive:
         segs = pal_segments(self.dir)
         gone = set(self._read) - set(segs)
         self._stale += sum(self._read.pop(name) for name in gone)
-        if self._stale and self._stale >= max(1 << 20, sum(self._read.values()) // 4):
+        if self._stale and self._stale >= sum(self._read.values()) // 4:
             self.index, self._read, self._stale, self._building = ArchiveIndex(), {}, 0, None
         for name in segs:
             path = os.path.join(self.dir, name)
@@ -4067,7 +4315,7 @@ class Request:
         self.tenant = ""   # whose prefix cache it may reuse and feeds ("": the shared one)
         self.cuts = ()     # extra prefill chunk ends (the end of a chat's system message)
         self.snap = ()     # chunk ends worth a snapshot on the disk tier
-        self.disk = None   # (length, state) found on the disk tier by submit()
+        self.disk = None   # (length, state or None: load it at admission) found on the disk tier by submit()
         self.spec: Optional[SpecOptions] = None  # None: the engine's default
         self.archive: Optional[str] = None       # archive scope (None: not stored, not drafted from)
         self.events = events if events is not None else queue.SimpleQueue()
@@ -4207,7 +4455,9 @@ class _SlotTable:
         first: fewer gaps in the decode batch's seq ids), then the least recently used
         entry, plain ones before sessions.
         """
-        disk, req.disk = req.disk, None
+        disk = self._take_disk(req)
+        if disk is not None and disk[1] is None:  # over the hold budget at submit: loaded now
+            disk = self.disk.find(req.prompt, disk[0], req.cuts, more_than=0, scope=req.tenant)
         best, src = (0, 0), None
         for k in self._free if reuse else ():
             entry = self._resident.get(k)
@@ -4401,6 +4651,9 @@ class Engine(_SlotTable):
         self._waiting: collections.deque = collections.deque()  # groups (lists of Requests)
         self._active: List[_Seq] = []
         self._resident: dict = {}  # free slot -> [cache_tag, tokens in its KV, last use, n_exact, cuts, tenant]
+        self.disk_hold_bytes = 256 << 20  # snapshot bytes queued requests may hold (read by submitters)
+        self._disk_held = 0               # guarded by _disk_lock
+        self._disk_lock = threading.Lock()
         self._closing = False
         # Counters: written by the scheduler only, read by anyone (ints/floats; atomic under the GIL).
         self.n_steps = 0
@@ -4498,7 +4751,18 @@ class Engine(_SlotTable):
         # costs a needless disk read or a recompute): no disk read for what memory holds.
         in_memory = max((common_prefix(e[1], req.prompt) for e in list(self._resident.values())
                          if e[5] == req.tenant), default=0)
-        req.disk = self.disk.find(req.prompt, n - 1, req.cuts, more_than=in_memory, scope=req.tenant)
+        # Snapshots held by queued requests are bounded (disk_hold_bytes): past it, only
+        # where one is is noted here, and the scheduler loads it when the request starts.
+        with self._disk_lock:
+            room = self._disk_held < self.disk_hold_bytes
+        found = self.disk.find(req.prompt, n - 1, req.cuts, more_than=in_memory, scope=req.tenant, load=room)
+        if found is not None and found[1] is not None:
+            with self._disk_lock:
+                if self._disk_held + len(found[1]) <= self.disk_hold_bytes:
+                    self._disk_held += len(found[1])
+                else:
+                    found = (found[0], None)
+        req.disk = found
         ends = set(range(c, n, c)) | set(req.cuts)
         points = {max(ends, default=0)} | set(req.cuts)
         p = 256
@@ -4506,6 +4770,14 @@ class Engine(_SlotTable):
             points.add(p // c * c)
             p *= 2
         req.snap = frozenset(x for x in points if x >= max(256, c))
+
+    def _take_disk(self, req: Request) -> Optional[tuple]:
+        """req's disk-tier find, taken off it (its bytes leave the hold budget)."""
+        disk, req.disk = req.disk, None
+        if disk is not None and disk[1] is not None:
+            with self._disk_lock:
+                self._disk_held -= len(disk[1])
+        return disk
 
     def prefix_boundary(self, messages: Sequence[dict], tokens: Sequence[int]) -> List[int]:
         """Where the part of a chat prompt shared by every question after the same system
@@ -4545,7 +4817,7 @@ class Engine(_SlotTable):
                 "cache_hits": self.n_cache_hits, "cache_misses": self.n_cache_misses,
                 "cache_evictions": self.n_cache_evictions,
                 "slot_moves": self.n_moves,
-                "disk_hits": self.n_disk_hits, "disk_snapshots": self.n_disk_snaps,
+                "disk_hits": self.n_disk_hits, "disk_snapshots": self.n_disk_snaps, "disk_held_bytes": self._disk_held,
                 "decode_s": self.t_decode_s, "step_s": self.t_step_s,
                 "python_ms_per_decode_step": 1000 * self.t_decode_only_py_s / steps,
                 "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
@@ -4618,6 +4890,7 @@ class Engine(_SlotTable):
         for group in [g for g in self._waiting if all(r.cancelled for r in g)]:
             self._waiting.remove(group)
             for req in group:
+                self._take_disk(req)
                 req._finish(Result("", [], "cancelled", len(req.prompt), 0))
         while self._waiting and len(self._free) >= len(self._waiting[0]):
             self._start(self._waiting.popleft())
@@ -4648,6 +4921,7 @@ class Engine(_SlotTable):
                 self.ctx.seq_rm(slot)
                 self._free.append(slot)
             err = _request_failure(e, "starting request %s" % group[0].id)
+            self._take_disk(group[0])
             for s in seqs:
                 self._finish(s, None, err)
             for req in group:
@@ -4906,6 +5180,7 @@ class Engine(_SlotTable):
             self._finish(s, None, error)
         while self._waiting:
             for req in self._waiting.popleft():
+                self._take_disk(req)
                 req._finish(None, error)
         while True:
             try:
@@ -4914,6 +5189,7 @@ class Engine(_SlotTable):
                 break
             if isinstance(item, list):
                 for req in item:
+                    self._take_disk(req)
                     req._finish(None, error)
 
 
@@ -4928,21 +5204,253 @@ class Engine(_SlotTable):
 
 VOTE_EXTRACTORS = ("last_number", "last_line", "text", "json:<field>", "regex:<pattern>")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_VOTE_REGEX_MAX = 256         # characters of a vote regex
+_VOTE_PROGRAM_MAX = 2000      # its compiled instructions (bounded repeats expand)
+_VOTE_STEPS_MAX = 5_000_000   # matcher steps per candidate text (a few seconds at most)
+_JSON_STARTS_MAX = 256        # '{' positions the json: extractor tries, from the end
+
+
+def _sre_parse():
+    """Python's own regex parser (an internal module; None where it is gone)."""
+    try:
+        import re._parser as parser  # Python 3.11+
+    except ImportError:
+        try:
+            import sre_parse as parser  # noqa: F401 - Python 3.9, 3.10
+        except ImportError:  # pragma: no cover - a future Python
+            return None
+    return parser
+
+
+def _regex_program(pattern: str) -> tuple:
+    """A vote regex -> (instructions, number of groups) for _regex_search, a Pike VM: no
+    backtracking, so its time is linear in the text (Python's re backtracks, and a
+    pattern like (a+)+$ held the GIL, and so every thread of the server, for seconds).
+    Parsed by Python's own parser; backreferences, lookaround, inline flags,
+    possessive and atomic forms are a 400. Instructions: ("char", pred), ("split", a, b)
+    (a first), ("jmp", a), ("loop", start, out), ("save", slot), ("at", kind), ("match",)."""
+    parser = _sre_parse()
+    if parser is None:
+        raise RequestError("'vote' regex needs Python's re parser, not in this Python", code="invalid_value")
+    if len(pattern) > _VOTE_REGEX_MAX:
+        raise RequestError("'vote' regex over %d characters" % _VOTE_REGEX_MAX, code="invalid_value")
+    try:
+        tree = parser.parse(pattern)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise RequestError("'vote' regex %r does not compile: %s" % (pattern, e), code="invalid_value") from None
+    if tree.state.flags & ~re.UNICODE:
+        raise RequestError("'vote' regex: inline flags are not supported", code="invalid_value")
+    prog: list = []
+
+    def bad(what):
+        raise RequestError("'vote' regex: %s is not supported (the matcher does not backtrack)" % what,
+                           code="invalid_value")
+
+    def emit(ins):
+        if len(prog) >= _VOTE_PROGRAM_MAX:
+            raise RequestError("'vote' regex too complex (over %d instructions)" % _VOTE_PROGRAM_MAX,
+                               code="invalid_value")
+        prog.append(ins)
+        return len(prog) - 1
+
+    def seq(items, depth=0):
+        if depth > 50:
+            bad("nesting over 50 groups")
+        for op, av in items:
+            node(str(op), av, depth)
+
+    def node(op, av, depth):
+        if op in ("LITERAL", "NOT_LITERAL", "ANY", "IN"):
+            emit(("char", _char_pred(op, av)))
+        elif op == "AT":
+            emit(("at", str(av)))
+        elif op == "SUBPATTERN":
+            group, add, rm, sub = av
+            if add or rm:
+                bad("an inline flag")
+            if group:
+                emit(("save", 2 * group))
+            seq(sub, depth + 1)
+            if group:
+                emit(("save", 2 * group + 1))
+        elif op == "BRANCH":
+            jumps, alts = [], av[1]
+            for i, alt in enumerate(alts):
+                if i < len(alts) - 1:
+                    split = emit(None)
+                    seq(alt, depth + 1)
+                    jumps.append(emit(None))
+                    prog[split] = ("split", split + 1, len(prog))
+                else:
+                    seq(alt, depth + 1)
+            for j in jumps:
+                prog[j] = ("jmp", len(prog))
+        elif op in ("MAX_REPEAT", "MIN_REPEAT"):
+            lo, hi, sub = av
+            greedy = op == "MAX_REPEAT"
+            for _ in range(lo):
+                seq(sub, depth + 1)
+            if hi == parser.MAXREPEAT:  # x*: L: split(body, out); body; loop L, out
+                top = emit(None)
+                seq(sub, depth + 1)
+                emit(("loop", top, len(prog) + 1))
+                prog[top] = ("split", top + 1, len(prog)) if greedy else ("split", len(prog), top + 1)
+            else:  # (x(x(x)?)?)? for the optional ones
+                splits = []
+                for _ in range(hi - lo):
+                    splits.append(emit(None))
+                    seq(sub, depth + 1)
+                for sp in splits:
+                    prog[sp] = ("split", sp + 1, len(prog)) if greedy else ("split", len(prog), sp + 1)
+        else:  # GROUPREF, ASSERT, ASSERT_NOT, GROUPREF_EXISTS, ATOMIC_GROUP, POSSESSIVE_REPEAT
+            bad({"GROUPREF": "a backreference", "ASSERT": "a lookahead or lookbehind",
+                 "ASSERT_NOT": "a negative lookahead or lookbehind",
+                 "GROUPREF_EXISTS": "a conditional group"}.get(op, op.lower().replace("_", " ")))
+    emit(("save", 0))
+    seq(list(tree))
+    emit(("save", 1))
+    emit(("match",))
+    return prog, tree.state.groups - 1
+
+
+def _char_pred(op: str, av):
+    """A predicate on one character for re's LITERAL, NOT_LITERAL, ANY and IN (Unicode
+    classes as re has them: \\d decimal digits, \\w alphanumerics and _, \\s whitespace)."""
+    if op == "LITERAL":
+        c = chr(av)
+        return c.__eq__
+    if op == "NOT_LITERAL":
+        c = chr(av)
+        return c.__ne__
+    if op == "ANY":
+        return "\n".__ne__
+    negate, tests = False, []
+    for kind, v in av:
+        kind = str(kind)
+        if kind == "NEGATE":
+            negate = True
+        elif kind == "LITERAL":
+            tests.append(chr(v).__eq__)
+        elif kind == "RANGE":
+            tests.append(lambda ch, lo=chr(v[0]), hi=chr(v[1]): lo <= ch <= hi)
+        elif kind == "CATEGORY":
+            tests.append(_CATEGORY[str(v)])
+        else:
+            raise RequestError("'vote' regex: %s in a class is not supported" % kind.lower(), code="invalid_value")
+    return lambda ch: any(t(ch) for t in tests) != negate
+
+
+def _is_word(ch: str) -> bool:
+    return ch.isalnum() or ch == "_"
+
+
+_CATEGORY = {"CATEGORY_DIGIT": str.isdecimal, "CATEGORY_NOT_DIGIT": lambda ch: not ch.isdecimal(),
+             "CATEGORY_SPACE": str.isspace, "CATEGORY_NOT_SPACE": lambda ch: not ch.isspace(),
+             "CATEGORY_WORD": _is_word, "CATEGORY_NOT_WORD": lambda ch: not _is_word(ch)}
+
+
+def _regex_at(kind: str, text: str, i: int) -> bool:
+    n = len(text)
+    if kind in ("AT_BEGINNING", "AT_BEGINNING_STRING"):
+        return i == 0
+    if kind == "AT_END":
+        return i == n or (i == n - 1 and text[i] == "\n")
+    if kind == "AT_END_STRING":
+        return i == n
+    edge = (i > 0 and _is_word(text[i - 1])) != (i < n and _is_word(text[i]))
+    if kind == "AT_BOUNDARY":
+        return edge
+    if kind == "AT_NON_BOUNDARY":
+        return not edge
+    raise RequestError("'vote' regex: %s is not supported" % kind.lower(), code="invalid_value")
+
+
+def _regex_search(prog: list, n_slots: int, text: str, start: int, no_empty_at: int, budget: list):
+    """The leftmost-first match at or after start (as re.search; an empty match at
+    no_empty_at does not count), as a tuple of slot positions, or None. budget[0]:
+    steps left (RequestError code regex_too_costly when spent)."""
+    n = len(text)
+
+    def add(threads, seen, pc, caps, i):  # follow instructions that consume nothing, in priority order
+        stack = [(pc, caps)]
+        while stack:
+            pc, caps = stack.pop()
+            if pc in seen:
+                continue
+            seen.add(pc)
+            budget[0] -= 1
+            ins = prog[pc]
+            kind = ins[0]
+            if kind == "jmp":
+                stack.append((ins[1], caps))
+            elif kind == "loop":  # back to the loop's start; after an empty pass, out (as re: its groups kept)
+                stack.append((ins[2] if ins[1] in seen else ins[1], caps))
+            elif kind == "split":
+                stack.append((ins[2], caps))
+                stack.append((ins[1], caps))
+            elif kind == "save":
+                c = list(caps)
+                c[ins[1]] = i
+                stack.append((pc + 1, tuple(c)))
+            elif kind == "at":
+                if _regex_at(ins[1], text, i):
+                    stack.append((pc + 1, caps))
+            else:
+                threads.append((pc, caps))
+    empty = (None,) * n_slots
+    threads, seen, found = [], set(), None
+    for i in range(start, n + 1):
+        if found is None:
+            add(threads, seen, 0, empty, i)  # a match starting here: after every earlier start
+        if not threads:
+            if found is not None:
+                break
+            seen = set()
+            continue
+        if budget[0] < 0:
+            raise RequestError("the 'vote' regex is too costly on this text", code="regex_too_costly")
+        nxt, nseen = [], set()
+        ch = text[i] if i < n else None
+        for pc, caps in threads:
+            ins = prog[pc]
+            if ins[0] == "match":
+                if caps[0] == caps[1] == no_empty_at:
+                    continue
+                found = caps
+                break  # the threads after it are lower in priority
+            if ch is not None and ins[1](ch):
+                add(nxt, nseen, pc + 1, caps, i + 1)
+        threads, seen = nxt, nseen
+    return found
+
+
+def _regex_last_group1(how: str, text: str) -> Optional[str]:
+    """The first group of the last match in text (matches found as re.finditer finds them)."""
+    prog, n_groups = _regex_program(how[6:])
+    budget, pos, no_empty_at, last = [_VOTE_STEPS_MAX], 0, -1, None
+    while pos <= len(text):
+        m = _regex_search(prog, 2 * n_groups + 2, text, pos, no_empty_at, budget)
+        if m is None:
+            break
+        last = m
+        pos, no_empty_at = m[1], m[1] if m[0] == m[1] else -1
+    if last is None or last[2] is None or last[3] is None:
+        return None
+    return text[last[2]:last[3]].strip()
 
 
 def check_extractor(how: str) -> str:
     """A valid extractor name, or a RequestError naming what is wrong."""
+    if not isinstance(how, str):
+        raise RequestError("'vote' must be a string", code="invalid_value")
     if how in ("last_number", "last_line", "text"):
         return how
     if how.startswith("json:") and len(how) > 5:
         return how
     if how.startswith("regex:"):
-        try:
-            if re.compile(how[6:]).groups < 1:
-                raise RequestError("'vote' regex %r needs a group: the answer is its first group" % how[6:],
-                                   code="invalid_value")
-        except re.error as e:
-            raise RequestError("'vote' regex %r does not compile: %s" % (how[6:], e), code="invalid_value")
+        if _regex_program(how[6:])[1] < 1:
+            raise RequestError("'vote' regex %r needs a group: the answer is its first group" % how[6:],
+                               code="invalid_value")
         return how
     raise RequestError("'vote' must be one of %s" % ", ".join(VOTE_EXTRACTORS), code="invalid_value")
 
@@ -4951,8 +5459,10 @@ def extract_answer(text: str, how: str) -> Optional[str]:
     """The answer a candidate gave, normalized so equal answers compare equal; None when
     it has none (it does not vote). last_number: the last number (commas dropped, 42.0
     is 42); last_line: the last non-empty line; text: the whole text, whitespace and
-    case normalized; json:FIELD: FIELD of the last JSON object in the text that has it;
-    regex:PATTERN: the first group of the pattern's last match."""
+    case normalized; json:FIELD: FIELD of the last JSON object in the text that has it
+    (of the last 256 places a '{' opens one); regex:PATTERN: the first group of the
+    pattern's last match (a linear-time matcher: a text it would take over ~5M steps
+    on has no answer)."""
     if how == "last_number":
         nums = _NUMBER.findall(text)
         if not nums:
@@ -4969,23 +5479,26 @@ def extract_answer(text: str, how: str) -> Optional[str]:
     if how == "text":
         return " ".join(text.split()).lower() or None
     if how.startswith("json:"):
-        field, found, dec = how[5:], None, json.JSONDecoder()
-        for i, ch in enumerate(text):
-            if ch == "{":
-                try:
-                    obj, _ = dec.raw_decode(text, i)
-                except ValueError:
-                    continue
-                if isinstance(obj, dict) and field in obj:
-                    found = obj[field]
-        if found is None:
-            return None
-        return " ".join(found.split()) if isinstance(found, str) else json.dumps(found, sort_keys=True)
+        field, dec = how[5:], json.JSONDecoder()
+        starts = [i for i, ch in enumerate(text) if ch == "{"][-_JSON_STARTS_MAX:]
+        for i in reversed(starts):  # the last object that has the field wins: look from the end
+            try:
+                obj, _ = dec.raw_decode(text, i)
+            except (ValueError, RecursionError):
+                continue
+            if isinstance(obj, dict) and obj.get(field) is not None:
+                found = obj[field]
+                return " ".join(found.split()) if isinstance(found, str) else json.dumps(found, sort_keys=True)
+        return None
     if how.startswith("regex:"):
-        last = None
-        for last in re.finditer(how[6:], text):
-            pass
-        return last.group(1).strip() if last is not None and last.group(1) is not None else None
+        try:
+            return _regex_last_group1(how, text)
+        except RequestError as e:
+            if e.code != "regex_too_costly":
+                raise
+            log.info("vote regex %r: over %d steps on a %d-character candidate; it does not vote",
+                     how[6:], _VOTE_STEPS_MAX, len(text))
+            return None
     raise RequestError("unknown extractor %r" % how)
 
 
@@ -6099,7 +6612,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                       "# TYPE reame_disk_cache_rejected_total counter", "reame_disk_cache_rejected_total %d" % d.n_bad,
                       "# TYPE reame_disk_cache_files gauge", "reame_disk_cache_files %d" % files,
                       "# TYPE reame_disk_cache_bytes gauge", "reame_disk_cache_bytes %d" % size,
-                      "# TYPE reame_disk_cache_enabled gauge", "reame_disk_cache_enabled %d" % d.enabled]
+                      "# TYPE reame_disk_cache_enabled gauge", "reame_disk_cache_enabled %d" % d.enabled,
+                      "# TYPE reame_disk_cache_held_bytes gauge",
+                      "reame_disk_cache_held_bytes %d" % st["disk_held_bytes"]]
         lines += ["# TYPE reame_active_sequences gauge", "reame_active_sequences %d" % st["active"],
                   "# TYPE reame_queued_requests gauge", "reame_queued_requests %d" % st["waiting"],
                   "# TYPE reame_kv_cells_used gauge", "reame_kv_cells_used %d" % st["kv_cells_active"],
