@@ -3238,3 +3238,104 @@ def test_attack_files_under_reame_home(qwen_model, tmp_path, monkeypatch, capsys
         assert d._load(os.path.join(d.dir, "x.kv"), [1]) is None and d.n_bad == 1
     finally:
         d.close()
+
+
+_LIT1000 = "abcdefghij" * 100
+_GRAMMAR_BOMBS = {  # each crashed llama.cpp, made it build without end, or took minutes
+    "nested groups": "root ::= " + "(" * 65 + '"a"' + ")" * 65,
+    "rule chain": "root ::= r0\n" + "".join("r%d ::= r%d\n" % (i, i + 1) for i in range(12000)) + 'r12000 ::= "a"',
+    "literal repeated": 'root ::= "%s"{1999} "%s"{1999}' % (_LIT1000, _LIT1000),
+    "repeat of a repeat": 'root ::= "%s"{2000}+++' % _LIT1000,
+    "generated rules": "root ::= " + ' "a"{0,2000}' * 51,
+    "n below m": 'root ::= "a"{3,1}',
+    "NUL": 'root ::= "a"\0"b"',
+    "left recursion": 'root ::= root "x" | "y"',
+    "hidden left recursion": 'root ::= "a" x\nx ::= ws x "b" | "c"\nws ::= [ ]*',
+    "diamond": "root ::= r0\n" + "".join("r%d ::= r%d | r%d\n" % (i, i + 1, i + 1) for i in range(40)) + 'r40 ::= "a"',
+    "10k alternatives": "root ::= " + " | ".join('"w%d"' % i for i in range(10001)),
+    "long names": ("n" * 2100) + " ::= " + '"a"{0,2000} ' * 4 + "\nroot ::= " + "n" * 2100,
+    "over 320 KB": 'root ::= "' + "a" * (320 << 10) + '"',
+}
+
+
+@pytest.mark.parametrize("name", sorted(_GRAMMAR_BOMBS))
+def test_gbnf_check_rejects_what_llama_cpp_does_not_survive(name):
+    t0 = time.monotonic()
+    with pytest.raises(reame.RequestError) as e:
+        reame.gbnf_check(_GRAMMAR_BOMBS[name])
+    assert e.value.status == 400 and e.value.code == "invalid_grammar" and time.monotonic() - t0 < 2
+
+
+def test_gbnf_check_passes_real_grammars(gemma):
+    import glob
+    src = os.path.join(reame.Config.from_env().home, "src")
+    files = glob.glob(os.path.join(src, "*", "llama.cpp", "grammars", "*.gbnf"))
+    assert len(files) >= 8, src  # (build_llama.sh unpacked the source there)
+    schemas = [{"type": "object", "properties": {"p%d" % i: {"type": ["string", "null"]} for i in range(300)}},
+               {"type": "array", "items": {"type": "array", "items": {"type": "string"}, "maxItems": 40}},
+               {"$defs": {"n": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {
+                   "type": "array", "items": {"$ref": "#/$defs/n"}}}, "required": ["v"]}}, "$ref": "#/$defs/n"},
+               {"type": "string", "enum": ["Zone/%d" % i for i in range(200)]}]
+    grammars = [open(f, encoding="utf-8").read() for f in files] + [reame.JSON_OBJECT_GRAMMAR] + \
+        [reame.json_schema_grammar(s) for s in schemas] + \
+        ['root ::= (word ws)*\nword ::= [a-z]*\nws ::= " "*', 'root ::= ("a"{1000}){1000}']
+    for g in grammars:
+        reame.gbnf_check(g)
+    for g in grammars[-6:]:  # and llama.cpp takes them, with a first step under the bound
+        reame.check_grammar(gemma.model, g)
+    with pytest.raises(reame.RequestError) as e:  # ambiguous: every "a" can be any of 280 items
+        reame.check_grammar(gemma.model, "root ::= " + " ".join(['"a"?'] * 280))
+    assert e.value.code == "grammar_too_costly"
+
+
+def test_vote_regex_matches_like_re():
+    """The linear-time matcher finds what re.finditer finds (leftmost first, greedy or
+    lazy, empty matches, a repeated group's last capture), on random patterns."""
+    import random
+    import re
+
+    def ref(p, t):
+        last = None
+        for last in re.finditer(p, t):
+            pass
+        return last.group(1).strip() if last is not None and last.group(1) is not None else None
+    rng = random.Random(7)
+    atoms = ["a", "b", ".", "[ab]", "[^a]", "\\d", "\\w", "\\s", "\\b", "^", "$", "(a)", "(ab|b)", "(a*)", "(|a)",
+             "x?", "(?:a|)", "(b*?)"]
+    quant = ["", "*", "+", "?", "*?", "+?", "??", "{1,2}", "{0,2}?", "{2}"]
+    n = 0
+    for _ in range(1500):
+        p = "(" + "".join(rng.choice(atoms) + rng.choice(quant) for _ in range(rng.randint(1, 4))) + ")" + \
+            rng.choice(["", "*", "+?"])
+        try:
+            re.compile(p)
+            reame.check_extractor("regex:" + p)
+        except (re.error, reame.RequestError):
+            continue
+        for _ in range(3):
+            t = "".join(rng.choice("ab 1x\n") for _ in range(rng.randint(0, 12)))
+            assert reame.extract_answer(t, "regex:" + p) == ref(p, t), (p, t)
+            n += 1
+    assert n > 2000
+
+
+def test_queued_requests_hold_bounded_snapshots(qwen_model, tmp_path):
+    """Past the hold budget a queued request notes where its snapshot is and the scheduler
+    loads it at admission: the same exact answer, nothing held afterwards."""
+    kv = str(tmp_path / "kv")
+    cold, st = _disk_answer(qwen_model, kv, "Where is order 17?")
+    assert st["disk_snapshots"] >= 1
+    eng = reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv)
+    try:
+        for budget in (1, 256 << 20):
+            eng.disk_hold_bytes = budget
+            _drop_cache(eng)
+            tokens, snap = _ship_chat(eng, "Where is order 17?")
+            hits = eng.n_disk_hits
+            r = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=10), snap_at=snap)[0]
+            assert budget > 1 or r.disk is None or r.disk[1] is None  # noted, not read
+            warm = r.wait(60)
+            assert warm.tokens == cold.tokens and eng.n_disk_hits == hits + 1 and warm.n_cached_tok >= 256
+            assert eng.stats()["disk_held_bytes"] == 0
+    finally:
+        eng.close()
