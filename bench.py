@@ -27,6 +27,9 @@
     python3 bench.py --suggest            only the Suggeritore section: a numbered list, JSON records,
                                           a markdown table, prose, and JSON records under a json_schema,
                                           Il Suggeritore on vs off
+    python3 bench.py --soak [--soak-seconds 600] [--model gemma3-270m] [--soak-attacks A,B]
+                                          only the soak: one server under load, attacks and
+                                          disconnects; exit status 1 if anything failed
 
 What it measures (every number is client-side wall clock, taken the same way for both):
 
@@ -96,6 +99,27 @@ What it measures (every number is client-side wall clock, taken the same way for
                     one (--chat-template NAME), so both prefill the same tokens. Restart
                     reads snapshots just written, so they are in the OS page cache.
 
+Soak (--soak, only this section; not a benchmark: a pass/fail run, exit status 1 on a failure):
+    one ``reame.py serve MODEL --parallel 4 --ctx 1024`` with two ``--api-key``s (two tenants) on a
+    fresh temporary REAME_HOME whose ``models`` is a symlink to the pulled models (nothing
+    downloads, nothing else is shared). First each of 12 normal greedy requests (temperature 0,
+    max_tokens 16-48: chat and /v1/completions, streamed and not, n=2, a json_schema, two-turn
+    sessions, over both keys) is sent alone and its answer kept. Then for --soak-seconds: 8
+    clients loop over them in a seeded random order and every answer must equal its solo answer
+    exactly (a stream: its deltas concatenated per choice); 2 attackers run the attack table
+    (soak_attacks: named attacks from the security issue, in raw bytes where http.client would
+    fix the headers, run in table order, cycling), each judged clean only as a 4xx or 503 with
+    the error JSON {"error": {"message", "type"}}, a 200 stream whose error event is followed by
+    data: [DONE], or a 200 where the table allows one and the answer checks out (a grammar's
+    only text, a schema's types, a tenant's data absent); never a 500, an "internal error", a
+    timeout (30 s) or a dropped socket (noted but not failed for the HTTP framing attacks); one
+    thread abandons requests (a stream closed after its first chunk, a request closed before
+    its answer, half a request head, a body shorter than its Content-Length); /health is
+    probed every 0.5 s. Afterwards /metrics must read reame_active_sequences, reame_queued_requests
+    and reame_kv_cells_used 0 (waited for up to 60 s) and the process must be the one started.
+    A server that exits is recorded with what was in flight and ends the run; one that hangs
+    makes its requests time out and is killed at the end. --save-json keeps the whole report.
+
 Runs alternate (Reame, server, Reame, server, ...) measurement by measurement, so drift on
 a noisy shared vCPU hits both; the table reports medians over ``--repeats`` and the ratio
 Reame / server. Only a ratio from one run means anything on these machines. Also reported:
@@ -144,6 +168,7 @@ Benchmarks are never timed tests: this is a standalone script, standard library 
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import hashlib
 import http.client
@@ -2697,7 +2722,11 @@ def attack_idle_connections(port: int, n: int = 300) -> tuple:
     return label, None
 
 
-DEAD_END = r'root ::= "a" [^\x00-\U0010FFFF]'  # parses; after "a" no character, nor the end, is allowed
+DEAD_END = 'root ::= "a" <[999999]>'  # parses; after "a" no token (no such id), nor the end, is allowed
+# A class that matches no character: llama.cpp still lets through tokens that are the first
+# bytes of a character (a partial UTF-8 sequence might complete into one), so the text is
+# "a" and replacement characters until max_tokens: answered, not refused.
+EMPTY_CLASS = r'root ::= "a" [^\x00-\U0010FFFF]'
 
 
 def soak_exponential_schema(levels: int = 6) -> dict:
@@ -2760,6 +2789,8 @@ def soak_attacks() -> list:
             ok200=any_answer)),
         ("grammar-deep-parens", False, lambda p: soak_post(p, COMPLETIONS, comp(
             "Answer:", grammar=deep, max_tokens=4), ok200=only_texts("a"))),
+        ("grammar-empty-class", False, lambda p: soak_post(p, COMPLETIONS, comp(
+            "a", grammar=EMPTY_CLASS, repeat_penalty=1.1), ok200=any_answer)),
         ("grammar-dead-end-penalty", False, lambda p: soak_post(p, COMPLETIONS, comp(
             "a", grammar=DEAD_END, repeat_penalty=1.1), ok200=only_texts("", "a"))),
         ("grammar-dead-end-stream", False, lambda p: soak_post(p, COMPLETIONS, comp(
@@ -2806,7 +2837,7 @@ SOAK_DISCONNECTS = (  # name, disconnect(port) -> "made" or what happened instea
         {"messages": [{"role": "user", "content": "Tell a long story about a lighthouse."}], "max_tokens": 64,
          "temperature": 0, "stream": True}).encode()), wait_for=b"data: ")),
     ("closed-before-answer", lambda p: _disconnect(p, raw_head("POST", COMPLETIONS, SOAK_KEYS[1], json.dumps(
-        {"prompt": "Once upon a time", "max_tokens": 48, "temperature": 0}).encode()), hold_s=0.3)),
+        {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}).encode()), hold_s=0.3)),
     ("half-request-head", lambda p: _disconnect(
         p, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bea", hold_s=1.0)),
     ("body-shorter-than-content-length", lambda p: _disconnect(p, raw_head(
@@ -2831,6 +2862,7 @@ class SoakLog:
         self.health = []      # latency of each good /health
         self.health_failures = []
         self.in_flight = {}   # thread name -> (what, name, t0): what a crash interrupted
+        self.recent = collections.deque(maxlen=64)  # (t_end, what, name): what ended just before it
 
     def _open(self) -> bool:
         if self.closed or self.srv.proc.poll() is not None:
@@ -2878,7 +2910,9 @@ class SoakLog:
 
     def end(self) -> None:
         with self.lock:
-            self.in_flight.pop(threading.current_thread().name, None)
+            what, name, _ = self.in_flight.pop(threading.current_thread().name, (None, None, None))
+            if what is not None:
+                self.recent.append((time.monotonic(), what, name))
 
 
 def soak_normal_client(i: int, port: int, reqs: list, solo: dict, lg: SoakLog, stop: threading.Event,
@@ -2891,8 +2925,8 @@ def soak_normal_client(i: int, port: int, reqs: list, solo: dict, lg: SoakLog, s
         try:
             got = soak_answer(port, req)
         except SoakError as e:
-            lg.normal_result(req["name"], "error", str(e))
-            time.sleep(0.2)  # a dead or refusing server must not be hammered in a tight loop
+            time.sleep(0.5)  # a server that is dying cuts requests before it can be reaped: then
+            lg.normal_result(req["name"], "error", str(e))  # this is not recorded (the crash is)
             continue
         finally:
             lg.end()
@@ -2930,7 +2964,7 @@ def soak_disconnecter(port: int, lg: SoakLog, stop: threading.Event) -> None:
         finally:
             lg.end()
         lg.disconnect_result(name, what)
-        time.sleep(0.2)
+        stop.wait(0.5)  # a non-streamed request's slot stays busy until its answer: keep them few
 
 
 def soak_prober(port: int, lg: SoakLog, stop: threading.Event, every_s: float = 0.5) -> None:
@@ -2950,6 +2984,8 @@ def soak_prober(port: int, lg: SoakLog, stop: threading.Event, every_s: float = 
         finally:
             conn.close()
         dt = time.perf_counter() - t0
+        if failure is not None:
+            time.sleep(0.5)  # as for normal requests: a failure from a dying server is the crash's
         lg.health_result(dt, failure)
         stop.wait(max(0.0, every_s - dt))
 
@@ -2967,10 +3003,15 @@ def wait_soak_idle(srv: ServerProcess, timeout_s: float = SOAK_DRAIN_S) -> dict:
 
 
 def soak_crash(srv: ServerProcess, lg: SoakLog, t_load: float) -> dict:
-    """The server's exit, with what was in flight when it was seen gone."""
+    """The server's exit, with what was in flight when it was seen gone, and the attacks and
+    disconnects that ended in the 2 s before (the request that killed it may be answered
+    'dropped' before the exit is seen)."""
     with lg.lock:
         lg.closed = True
+        now = time.monotonic()
         flight = sorted({"%s %s" % (what, name) for what, name, _ in lg.in_flight.values()})
+        flight += sorted({"%s %s (just ended)" % (what, name) for t, what, name in lg.recent
+                          if now - t < 2.0 and what != "request"})
     return {"returncode": srv.proc.returncode, "at_s": round(time.monotonic() - t_load, 1), "in_flight": flight,
             "log_tail": srv.log_tail(15)}
 
@@ -3011,6 +3052,11 @@ def run_soak(args) -> dict:
                 out["crash"] = soak_crash(srv, lg, time.monotonic())
                 break
         live = [r for r in reqs if r["name"] in out["solo"]]
+        if out["crash"] is None and any(a[0].startswith("session-") for a in attacks):
+            try:  # before the load, so the session attacks do not wait behind it for their victim
+                soak_victim(srv.port)
+            except SoakError as e:
+                log("soak: %s (the session attacks will try again)" % e)
         t_load = time.monotonic()
         if out["crash"] is None and live:
             log("soak: %d s of load: %d clients, %d attackers (%d attacks), 1 disconnecter, /health every 0.5 s"
@@ -3056,8 +3102,28 @@ def run_soak(args) -> dict:
                        "max_s": max(lg.health) if lg.health else None,
                        "p99_s": nearest_rank(lg.health, 0.99), "failures": lg.health_failures[:10],
                        "n_failures": len(lg.health_failures)})
+    out["log_tracebacks"] = count_tracebacks(srv.log_path)
     out["failures"] = soak_failures(out, {a[0]: a[1] for a in all_attacks})
     out["passed"] = not out["failures"]
+    return out
+
+
+def count_tracebacks(path: str) -> dict:
+    """Python tracebacks in the server log by their last line (the exception): not failures by
+    themselves (a client that left mid-write makes one in http.server), but where to look."""
+    out = {}
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return out
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last)"):
+            j = i + 1
+            while j < len(lines) and (lines[j].startswith(" ") or not lines[j].strip()):
+                j += 1
+            last = lines[j][:100] if j < len(lines) else "?"
+            out[last] = out.get(last, 0) + 1
     return out
 
 
@@ -3133,7 +3199,9 @@ def print_soak(s: dict, w) -> None:
           % ("alive, never restarted" if s.get("alive_at_end") else "GONE",
              *(_fmt(m.get(k), 0) for k in ("reame_active_sequences", "reame_queued_requests",
                                            "reame_kv_cells_used", "reame_kv_cells_cached"))))
-    w("server log: %s\n" % c["log"])
+    tb = s.get("log_tracebacks") or {}
+    w("server log: %s (%s)\n" % (c["log"], "tracebacks: " + "; ".join(
+        "%s x%d" % kv for kv in sorted(tb.items(), key=lambda kv: -kv[1])) if tb else "no tracebacks"))
     if s["failures"]:
         w("\nFAILED (%d):\n" % len(s["failures"]))
         for line in s["failures"]:

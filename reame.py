@@ -6418,14 +6418,31 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                 snap_at=eng.prefix_boundary(history, tokens) if chat else (), spec=spec,
                                 archive=archive, tenant=srv.tenant(owner))
             rid = ("chatcmpl-" if chat else "cmpl-") + reqs[0].id
+
+            def keep(results: List[Result]) -> None:
+                """The answer into the session, which is free again before the answer's
+                last byte goes out (its next turn may come at once)."""
+                nonlocal session
+                if session is None:
+                    return
+                if results and results[0].finish_reason in ("stop", "length"):
+                    r = results[0]
+                    if chat:
+                        session.messages = history + [{"role": "assistant", "content": r.text}]
+                    else:
+                        session.text = text + r.text
+                    session.n_tokens = r.n_prompt_tok + r.n_gen_tok
+                srv.sessions.end(session)
+                session = None
             if stream:
-                results = self._stream(reqs, rid, chat, bool(opts.get("include_usage")))
+                self._stream(reqs, rid, chat, bool(opts.get("include_usage")), before_done=keep)
             else:
                 results = self._wait(reqs)
                 if results is None:
                     return
                 self._results = results
                 srv.count(200, results)
+                keep(results)
                 choices = [({"index": r.index, "message": {"role": "assistant", "content": r.text},
                              "finish_reason": r.finish_reason, "logprobs": None} if chat else
                             {"index": r.index, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None})
@@ -6433,13 +6450,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._send_json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
                                       "created": int(time.time()), "model": srv.model_name, "choices": choices,
                                       "usage": _usage(results)})
-            if session is not None and results and results[0].finish_reason in ("stop", "length"):
-                r = results[0]
-                if chat:
-                    session.messages = history + [{"role": "assistant", "content": r.text}]
-                else:
-                    session.text = text + r.text
-                session.n_tokens = r.n_prompt_tok + r.n_gen_tok
         finally:
             if session is not None:
                 srv.sessions.end(session)
@@ -6538,8 +6548,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
         self.wfile.flush()
 
-    def _stream(self, reqs: List[Request], rid: str, chat: bool, include_usage: bool) -> List[Result]:
-        """SSE in OpenAI's chunk format for all n choices. Returns the results ([] if cut short)."""
+    def _stream(self, reqs: List[Request], rid: str, chat: bool, include_usage: bool,
+                before_done=None) -> List[Result]:
+        """SSE in OpenAI's chunk format for all n choices. Returns the results ([] if cut
+        short). ``before_done(results)`` runs just before the final [DONE]."""
         srv = self.server_ref
         self._sse_start()
         base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -6588,6 +6600,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     send(c)
                 srv.count(200, results)
                 self._results = results
+            if before_done is not None:
+                before_done(results if not left else [])
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except OSError:  # BrokenPipe, ConnectionReset, timeouts: the client left

@@ -3339,3 +3339,14 @@ def test_queued_requests_hold_bounded_snapshots(qwen_model, tmp_path):
             assert eng.stats()["disk_held_bytes"] == 0
     finally:
         eng.close()
+
+
+def test_a_session_is_free_when_its_answer_ends(server):
+    """The next turn may come the moment the last byte of the answer arrives (a client
+    that sends it on data: [DONE] got a 409 while the server still held the session)."""
+    sid = "s-quick-%s" % os.urandom(4).hex()
+    for i in range(6):
+        body = {"prompt": "Count: %d" % i, "max_tokens": 2, "session_id": sid, "stream": i % 2 == 0}
+        status, payload = _http(server, "POST", "/v1/completions", body)
+        assert status == 200, (i, payload[:200])
+    assert _http(server, "DELETE", "/v1/sessions/" + sid)[0] == 200
