@@ -830,6 +830,7 @@ class Model:
         # and two threads computing the same piece agree, so no lock is needed.
         self._pieces = {}
         self._piece_buf = ctypes.create_string_buffer(256)
+        self.grammars_ok: set = set()  # sha256 of grammars gbnf_check passed (set ops are atomic under the GIL)
 
     @property
     def ptr(self):
@@ -1403,7 +1404,12 @@ def grammar_sampler(model: Model, gbnf: str):
     """llama.cpp's grammar sampler for GBNF text (root rule "root"); RequestError with
     the parser's message when the grammar does not parse, or is over gbnf_check's
     bounds (checked first: llama.cpp would crash on some). The caller owns the pointer."""
-    gbnf_check(gbnf)
+    key = hashlib.sha256(gbnf.encode("utf-8", "surrogatepass")).digest()
+    if key not in model.grammars_ok:  # (checked once: the scheduler re-creates it for each choice)
+        gbnf_check(gbnf)
+        if len(model.grammars_ok) >= 256:
+            model.grammars_ok.clear()
+        model.grammars_ok.add(key)
     L = lib()
     L.take_errors()
     ptr = L.llama_sampler_init_grammar(model.vocab_ptr, gbnf.encode("utf-8"), b"root")
