@@ -6273,14 +6273,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _guard(self, fn) -> None:
         try:
-            fn()
-        except ReameError as e:
-            self._send_error(e)
-        except (BrokenPipeError, ConnectionResetError):
+            try:
+                fn()
+            except ReameError as e:
+                self._send_error(e)
+            except OSError:
+                raise
+            except Exception:  # noqa: BLE001 - never a traceback to the client
+                log.exception("internal error on %s", self.path)
+                self._send_error(ReameError("internal error"))
+        except OSError:  # the connection broke (the client left, a timeout), also while we told it why
             self.close_connection = True
-        except Exception:  # noqa: BLE001 - never a traceback to the client
-            log.exception("internal error on %s", self.path)
-            self._send_error(ReameError("internal error"))
         finally:
             self._log_done()
 
