@@ -25,16 +25,17 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
    11. Palimpsest: the archive of generations
    12. Speculation: draft sources and the controller
    13. The draft model
-   14. Il Suggeritore: structure as drafts
-   15. Structured output: json_schema to GBNF
-   16. Requests: what the engine takes and gives back
-   17. Slots: the memory tier, and consecutive sequence ids
-   18. Engine: the scheduler thread and continuous batching
-   19. The Conclave: best-of-N in one batch, voted
-   20. Request bodies: OpenAI JSON to engine arguments
-   21. Sessions: conversations the server keeps
-   22. HTTP server (OpenAI-compatible)
-   23. Command line
+   14. Structured output: json_schema to GBNF
+   15. Reading JSON as it is written: JsonScan
+   16. Il Suggeritore: structure as drafts
+   17. Requests: what the engine takes and gives back
+   18. Slots: the memory tier, and consecutive sequence ids
+   19. Engine: the scheduler thread and continuous batching
+   20. The Conclave: best-of-N in one batch, voted
+   21. Request bodies: OpenAI JSON to engine arguments
+   22. Sessions: conversations the server keeps
+   23. HTTP server (OpenAI-compatible)
+   24. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -44,6 +45,7 @@ import array
 import bisect
 import codecs
 import collections
+import copy
 import ctypes
 import dataclasses
 import hashlib
@@ -67,12 +69,17 @@ import urllib.error
 import urllib.request
 import zipfile
 import zlib
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, NamedTuple, Optional, Sequence
 
 try:  # optional: faster logits work (used by later features)
     import numpy as _np
 except ImportError:  # pragma: no cover - depends on the machine
     _np = None
+
+try:  # optional: faster, smaller prefix snapshots (zlib without it)
+    import zstandard as _zstd
+except ImportError:  # pragma: no cover - depends on the machine
+    _zstd = None
 
 __version__ = "0.1.0"
 
@@ -90,6 +97,8 @@ __all__ = [
     "conclave_vote", "ConclaveResult", "run_conclave", "suggest_list", "suggest_markdown", "suggest_table", "suggest_fields",
     "schema_gaps", "JsonScan", "align_proposal", "SUGGEST_RULES", "Suggestion", "JSON_OBJECT_GRAMMAR",
     "json_schema_grammar", "grammar_sampler", "check_grammar", "gbnf_check", "structure_from_body",
+    "DraftPlan", "SlotTable", "EngineCounters", "ApiRequest", "request_from_body", "conclave_params",
+    "SAMPLED_TEMPERATURE",
 ]
 
 log = logging.getLogger("reame")
@@ -110,6 +119,9 @@ class Config:
     hf_timeout_s: float       # REAME_HF_TIMEOUT_S: fail over to the mirror after this
     pip_args: tuple           # REAME_PIP_ARGS: extra args for `pip download` (mirror)
     log_level: str            # REAME_LOG: debug, info, warning (default), error
+    log_level_set: bool       # REAME_LOG was given (serve then keeps it instead of info)
+    api_key: str              # REAME_API_KEY: one more key for `serve`
+    skip_abi_check: bool      # REAME_SKIP_ABI_CHECK=1: load a libllama built from another llama.h
 
     @classmethod
     def from_env(cls, env=None) -> "Config":
@@ -123,6 +135,9 @@ class Config:
             hf_timeout_s=float(env.get("REAME_HF_TIMEOUT_S", "5")),
             pip_args=tuple(env.get("REAME_PIP_ARGS", "").split()),
             log_level=env.get("REAME_LOG", "warning").lower(),
+            log_level_set=bool(env.get("REAME_LOG")),
+            api_key=env.get("REAME_API_KEY", ""),
+            skip_abi_check=env.get("REAME_SKIP_ABI_CHECK") == "1",
         )
 
     @property
@@ -410,6 +425,26 @@ def _read_private(path: str, max_bytes: int) -> bytes:
     if len(data) > max_bytes:
         raise ValueError("%s is over %d bytes" % (os.path.basename(path), max_bytes))
     return data
+
+
+class _FileLock:
+    """An advisory lock on a file, exclusive or shared (fcntl; a no-op where unavailable)."""
+
+    def __init__(self, path: str, shared: bool = False):
+        self.path, self.shared = path, shared
+        self._f = None
+
+    def __enter__(self):
+        self._f = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600), "r+")
+        try:
+            import fcntl
+            fcntl.flock(self._f, fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX)
+        except ImportError:  # pragma: no cover - Windows
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
@@ -716,7 +751,7 @@ def _find_library_dir(cfg: Config) -> str:
     return os.path.join(_HERE, "_llama")
 
 
-def _check_manifest(libdir: str) -> None:
+def _check_manifest(libdir: str, cfg: Config) -> None:
     """Refuse a library built from another llama.h: ctypes would corrupt memory silently."""
     manifest = os.path.join(libdir, "manifest.json")
     if not os.path.exists(manifest):
@@ -726,7 +761,7 @@ def _check_manifest(libdir: str) -> None:
             got = json.load(f).get("llama_h_sha256", "")
     except (OSError, ValueError) as e:
         raise LibraryError("cannot read %s (%s); rebuild with ./build_llama.sh" % (manifest, e))
-    if got != _LLAMA_H_SHA256 and os.environ.get("REAME_SKIP_ABI_CHECK") != "1":
+    if got != _LLAMA_H_SHA256 and not cfg.skip_abi_check:
         raise LibraryError(
             "the library in %s was built from a llama.h (sha256 %s...) other than the one this "
             "reame.py binds (%s...). Rebuild with ./build_llama.sh, or set REAME_SKIP_ABI_CHECK=1 "
@@ -746,13 +781,13 @@ def lib() -> _Library:
 
 def _load_library(cfg: Config) -> _Library:
     libdir = _find_library_dir(cfg)
-    main = cfg.libllama if cfg.libllama and not os.path.isdir(cfg.libllama) else \
+    path = cfg.libllama if cfg.libllama and not os.path.isdir(cfg.libllama) else \
         os.path.join(libdir, "libllama" + _LIB_EXT)
-    if not os.path.exists(main):
+    if not os.path.exists(path):
         raise LibraryError(
             "libllama not found at %s. Build it first: ./build_llama.sh (about 4 minutes on 2 "
-            "cores), or point REAME_LIBLLAMA at an existing libllama%s." % (main, _LIB_EXT))
-    _check_manifest(libdir)
+            "cores), or point REAME_LIBLLAMA at an existing libllama%s." % (path, _LIB_EXT))
+    _check_manifest(libdir, cfg)
     # Load ggml first with RTLD_GLOBAL, from the same folder, so libllama binds to these
     # copies and not to whatever the build tree's RUNPATH or the system has.
     cdlls = []
@@ -760,13 +795,13 @@ def _load_library(cfg: Config) -> _Library:
         p = os.path.join(libdir, dep + _LIB_EXT)
         if os.path.exists(p):
             cdlls.append(_dlopen(p))
-    cdlls.append(_dlopen(main))
-    handle = _Library(main, cdlls)
+    cdlls.append(_dlopen(path))
+    handle = _Library(path, cdlls)
     version = handle.llama_version().decode()
-    if not version.startswith(_LLAMA_VERSION) and os.environ.get("REAME_SKIP_ABI_CHECK") != "1":
+    if not version.startswith(_LLAMA_VERSION) and not cfg.skip_abi_check:
         raise LibraryError("%s reports llama.cpp version %s; this reame.py binds %sx. Rebuild with "
-                           "./build_llama.sh" % (main, version, _LLAMA_VERSION))
-    log.debug("loaded %s (llama.cpp %s)", main, version)
+                           "./build_llama.sh" % (path, version, _LLAMA_VERSION))
+    log.debug("loaded %s (llama.cpp %s)", path, version)
     return handle
 
 
@@ -1134,7 +1169,7 @@ class Context:
 
 
 # == 7. Grammars: GBNF checked before llama.cpp parses it ======================
-# A grammar (a raw ``grammar``, or the GBNF a json_schema becomes, section 15) is read in
+# A grammar (a raw ``grammar``, or the GBNF a json_schema becomes, section 14) is read in
 # Python first, because llama.cpp's grammar code has no bounds of its own: gbnf_check, then
 # llama.cpp's parser (grammar_sampler, check_grammar). Sampling (section 8) never puts the
 # grammar in llama.cpp's chain.
@@ -1469,6 +1504,10 @@ def _grammar_step_estimate(model: Model, ptr) -> float:
 
 
 # == 8. Sampling ===============================================================
+
+# The temperature Reame samples at where it picks one: `run`'s default, and best_of's when
+# a request gives none (candidates must differ to vote). The API's own default is 1.0.
+SAMPLED_TEMPERATURE = 0.7
 
 
 @dataclasses.dataclass
@@ -1835,26 +1874,6 @@ def _verify(part: str, spec: ModelSpec, expected: str) -> None:
                             % (spec.alias, got, want), code="checksum_mismatch")
 
 
-class _FileLock:
-    """An advisory lock on a file, exclusive or shared (fcntl; a no-op where unavailable)."""
-
-    def __init__(self, path: str, shared: bool = False):
-        self.path, self.shared = path, shared
-        self._f = None
-
-    def __enter__(self):
-        self._f = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600), "r+")
-        try:
-            import fcntl
-            fcntl.flock(self._f, fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX)
-        except ImportError:  # pragma: no cover - Windows
-            pass
-        return self
-
-    def __exit__(self, *exc):
-        self._f.close()
-
-
 def _open_with_deadline(req: urllib.request.Request, timeout_s: float):
     """urlopen, but give up after timeout_s even when DNS hangs (which ignores socket timeouts)."""
     box = {}
@@ -1990,16 +2009,11 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
 # prefix under $REAME_HOME/kv/<model fingerprint>/, named by a hash of the fingerprint,
 # the KV parameters and the prefix's tokens: another process, or this one after a
 # restart, finds a prefix without an index. The engine snapshots only whole prefill
-# chunks on an exact prefix (section 17), so a restored prefix is what a cold prefill
+# chunks on an exact prefix (section 18), so a restored prefix is what a cold prefill
 # computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
 # tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
 # the least recently used files go first when the directory is over its size bound.
 # Compression and writing run on a writer thread, never the scheduler.
-
-try:  # optional: faster, smaller snapshots (zlib without it)
-    import zstandard as _zstd
-except ImportError:  # pragma: no cover - depends on the machine
-    _zstd = None
 
 _KV_MAGIC = b"REAMEKV\x00"
 _KV_VERSION = 1
@@ -2784,12 +2798,27 @@ class Palimpsest:
 
 # == 12. Speculation: draft sources and the controller =========================
 # Draft sources propose tokens; the target verifies them in the scheduler's batch
-# step (section 18) and keeps the longest run it would have produced itself. The
+# step (section 19) and keeps the longest run it would have produced itself. The
 # controller measures, live, what a verify step of k+1 tokens costs against one
 # token, and how often each source is right by draft position, and speculates only
 # where that pays. Everything that decides is a pure function, tested without a model.
 
 SPEC_MODES = ("auto", "on", "off")
+
+# The controller's constants (SpecController; measured on 2-core x86, see README).
+_SPEC_MARGIN = 0.05          # expected speedup a free source must clear (1.05x)
+_SPEC_COSTLY_MARGIN = 3      # a source that costs to ask clears 3x that: its cost is an estimate
+_SPEC_PROBE_K = 2            # drafts in a probe, and a slow start's first k
+_SPEC_PROBE_GAP = 32         # tokens before a losing source is probed again ...
+_SPEC_PROBE_GROWTH = 4       # ... a gap that grows 4x each time the probe loses ...
+_SPEC_PROBE_GAP_MAX = 2048   # ... up to this
+_SPEC_PRIOR = 0.6            # a source's acceptance before any evidence
+_SPEC_WINDOW = 64            # drafts per position an acceptance estimate remembers
+_SPEC_SLOW_START = 4         # a costly source's k doubles from probe_k this many times as it proves itself
+_SPEC_SETUP_HORIZON = 32     # tokens a probe's catch-up (a draft model's KV) must pay back in
+_SPEC_HOLD = 4               # tokens past its last proposal a silent free source is expected back within
+_SPEC_FULL_WITHIN = 0.95     # take the whole proposal when it pays within 5% of the best k
+_SPEC_STREAK_RUN = 5         # a proposal that came true for this many tokens is a copy going on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3126,6 +3155,36 @@ class ArchiveResync(ArchiveSource):
 # -- the controller
 
 
+class DraftPlan(NamedTuple):
+    """What a sequence verifies in this step: drafts from one source."""
+
+    source: str
+    tokens: list
+
+
+class _Room(NamedTuple):
+    """A sequence's place in the step being planned (SpecController.plan)."""
+
+    left: int      # drafts it can still take (max_tokens, context)
+    room: int      # of those, what the batch still holds
+    n_cur: int     # rows the step has so far
+    cost: object   # rows -> seconds (CostModel.cost, or the passes llama.cpp makes)
+    step1: float   # what a step of one row costs
+
+
+class _Offer(NamedTuple):
+    """A source's offer for a sequence this step (SpecController._offer)."""
+
+    rank: tuple            # (gain, discounted for a costly source; not a probe): the best wins
+    gain: float            # expected speedup of the step with k drafts
+    name: str
+    k: int
+    draft: Optional[list]  # a free source's proposal (None: a costly source, asked if chosen)
+    probe: bool
+    sched: object          # whose clock its probes run on: the SpecState or the controller
+    clock: int
+
+
 class SpecController:
     """Decides, each step, which sequences speculate, from which source, how far.
 
@@ -3146,17 +3205,17 @@ class SpecController:
     """
 
     def __init__(self, sources: Sequence[DraftSource], *, default: SpecOptions = SpecOptions(),
-                 margin: float = 0.05, probe_k: int = 2, probe_gap: int = 32, prior: float = 0.6,
-                 n_vocab: int = 1 << 31):
+                 margin: float = _SPEC_MARGIN, probe_k: int = _SPEC_PROBE_K, probe_gap: int = _SPEC_PROBE_GAP,
+                 prior: float = _SPEC_PRIOR, n_vocab: int = 1 << 31):
         self.sources = {s.name: s for s in sources}
         self.n_vocab = n_vocab   # a draft token outside 0..n_vocab-1 (a crafted archive file) ends the draft
         self.default = default
         self.margin, self.probe_k, self.first_gap = margin, probe_k, probe_gap
         self.min_evidence = 1    # a free per-sequence source speculates after this many shadow scores
-        self.setup_horizon = 32  # tokens a probe's catch-up must pay back in
-        self.hold = 4            # tokens past its last proposal a silent free source is expected back within
+        self.setup_horizon = _SPEC_SETUP_HORIZON
+        self.hold = _SPEC_HOLD
         self.cost = CostModel()
-        self.acc = {name: Acceptance(64, prior) for name in self.sources}
+        self.acc = {name: Acceptance(_SPEC_WINDOW, prior) for name in self.sources}
         self.counters = {name: {"proposed": 0, "accepted": 0, "steps": 0, "probes": 0, "k": 0,
                                 "on": 0, "gain": 0.0} for name in self.sources}
         self.n_tokens = 0        # decode rows planned so far: the clock of engine-wide probes
@@ -3199,148 +3258,187 @@ class SpecController:
         return out
 
     def plan(self, items: Sequence[tuple], n_batch: int, max_rows: int = 512,
-             ids: Optional[Sequence[int]] = None) -> List[Optional[tuple]]:
+             ids: Optional[Sequence[int]] = None) -> List[Optional[DraftPlan]]:
         """items: (SpecState or None, room: most drafts the sequence can still take).
-        Returns per item None or (source name, draft tokens). n_batch: sequences in
-        the step's decode batch; max_rows: what the batch holds, drafts included; ids:
-        the items' sequence ids (ascending), for what llama.cpp makes of the batch: with
-        several sequences, drafts are verified in passes of their own (decode_passes),
-        so they cost more than as many rows in one pass."""
-        plans: List[Optional[tuple]] = [None] * len(items)
+        Returns per item None or a DraftPlan (source name, draft tokens). n_batch:
+        sequences in the step's decode batch; max_rows: what the batch holds, drafts
+        included; ids: the items' sequence ids (ascending), for what llama.cpp makes of
+        the batch: with several sequences, drafts are verified in passes of their own
+        (decode_passes), so they cost more than as many rows in one pass."""
+        plans: List[Optional[DraftPlan]] = [None] * len(items)
         n_cur = n_batch
         self.n_tokens += n_batch
-        model_wants = []  # (index, source, k) for sources that draft at a cost (batched)
-        step1 = self.cost.cost(1)
+        costly = []  # (index, source, k): sources that draft at a cost, asked together at the end
         counts = [1] * len(items)
+        step1 = self.cost.cost(1)
         for i, (st, left) in enumerate(items):
             room = min(left, max_rows - n_cur)
             if st is None or room < 1:
                 continue
-            cost = self.cost.cost
-            if ids is not None and len(items) > 1:
-                memo: dict = {}
-
-                def cost(n, i=i, base=n_cur, memo=memo):  # this sequence drafting n - base of the rows
-                    got = memo.get(n)
-                    if got is None:
-                        c = counts[:]
-                        c[i] += n - base
-                        got = memo[n] = sum(map(self.cost.cost, decode_passes(ids, c)))
-                    return got
-            forced = st.opts.mode == "on"
-            best = None  # (rank, gain, name, k, draft or None, probe, sched, clock)
-            held = 0.0   # the best gain of a free source that proposed a moment ago and is silent now
-            for src in self.allowed(st):
-                name = src.name
-                acc = st.acc.get(name)
-                if acc is None:
-                    acc = st.acc[name] = Acceptance(64, parent=self.acc[name])  # (the request's text decides)
-                sched, clock = (st, len(st.history)) if src.per_sequence else (self, self.n_tokens)
-                k_max = min(room, st.opts.max_k)
-                draft = None
-                margin = self.margin if src.free else 3 * self.margin
-                if not src.free and not forced:  # a slow start: 2, 4, 8, ... drafts as it proves itself here
-                    k_max = min(k_max, self.probe_k << min(acc.n[0], 4))
-                per_tok, setup = src.cost_s_per_tok(step1), src.setup_s(st, step1)
-                draft_s = per_tok + setup / max(left, 1)
-                if src.free:  # free to ask: see what it has first, and score it
-                    draft = (self._ask(src, [st], [st.opts.max_k]) or [[]])[0]
-                    self._shadow(st, name, draft)
-                    if draft:
-                        st.proposed_until[name] = len(st.history) + len(draft)
-                    elif not forced and len(st.history) - st.proposed_until.get(name, -1 << 30) <= self.hold:
-                        # silent a few tokens past what it proposed (an edit, the end of a
-                        # copied stretch) in a copy: expected back soon
-                        held = max(held, choose_k(acc.p, cost, n_cur, st.opts.max_k)[1])
-                    if not forced and not st.streak.get(name):
-                        # a slow start too: no deeper than twice the positions this request
-                        # has scored (a deep position's engine-wide estimate comes from other
-                        # texts: copies elsewhere made 12 drafts in prose look sure)
-                        depth = next((j for j, n in enumerate(acc.n) if not n), len(acc.n))
-                        k_max = min(k_max, max(self.probe_k, 2 * depth))
-                    draft = draft[:k_max]
-                    if not draft:
-                        continue
-                    if not forced and src.per_sequence and acc.n[0] < self.min_evidence and not src.sure:
-                        # the engine-wide prior alone is not trusted with a verify's cost, but
-                        # a costly source must beat it to take this step (the evidence comes
-                        # with the next token)
-                        held = max(held, choose_k(acc.p, cost, n_cur, len(draft))[1])
-                        continue
-                    k_max = len(draft)
-                k, gain = choose_k(acc.p, cost, n_cur, k_max, draft_s)
-                if draft is not None and k < k_max:
-                    # The whole proposal, while it pays at all, when its last proposal came
-                    # true whole or for 5+ tokens (a copy going on: a source's misses come in
-                    # runs, an edit in a copy, that its per-position estimate averages over),
-                    # or when it is expected to pay within 5% of the best k (the estimate is
-                    # pessimistic in a copy; a cut proposal costs a step to resume).
-                    full = spec_gain(acc.p, k_max, cost, n_cur, draft_s)
-                    if worth_it(full, margin) and (st.streak.get(name) or full >= 0.95 * gain):
-                        k, gain = k_max, full
-                probe = False
-                if forced:
-                    k = k_max
-                    gain = spec_gain(acc.p, k, cost, n_cur, draft_s)
-                elif not worth_it(gain, margin):
-                    self.counters[name]["on"], self.counters[name]["gain"] = 0, round(gain, 3)
-                    if draft is not None or clock < sched.probe_at.get(name, 0):
-                        continue  # (a free source is scored in the shadow: no probe needed)
-                    if sched is not st and acc.n[0] and len(st.history) < st.probe_at.get(name, 0):
-                        continue  # lost here already: this request's own gap too (others reset the engine's)
-                    # probe only a source that could pay here at all, were every draft right,
-                    # its catch-up (a new prompt fed to a draft model) paid back within
-                    # setup_horizon tokens: a probe that loses is all the use it gets (one at a
-                    # prose request's start fed 40 tokens, 133 ms, for 2 drafts: 0.91x off)
-                    _, best_case = choose_k([1.0] * k_max, cost, n_cur, k_max,
-                                            per_tok + setup / max(min(left, self.setup_horizon), 1))
-                    if not worth_it(best_case, margin):
-                        continue
-                    k, probe = min(self.probe_k, k_max), True
-                # a source that costs to ask (its cost an estimate: the draft model's KV catch-up
-                # varies) displaces a free source's proposal only when it wins by the margin
-                rank = (gain if src.free else gain / (1.0 + self.margin), not probe)
-                if k and (best is None or rank > best[0]):
-                    best = (rank, gain, name, k, draft, probe, sched, clock)
-            if best is None:
+            cost = self._step_cost(i, n_cur, counts, ids if len(items) > 1 else None)
+            choice = self._choose(st, _Room(left, room, n_cur, cost, step1))
+            if choice is None:
                 continue
-            _, gain, name, k, draft, probe, sched, clock = best
-            if draft is None and not probe and held >= gain:
-                continue  # a draft model's long proposal would take the place of a better free source's
-            c = self.counters[name]
-            c["k"], c["gain"] = k, round(gain, 3)
-            c["on"] = int(not probe)
-            c["probes"] += probe
-            if probe:
-                self._next_probe(sched, name, clock)
-                if sched is not st:
-                    self._next_probe(st, name, len(st.history))
-            elif st.opts.mode == "auto":  # chosen on its merits (a forced one proves nothing)
-                sched.probe_gap[name] = self.first_gap
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("spec: slot %d %s k=%d%s expected x%.2f%s", st.slot, name, k,
-                          " of %d proposed" % len(draft) if draft is not None else "", gain, " (probe)" if probe else "")
-            n_cur += k
-            counts[i] += k
-            if draft is not None:
-                plans[i] = (name, draft[:k])
+            self._commit(st, choice)
+            n_cur += choice.k
+            counts[i] += choice.k
+            if choice.draft is not None:
+                plans[i] = DraftPlan(choice.name, choice.draft[:choice.k])
             else:
-                model_wants.append((i, name, k))
+                costly.append((i, choice.name, choice.k))
         by_source: dict = {}
-        for i, name, k in model_wants:
+        for i, name, k in costly:
             by_source.setdefault(name, []).append((i, k))
         for name, wants in by_source.items():
             drafts = self._ask(self.sources[name], [items[i][0] for i, _ in wants], [k for _, k in wants])
             for (i, _), d in zip(wants, drafts or ()):
-                plans[i] = (name, d)
+                plans[i] = DraftPlan(name, d)
         return plans
+
+    def _step_cost(self, i: int, n_cur: int, counts: List[int], ids: Optional[Sequence[int]]):
+        """The cost of a step of n rows, where item i drafts n - n_cur of them: with
+        several sequences, from the passes llama.cpp makes of the batch (memoized)."""
+        if ids is None:
+            return self.cost.cost
+        memo: dict = {}
+
+        def cost(n):
+            got = memo.get(n)
+            if got is None:
+                c = counts[:]
+                c[i] += n - n_cur
+                got = memo[n] = sum(map(self.cost.cost, decode_passes(ids, c)))
+            return got
+        return cost
+
+    def _choose(self, st: SpecState, at: "_Room") -> Optional["_Offer"]:
+        """The best offer of the sources allowed for st, or None: none pays (or probes),
+        or a costly source's would take the place of a free source's, silent a moment
+        but expected back (held) with a better gain."""
+        best, held = None, 0.0
+        for src in self.allowed(st):
+            offer, h = self._offer(src, st, at)
+            held = max(held, h)
+            if offer is not None and offer.k and (best is None or offer.rank > best.rank):
+                best = offer
+        if best is None or (best.draft is None and not best.probe and held >= best.gain):
+            return None
+        return best
+
+    def _offer(self, src: DraftSource, st: SpecState, at: "_Room") -> tuple:
+        """(src's offer for st this step or None, the gain held for it if it is a free
+        source silent a moment). A free source is asked first and scored in the shadow;
+        a costly one is offered on its estimate, and asked only if chosen."""
+        name, forced = src.name, st.opts.mode == "on"
+        acc = st.acc.get(name)
+        if acc is None:
+            acc = st.acc[name] = Acceptance(_SPEC_WINDOW, parent=self.acc[name])  # (the request's text decides)
+        sched, clock = (st, len(st.history)) if src.per_sequence else (self, self.n_tokens)
+        k_max = min(at.room, st.opts.max_k)
+        margin = self.margin if src.free else _SPEC_COSTLY_MARGIN * self.margin
+        if not src.free and not forced:  # a slow start: 2, 4, 8, ... drafts as it proves itself here
+            k_max = min(k_max, self.probe_k << min(acc.n[0], _SPEC_SLOW_START))
+        per_tok, setup = src.cost_s_per_tok(at.step1), src.setup_s(st, at.step1)
+        draft_s = per_tok + setup / max(at.left, 1)
+        draft, held = None, 0.0
+        if src.free:
+            draft, held = self._free_draft(src, st, acc, k_max, at)
+            if not draft:
+                return None, held
+            k_max = len(draft)
+        k, gain = choose_k(acc.p, at.cost, at.n_cur, k_max, draft_s)
+        if draft is not None and k < k_max:
+            # The whole proposal, while it pays at all, when its last proposal came
+            # true whole or for 5+ tokens (a copy going on: a source's misses come in
+            # runs, an edit in a copy, that its per-position estimate averages over),
+            # or when it is expected to pay within 5% of the best k (the estimate is
+            # pessimistic in a copy; a cut proposal costs a step to resume).
+            full = spec_gain(acc.p, k_max, at.cost, at.n_cur, draft_s)
+            if worth_it(full, margin) and (st.streak.get(name) or full >= _SPEC_FULL_WITHIN * gain):
+                k, gain = k_max, full
+        probe = False
+        if forced:
+            k = k_max
+            gain = spec_gain(acc.p, k, at.cost, at.n_cur, draft_s)
+        elif not worth_it(gain, margin):
+            self.counters[name]["on"], self.counters[name]["gain"] = 0, round(gain, 3)
+            if draft is not None or not self._may_probe(src, st, acc, sched, clock, k_max,
+                                                        per_tok, setup, at, margin):
+                return None, held  # (a free source is scored in the shadow: no probe needed)
+            k, probe = min(self.probe_k, k_max), True
+        # a source that costs to ask (its cost an estimate: the draft model's KV catch-up
+        # varies) displaces a free source's proposal only when it wins by the margin
+        rank = (gain if src.free else gain / (1.0 + self.margin), not probe)
+        return _Offer(rank, gain, name, k, draft, probe, sched, clock), held
+
+    def _free_draft(self, src: DraftSource, st: SpecState, acc: "Acceptance", k_max: int,
+                    at: "_Room") -> tuple:
+        """(a free source's proposal cut to what it may draft now, or [] , held gain):
+        asked, shadow-scored, then cut by the slow start and the evidence rules."""
+        name, forced = src.name, st.opts.mode == "on"
+        draft = (self._ask(src, [st], [st.opts.max_k]) or [[]])[0]
+        self._shadow(st, name, draft)
+        held = 0.0
+        if draft:
+            st.proposed_until[name] = len(st.history) + len(draft)
+        elif not forced and len(st.history) - st.proposed_until.get(name, -1 << 30) <= self.hold:
+            # silent a few tokens past what it proposed (an edit, the end of a
+            # copied stretch) in a copy: expected back soon
+            held = choose_k(acc.p, at.cost, at.n_cur, st.opts.max_k)[1]
+        if not forced and not st.streak.get(name):
+            # a slow start too: no deeper than twice the positions this request
+            # has scored (a deep position's engine-wide estimate comes from other
+            # texts: copies elsewhere made 12 drafts in prose look sure)
+            depth = next((j for j, n in enumerate(acc.n) if not n), len(acc.n))
+            k_max = min(k_max, max(self.probe_k, 2 * depth))
+        draft = draft[:k_max]
+        if draft and not forced and src.per_sequence and acc.n[0] < self.min_evidence and not src.sure:
+            # the engine-wide prior alone is not trusted with a verify's cost, but
+            # a costly source must beat it to take this step (the evidence comes
+            # with the next token)
+            return [], max(held, choose_k(acc.p, at.cost, at.n_cur, len(draft))[1])
+        return draft, held
+
+    def _may_probe(self, src: DraftSource, st: SpecState, acc: "Acceptance", sched, clock: int, k_max: int,
+                   per_tok: float, setup: float, at: "_Room", margin: float) -> bool:
+        """A costly source that does not pay: probe it now? Only when its gap has passed
+        (the engine's, and this request's where it lost here already) and it could pay
+        here at all, were every draft right, its catch-up (a new prompt fed to a draft
+        model) paid back within setup_horizon tokens: a probe that loses is all the use
+        it gets (one at a prose request's start fed 40 tokens, 133 ms, for 2 drafts)."""
+        name = src.name
+        if clock < sched.probe_at.get(name, 0):
+            return False
+        if sched is not st and acc.n[0] and len(st.history) < st.probe_at.get(name, 0):
+            return False  # lost here already: this request's own gap too (others reset the engine's)
+        _, best_case = choose_k([1.0] * k_max, at.cost, at.n_cur, k_max,
+                                per_tok + setup / max(min(at.left, self.setup_horizon), 1))
+        return worth_it(best_case, margin)
+
+    def _commit(self, st: SpecState, o: "_Offer") -> None:
+        """The chosen offer: counters, and the probe schedule (a probe pushes the next
+        one a gap later; a win on its merits resets the gap)."""
+        c = self.counters[o.name]
+        c["k"], c["gain"] = o.k, round(o.gain, 3)
+        c["on"] = int(not o.probe)
+        c["probes"] += o.probe
+        if o.probe:
+            self._next_probe(o.sched, o.name, o.clock)
+            if o.sched is not st:
+                self._next_probe(st, o.name, len(st.history))
+        elif st.opts.mode == "auto":  # chosen on its merits (a forced one proves nothing)
+            o.sched.probe_gap[o.name] = self.first_gap
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("spec: slot %d %s k=%d%s expected x%.2f%s", st.slot, o.name, o.k,
+                      " of %d proposed" % len(o.draft) if o.draft is not None else "", o.gain,
+                      " (probe)" if o.probe else "")
 
     def _next_probe(self, sched, name: str, clock: int) -> None:
         """A probe of name now: on sched's clock (the engine's or a request's), the next
         one a gap later, and the gap 4x longer (up to 2048) until it wins."""
         gap = sched.probe_gap.get(name, self.first_gap)
         sched.probe_at[name] = clock + gap
-        sched.probe_gap[name] = min(4 * gap, 2048)
+        sched.probe_gap[name] = min(_SPEC_PROBE_GROWTH * gap, _SPEC_PROBE_GAP_MAX)
 
     def _observe(self, st: SpecState, name: str, k: int, n_accepted: int, first: int = 0) -> None:
         """Acceptance.observe on the sequence's estimate and the engine-wide one (which
@@ -3362,7 +3460,7 @@ class SpecController:
             done = n < len(came) or n == len(toks)
             self._observe(st, name, len(toks) if done else n, n, scored)  # not done: the right ones so far
             if done and (n < len(toks) or n >= 4):
-                st.streak[name] = n == len(toks) or n >= 5  # (a copy that ran 5+ tokens is one)
+                st.streak[name] = n == len(toks) or n >= _SPEC_STREAK_RUN  # (a copy that ran 5+ tokens is one)
             if not done:
                 keep.append((start, toks, n))
         if proposal and (not keep or keep[-1][0] < len(hist)):
@@ -3375,7 +3473,7 @@ class SpecController:
         source's acceptance comes from the shadow scoring, not from here."""
         if not self.sources[name].free:
             self._observe(st, name, min(n_accepted + 1, k) if rejected else n_accepted, n_accepted)
-        elif n_accepted >= 5:  # a copy that ran 5+ tokens is one, known now (its shadow score ends later)
+        elif n_accepted >= _SPEC_STREAK_RUN:  # a copy that ran 5+ tokens is one, known now (its shadow score ends later)
             st.streak[name] = True
         c = self.counters[name]
         c["proposed"] += k
@@ -3533,171 +3631,221 @@ class DraftModel(DraftSource):
         self.ctx.close()
 
 
-# == 14. Il Suggeritore: structure as drafts ===================================
-# The prompter of the opera house: it whispers what structure comes next, and the
-# model, verifying in the batch, takes it or not. Rules are pure functions of the text
-# generated so far (a numbered list's next number, a table's separator row, a record's
-# next field, the punctuation and keys the previous JSON object had); a request's
-# json_schema adds its keys and punctuation. Each rule is its own free draft source,
-# shadow-scored by the controller (section 12), so a rule that keeps missing on a
-# request stops costing verify rows. Proposed text becomes tokens only where they line
-# up with what the model would emit (align_proposal). Section 14 turns a json_schema
-# into a GBNF grammar for llama.cpp's grammar sampler (real constraints).
+# == 14. Structured output: json_schema to GBNF ================================
+# response_format's json_object and json_schema, and a raw grammar, constrain decoding
+# through llama.cpp's grammar sampler (section 7); here a json_schema becomes GBNF:
+# objects with required properties, arrays with item bounds, strings with length
+# bounds, numbers, booleans, enum and const, anyOf/oneOf, $ref (_SCHEMA_KNOWN); anything
+# else is a 400 naming it. Il Suggeritore (section 16) drafts where a constraint leaves
+# one way on.
 
-_LIST_ITEM = re.compile(r"^([ \t]*)(\d{1,4})([.)])[ \t]+\S")
-_BULLET = re.compile(r"^([ \t]*)([-*+\u2022])[ \t]+\S")
-_FIELD = re.compile(r"^([A-Za-z][\w ()/-]{0,40}):[ \t]")
-
-
-def _lines_before(text: str) -> List[str]:
-    """The complete lines of text when it ends at a line start (else [])."""
-    if not text.endswith("\n"):
-        return []
-    return text[:-1].split("\n")[-64:]
-
-
-def suggest_list(text: str) -> str:
-    """After a numbered item's line (``3. ...`` or ``3) ...``, any indentation, blank
-    lines between items kept): the next number. After a bullet: the same bullet."""
-    lines = _lines_before(text)
-    blank = 0
-    while lines and not lines[-1].strip():
-        lines.pop()
-        blank += 1
-    if not lines or blank > 1:
-        return ""
-    last = lines[-1]
-    # the item this line belongs to (an item's text may wrap over indented lines)
-    for line in reversed(lines[-8:]):
-        m = _LIST_ITEM.match(line)
-        if m:
-            indent, num, sep = m.groups()
-            return "\n" * blank + "%s%d%s" % (indent, int(num) + 1, sep)
-        m = _BULLET.match(line)
-        if m and blank == 0:
-            return "%s%s" % m.groups()
-        if line is last and line[:1] not in (" ", "\t"):
-            break  # an unindented line that is no item: not in a list
-    return ""
+_GBNF_BASE = r'''
+string ::= "\"" char* "\""
+char ::= [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} )
+number ::= integer ( "." [0-9]+ )? ( [eE] [-+]? [0-9]{1,3} )?
+integer ::= "-"? ( [0-9] | [1-9] [0-9]{1,15} )
+boolean ::= "true" | "false"
+null ::= "null"
+value ::= object | array | string | number | boolean | null
+object ::= "{" ( string ": " value ( ", " string ": " value )* )? "}"
+array ::= "[" ( value ( ", " value )* )? "]"
+'''
+JSON_OBJECT_GRAMMAR = "root ::= object\n" + _GBNF_BASE
+_SCHEMA_IGNORED = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
+                   "strict", "$defs", "definitions", "nullable", "deprecated",
+                   "readOnly", "writeOnly"}
+_SCHEMA_KNOWN = {"type", "properties", "required", "items", "minItems", "maxItems", "enum", "const",
+                 "anyOf", "oneOf", "$ref", "minLength", "maxLength", "additionalProperties"} | _SCHEMA_IGNORED
 
 
-def suggest_markdown(text: str) -> str:
-    """Headings: after a blank line in a document whose sections so far each started
-    with a heading of one level, that heading marker. (Tables: suggest_table. Not code
-    fences: where a code block ends cannot be seen from its text.)"""
-    lines = _lines_before(text)
-    if len(lines) > 1 and lines[-1].strip() == "":
-        heads = [ln for ln in lines if ln.startswith("#")]
-        if len(heads) >= 2:
-            level = {len(h) - len(h.lstrip("#")) for h in heads[-3:]}
-            if len(level) == 1:
-                return "#" * level.pop()
-    return ""
+def _gbnf_literal(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r") + '"'
 
 
-_TABLE_RULE = re.compile(r"^\|(\s*:?-+:?\s*\|)+$")
-_DIGIT = re.compile(r"[0-9]")
+def _bounds(node: dict, lo_key: str, hi_key: str, cap: int) -> tuple:
+    lo, hi = node.get(lo_key, 0), node.get(hi_key)
+    for k, v in ((lo_key, lo), (hi_key, hi)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= cap):
+            raise RequestError("json_schema: '%s' must be an integer from 0 to %d" % (k, cap), code="invalid_schema")
+    if hi is not None and hi < lo:
+        raise RequestError("json_schema: '%s' is below '%s'" % (hi_key, lo_key), code="invalid_schema")
+    return lo, hi
 
 
-def _cells(row: str) -> List[str]:
-    """A table row's cells: the text between its pipes."""
-    return row.strip().split("|")[1:-1]
+_SCHEMA_MAX_DEPTH = 32          # nested schema nodes
+_SCHEMA_MAX_NODES = 5000        # schema nodes converted
+_SCHEMA_MAX_GRAMMAR = 256 << 10  # bytes of GBNF
 
 
-def _cell_rest(a: str, b: str, p: str) -> Optional[tuple]:
-    """What comes after p, the start of a cell written so far, where the column's cells
-    a and b of the previous two rows agree: (text, whether the cell ends there), or None.
-    Equal cells are proposed whole; cells of one shape (digits apart: " 1883 ", " 1937 ")
-    their common start, then once p is as long as their content, their end; padded
-    cells of one width (" Go       ") the rest of the padding once p is padding."""
-    if a == b:
-        return (a[len(p):], True) if a.startswith(p) else None
-    common = os.path.commonprefix([a, b])
-    if common[len(p):].strip() and common.startswith(p):  # (a space alone: the next word's)
-        return common[len(p):], False
-    shape = _DIGIT.sub("0", a)
-    if shape == _DIGIT.sub("0", b) and shape.startswith(_DIGIT.sub("0", p)):
-        return (a[len(p):], True) if len(p) == len(a.rstrip()) else None
-    if len(a) == len(b) > len(p) and p.endswith("  ") and p.strip():
-        return " " * (len(a) - len(p)), True
-    return None
+class _SchemaGrammar:
+    """json_schema_grammar's worker: one GBNF rule per schema node that needs one.
+    Each (node, type) is converted once (a list of types, or a $ref, names the same
+    node again: re-expanding it made a 576-byte schema a 20 MB grammar), and depth,
+    node count and grammar size are bounded."""
+
+    def __init__(self, root: dict):
+        self.root, self.rules, self.refs = root, [], {}
+        self.done: dict = {}   # (id(node), type) -> its expression
+        self.keep: list = []   # the nodes done's ids name (an id is unique only while its object lives)
+        self.depth = self.n_nodes = self.size = 0
+
+    def add(self, body: str) -> str:
+        name = "n%d" % len(self.rules)
+        self.rules.append((name, body))
+        self.size += len(body) + 12
+        if self.size > _SCHEMA_MAX_GRAMMAR:
+            raise RequestError("json_schema: its grammar would be over %d KB; simplify the schema"
+                               % (_SCHEMA_MAX_GRAMMAR >> 10), code="invalid_schema")
+        return name
+
+    def expr(self, node, path: str, typ=None) -> str:
+        """The GBNF expression of a schema node (typ: one of its list of types)."""
+        if node is True or node == {}:
+            return "value"
+        if not isinstance(node, dict):
+            raise RequestError("json_schema at %s: a schema must be an object" % path, code="invalid_schema")
+        key = (id(node), typ)
+        got = self.done.get(key)
+        if got is not None:
+            return got
+        self.n_nodes += 1
+        if self.depth >= _SCHEMA_MAX_DEPTH or self.n_nodes > _SCHEMA_MAX_NODES:
+            raise RequestError("json_schema at %s: over %d levels deep or %d nodes; simplify the schema"
+                               % (path[:200], _SCHEMA_MAX_DEPTH, _SCHEMA_MAX_NODES), code="invalid_schema")
+        self.depth += 1
+        try:
+            got = self._expr(node, path, typ)
+        finally:
+            self.depth -= 1
+        if len(got) > 64:  # named once, referred to by name wherever it is used again
+            got = self.add(got)
+        self.done[key] = got
+        self.keep.append(node)
+        return got
+
+    def _expr(self, node: dict, path: str, typ) -> str:
+        unknown = sorted(set(node) - _SCHEMA_KNOWN)
+        if unknown:
+            raise RequestError("json_schema at %s: %s not supported (supported: type, properties, required, "
+                               "items, minItems, maxItems, enum, const, anyOf, oneOf, $ref, minLength, maxLength, "
+                               "additionalProperties)"
+                               % (path, ", ".join(repr(k) for k in unknown)), code="invalid_schema")
+        if "$ref" in node:
+            return self.ref(node["$ref"], path)
+        if "const" in node:
+            return _gbnf_literal(json.dumps(node["const"], ensure_ascii=False))
+        if "enum" in node:
+            if not isinstance(node["enum"], list) or not node["enum"]:
+                raise RequestError("json_schema at %s: 'enum' must be a non-empty list" % path, code="invalid_schema")
+            return "( " + " | ".join(_gbnf_literal(json.dumps(v, ensure_ascii=False)) for v in node["enum"]) + " )"
+        for key in ("anyOf", "oneOf"):
+            if key in node:
+                subs = node[key]
+                if not isinstance(subs, list) or not subs:
+                    raise RequestError("json_schema at %s: '%s' must be a non-empty list" % (path, key),
+                                       code="invalid_schema")
+                return "( " + " | ".join(self.expr(s, "%s/%s/%d" % (path, key, i)) for i, s in enumerate(subs)) + " )"
+        if typ is None:
+            typ = node.get("type")
+        if isinstance(typ, list):
+            if not typ or not all(isinstance(t, str) for t in typ):
+                raise RequestError("json_schema at %s: 'type' must be a string or a non-empty list of strings"
+                                   % path, code="invalid_schema")
+            return "( " + " | ".join(self.expr(node, path, t) for t in dict.fromkeys(typ)) + " )"
+        if typ is None:
+            return "object" if "properties" in node else "value"
+        if typ in ("number", "integer", "boolean", "null"):
+            return typ
+        if typ == "string":
+            lo, hi = _bounds(node, "minLength", "maxLength", 100000)
+            if not lo and hi is None:
+                return "string"
+            return self.add(r'"\"" char{%d,%s} "\""' % (lo, "" if hi is None else hi))
+        if typ == "array":
+            item = self.expr(node.get("items", True), path + "/items")
+            lo, hi = _bounds(node, "minItems", "maxItems", 1000)
+            more = '( ", " %s ){%d,%s}' % (item, max(lo - 1, 0), "" if hi is None else max(hi - 1, 0))
+            if hi == 0:
+                return '"[]"'
+            body = "%s %s" % (item, more)
+            return self.add('"[" ' + (body if lo else "( %s )?" % body) + ' "]"')
+        if typ == "object":
+            return self.obj(node, path)
+        raise RequestError("json_schema at %s: unknown type %r" % (path, typ), code="invalid_schema")
+
+    def ref(self, ref, path: str) -> str:
+        parts = ref.split("/") if isinstance(ref, str) else []
+        if len(parts) != 3 or parts[0] != "#" or parts[1] not in ("$defs", "definitions"):
+            raise RequestError("json_schema at %s: only local refs '#/$defs/NAME' are supported, not %.100r"
+                               % (path, ref), code="invalid_schema")
+        if ref in self.refs:
+            return self.refs[ref]
+        defs = self.root.get(parts[1])
+        target = defs.get(parts[2]) if isinstance(defs, dict) else None
+        if target is None:
+            raise RequestError("json_schema at %s: %r points to nothing" % (path, ref), code="invalid_schema")
+        name = self.refs[ref] = "n%d" % len(self.rules)
+        self.rules.append((name, None))  # reserved first: a recursive ref names itself
+        body = self.expr(target, ref)
+        self.rules[int(name[1:])] = (name, body)
+        return name
+
+    def obj(self, node: dict, path: str) -> str:
+        props = node.get("properties") or {}
+        required = node.get("required") or []
+        if not isinstance(props, dict) or not isinstance(required, list):
+            raise RequestError("json_schema at %s: 'properties' must be an object, 'required' a list" % path,
+                               code="invalid_schema")
+        missing = [k for k in required if k not in props]
+        if missing:
+            raise RequestError("json_schema at %s: required %s not in 'properties'" % (path, missing),
+                               code="invalid_schema")
+        extra = node.get("additionalProperties")
+        if not props:  # any keys; their values as additionalProperties says, if it says
+            if not isinstance(extra, dict) or not extra:
+                return "object"
+            v = self.expr(extra, path + "/additionalProperties")
+            return self.add('"{" ( string ": " %s ( ", " string ": " %s )* )? "}"' % (v, v))
+        keys = list(props)
+        kv = ['%s ": " %s' % (_gbnf_literal(json.dumps(k, ensure_ascii=False)), self.expr(props[k], path + "/" + k))
+              for k in keys]
+        req = [k in required for k in keys]
+        # rest(i): what may follow once something was written; first(i): before anything
+        rest = [""] * (len(keys) + 1)
+        for i in range(len(keys) - 1, 0, -1):  # (rest(0) is never needed)
+            one = '", " %s' % kv[i]
+            rest[i] = self.add(("%s %s" % (one, rest[i + 1]) if req[i] else "( %s )? %s" % (one, rest[i + 1])).strip())
+        first = ""
+        for i in range(len(keys) - 1, -1, -1):
+            here = ("%s %s" % (kv[i], rest[i + 1])).strip()
+            if req[i]:
+                first = here
+            else:
+                first = "( %s | %s )" % (here, self.add(first)) if first else "( %s )?" % here
+        return self.add('"{" %s "}"' % first)
 
 
-def suggest_table(text: str) -> str:
-    """Markdown tables. After the header row, the separator row, a run of dashes as
-    wide as each header cell (as models write it). In a data row, what the column's
-    cells in the previous two rows agree on from where the row is (_cell_rest): a
-    row's opening pipe and a shared start (``| Ponte di``), a year's `` 1``, a cell's
-    closing pipe once it is as long as theirs, whole cells they share, on to the next
-    cells and the next row's opening while they agree."""
-    lines = text.split("\n")[-40:]
-    cur, rows = lines[-1].lstrip(), [ln.strip() for ln in lines[:-1]]
-    i = len(rows)
-    while i > 0 and len(rows[i - 1]) > 1 and rows[i - 1][0] == "|" == rows[i - 1][-1]:
-        i -= 1
-    table = rows[i:]
-    if not table or (cur and cur[0] != "|"):
-        return ""
-    head = _cells(table[0])
-    if len(head) < 2:
-        return ""
-    if len(table) == 1:  # the separator row comes (or its rest), and the first row's pipe
-        sep = "|" + "|".join("-" * len(c) for c in head) + "|"
-        return sep[len(cur):] + "\n|" if sep.startswith(cur) else ""
-    if not _TABLE_RULE.match(table[1]):
-        return ""
-    data = [c for c in map(_cells, table[2:]) if len(c) == len(head)]
-    if cur:
-        parts = cur.split("|")
-        j, p, out = len(parts) - 2, parts[-1], ""
-    else:
-        j, p, out = 0, "", "|"
-    if len(data) < 2 or j >= len(head):
-        return out
-    for _ in range(len(head) + 1):  # at most into the next row's first cell
-        rest = _cell_rest(data[-1][j], data[-2][j], p)
-        if rest is None:
-            break
-        out += rest[0]
-        if not rest[1]:
-            break
-        out += "|"
-        j, p = j + 1, ""
-        if j == len(head):
-            out += "\n|"
-            j = 0
-    return out
+def json_schema_grammar(schema: dict) -> str:
+    """A GBNF grammar for JSON that validates against ``schema`` (the subset named in
+    _SCHEMA_KNOWN), laid out as schema_gaps expects (", " and ": ", no other
+    whitespace), so keys and punctuation are forced and Il Suggeritore proposes them.
+    RequestError (400) for what it cannot express."""
+    if not isinstance(schema, dict):
+        raise RequestError("json_schema: the schema must be an object", code="invalid_schema")
+    g = _SchemaGrammar(schema)
+    try:
+        top = g.expr(schema, "#")
+    except RecursionError:  # (a $ref chain deeper than the depth bound counts)
+        raise RequestError("json_schema: nested too deeply", code="invalid_schema") from None
+    lines = ["root ::= " + top] + ["%s ::= %s" % (n, b) for n, b in g.rules]
+    return "\n".join(lines) + "\n" + _GBNF_BASE
 
 
-def suggest_fields(text: str) -> str:
-    """Key/value records (``Name: ...`` lines, records apart by blank lines): after a
-    field's line, the field that followed it in the previous record; after the blank
-    line ending a record, the previous record's first field."""
-    lines = _lines_before(text)
-    if len(lines) < 2:
-        return ""
-    last = lines[-1]
-    m = _FIELD.match(last)
-    seen = []  # fields of earlier lines, oldest first: (line index, name)
-    for i, line in enumerate(lines[:-1]):
-        f = _FIELD.match(line)
-        if f:
-            seen.append((i, f.group(1)))
-    if m:
-        name = m.group(1)
-        for j in range(len(seen) - 1, -1, -1):
-            i, f = seen[j]
-            if f == name and i + 1 < len(lines) - 1:
-                nxt = _FIELD.match(lines[i + 1])
-                return nxt.group(1) + ":" if nxt else ""
-        return ""
-    if not last.strip() and seen:  # a record ended: the previous record's first field
-        start = seen[-1][0]
-        while start > 0 and _FIELD.match(lines[start - 1]):
-            start -= 1
-        first = _FIELD.match(lines[start])
-        return first.group(1) + ":" if first and start < seen[-1][0] else ""
-    return ""
+# == 15. Reading JSON as it is written: JsonScan ===============================
+# Il Suggeritore's JSON reader: it follows the JSON a model is writing, token by token,
+# and says what must or probably comes next: the punctuation and keys a json_schema
+# forces (schema_gaps), and what the previous objects of the same array agreed on.
+# Pure: text in, proposal out; the draft source in section 16 calls it.
 
 
 def _schema_type(node: dict) -> Optional[str]:
@@ -3988,6 +4136,173 @@ class JsonScan:
             i, cur, n = i + 1, "", n + 1
 
 
+# == 16. Il Suggeritore: structure as drafts ===================================
+# The prompter of the opera house: it whispers what structure comes next, and the
+# model, verifying in the batch, takes it or not. Rules are pure functions of the text
+# generated so far (a numbered list's next number, a table's separator row, a record's
+# next field, the punctuation and keys the previous JSON object had); a request's
+# json_schema adds its keys and punctuation. Each rule is its own free draft source,
+# shadow-scored by the controller (section 12), so a rule that keeps missing on a
+# request stops costing verify rows. Proposed text becomes tokens only where they line
+# up with what the model would emit (align_proposal). JSON is read by section 15;
+# section 14 turns a json_schema into a GBNF grammar (real constraints).
+
+_LIST_ITEM = re.compile(r"^([ \t]*)(\d{1,4})([.)])[ \t]+\S")
+_BULLET = re.compile(r"^([ \t]*)([-*+\u2022])[ \t]+\S")
+_FIELD = re.compile(r"^([A-Za-z][\w ()/-]{0,40}):[ \t]")
+
+
+def _lines_before(text: str) -> List[str]:
+    """The complete lines of text when it ends at a line start (else [])."""
+    if not text.endswith("\n"):
+        return []
+    return text[:-1].split("\n")[-64:]
+
+
+def suggest_list(text: str) -> str:
+    """After a numbered item's line (``3. ...`` or ``3) ...``, any indentation, blank
+    lines between items kept): the next number. After a bullet: the same bullet."""
+    lines = _lines_before(text)
+    blank = 0
+    while lines and not lines[-1].strip():
+        lines.pop()
+        blank += 1
+    if not lines or blank > 1:
+        return ""
+    last = lines[-1]
+    # the item this line belongs to (an item's text may wrap over indented lines)
+    for line in reversed(lines[-8:]):
+        m = _LIST_ITEM.match(line)
+        if m:
+            indent, num, sep = m.groups()
+            return "\n" * blank + "%s%d%s" % (indent, int(num) + 1, sep)
+        m = _BULLET.match(line)
+        if m and blank == 0:
+            return "%s%s" % m.groups()
+        if line is last and line[:1] not in (" ", "\t"):
+            break  # an unindented line that is no item: not in a list
+    return ""
+
+
+def suggest_markdown(text: str) -> str:
+    """Headings: after a blank line in a document whose sections so far each started
+    with a heading of one level, that heading marker. (Tables: suggest_table. Not code
+    fences: where a code block ends cannot be seen from its text.)"""
+    lines = _lines_before(text)
+    if len(lines) > 1 and lines[-1].strip() == "":
+        heads = [ln for ln in lines if ln.startswith("#")]
+        if len(heads) >= 2:
+            level = {len(h) - len(h.lstrip("#")) for h in heads[-3:]}
+            if len(level) == 1:
+                return "#" * level.pop()
+    return ""
+
+
+_TABLE_RULE = re.compile(r"^\|(\s*:?-+:?\s*\|)+$")
+_DIGIT = re.compile(r"[0-9]")
+
+
+def _cells(row: str) -> List[str]:
+    """A table row's cells: the text between its pipes."""
+    return row.strip().split("|")[1:-1]
+
+
+def _cell_rest(a: str, b: str, p: str) -> Optional[tuple]:
+    """What comes after p, the start of a cell written so far, where the column's cells
+    a and b of the previous two rows agree: (text, whether the cell ends there), or None.
+    Equal cells are proposed whole; cells of one shape (digits apart: " 1883 ", " 1937 ")
+    their common start, then once p is as long as their content, their end; padded
+    cells of one width (" Go       ") the rest of the padding once p is padding."""
+    if a == b:
+        return (a[len(p):], True) if a.startswith(p) else None
+    common = os.path.commonprefix([a, b])
+    if common[len(p):].strip() and common.startswith(p):  # (a space alone: the next word's)
+        return common[len(p):], False
+    shape = _DIGIT.sub("0", a)
+    if shape == _DIGIT.sub("0", b) and shape.startswith(_DIGIT.sub("0", p)):
+        return (a[len(p):], True) if len(p) == len(a.rstrip()) else None
+    if len(a) == len(b) > len(p) and p.endswith("  ") and p.strip():
+        return " " * (len(a) - len(p)), True
+    return None
+
+
+def suggest_table(text: str) -> str:
+    """Markdown tables. After the header row, the separator row, a run of dashes as
+    wide as each header cell (as models write it). In a data row, what the column's
+    cells in the previous two rows agree on from where the row is (_cell_rest): a
+    row's opening pipe and a shared start (``| Ponte di``), a year's `` 1``, a cell's
+    closing pipe once it is as long as theirs, whole cells they share, on to the next
+    cells and the next row's opening while they agree."""
+    lines = text.split("\n")[-40:]
+    cur, rows = lines[-1].lstrip(), [ln.strip() for ln in lines[:-1]]
+    i = len(rows)
+    while i > 0 and len(rows[i - 1]) > 1 and rows[i - 1][0] == "|" == rows[i - 1][-1]:
+        i -= 1
+    table = rows[i:]
+    if not table or (cur and cur[0] != "|"):
+        return ""
+    head = _cells(table[0])
+    if len(head) < 2:
+        return ""
+    if len(table) == 1:  # the separator row comes (or its rest), and the first row's pipe
+        sep = "|" + "|".join("-" * len(c) for c in head) + "|"
+        return sep[len(cur):] + "\n|" if sep.startswith(cur) else ""
+    if not _TABLE_RULE.match(table[1]):
+        return ""
+    data = [c for c in map(_cells, table[2:]) if len(c) == len(head)]
+    if cur:
+        parts = cur.split("|")
+        j, p, out = len(parts) - 2, parts[-1], ""
+    else:
+        j, p, out = 0, "", "|"
+    if len(data) < 2 or j >= len(head):
+        return out
+    for _ in range(len(head) + 1):  # at most into the next row's first cell
+        rest = _cell_rest(data[-1][j], data[-2][j], p)
+        if rest is None:
+            break
+        out += rest[0]
+        if not rest[1]:
+            break
+        out += "|"
+        j, p = j + 1, ""
+        if j == len(head):
+            out += "\n|"
+            j = 0
+    return out
+
+
+def suggest_fields(text: str) -> str:
+    """Key/value records (``Name: ...`` lines, records apart by blank lines): after a
+    field's line, the field that followed it in the previous record; after the blank
+    line ending a record, the previous record's first field."""
+    lines = _lines_before(text)
+    if len(lines) < 2:
+        return ""
+    last = lines[-1]
+    m = _FIELD.match(last)
+    seen = []  # fields of earlier lines, oldest first: (line index, name)
+    for i, line in enumerate(lines[:-1]):
+        f = _FIELD.match(line)
+        if f:
+            seen.append((i, f.group(1)))
+    if m:
+        name = m.group(1)
+        for j in range(len(seen) - 1, -1, -1):
+            i, f = seen[j]
+            if f == name and i + 1 < len(lines) - 1:
+                nxt = _FIELD.match(lines[i + 1])
+                return nxt.group(1) + ":" if nxt else ""
+        return ""
+    if not last.strip() and seen:  # a record ended: the previous record's first field
+        start = seen[-1][0]
+        while start > 0 and _FIELD.match(lines[start - 1]):
+            start -= 1
+        first = _FIELD.match(lines[start])
+        return first.group(1) + ":" if first and start < seen[-1][0] else ""
+    return ""
+
+
 def align_proposal(model: Model, tail: Sequence[int], text: str, probes: Sequence[str] = (" ", "\n")) -> List[int]:
     """The tokens of proposed text, as the model would emit them after ``tail`` (the
     sequence's last tokens): the tail's text and the proposal are tokenized together
@@ -4079,217 +4394,7 @@ class Suggestion(DraftSource):
         return out
 
 
-# == 15. Structured output: json_schema to GBNF ================================
-# response_format's json_object and json_schema, and a raw grammar, constrain decoding
-# through llama.cpp's grammar sampler (section 7); here a json_schema becomes GBNF:
-# objects with required properties, arrays with item bounds, strings with length
-# bounds, numbers, booleans, enum and const, anyOf/oneOf, $ref (_SCHEMA_KNOWN); anything
-# else is a 400 naming it. Il Suggeritore (section 14) drafts where a constraint leaves
-# one way on.
-
-_GBNF_BASE = r'''
-string ::= "\"" char* "\""
-char ::= [^"\\\x7F\x00-\x1F] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} )
-number ::= integer ( "." [0-9]+ )? ( [eE] [-+]? [0-9]{1,3} )?
-integer ::= "-"? ( [0-9] | [1-9] [0-9]{1,15} )
-boolean ::= "true" | "false"
-null ::= "null"
-value ::= object | array | string | number | boolean | null
-object ::= "{" ( string ": " value ( ", " string ": " value )* )? "}"
-array ::= "[" ( value ( ", " value )* )? "]"
-'''
-JSON_OBJECT_GRAMMAR = "root ::= object\n" + _GBNF_BASE
-_SCHEMA_IGNORED = {"title", "description", "default", "examples", "$schema", "$id", "$comment",
-                   "strict", "$defs", "definitions", "nullable", "deprecated",
-                   "readOnly", "writeOnly"}
-_SCHEMA_KNOWN = {"type", "properties", "required", "items", "minItems", "maxItems", "enum", "const",
-                 "anyOf", "oneOf", "$ref", "minLength", "maxLength", "additionalProperties"} | _SCHEMA_IGNORED
-
-
-def _gbnf_literal(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r") + '"'
-
-
-def _bounds(node: dict, lo_key: str, hi_key: str, cap: int) -> tuple:
-    lo, hi = node.get(lo_key, 0), node.get(hi_key)
-    for k, v in ((lo_key, lo), (hi_key, hi)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= cap):
-            raise RequestError("json_schema: '%s' must be an integer from 0 to %d" % (k, cap), code="invalid_schema")
-    if hi is not None and hi < lo:
-        raise RequestError("json_schema: '%s' is below '%s'" % (hi_key, lo_key), code="invalid_schema")
-    return lo, hi
-
-
-_SCHEMA_MAX_DEPTH = 32          # nested schema nodes
-_SCHEMA_MAX_NODES = 5000        # schema nodes converted
-_SCHEMA_MAX_GRAMMAR = 256 << 10  # bytes of GBNF
-
-
-class _SchemaGrammar:
-    """json_schema_grammar's worker: one GBNF rule per schema node that needs one.
-    Each (node, type) is converted once (a list of types, or a $ref, names the same
-    node again: re-expanding it made a 576-byte schema a 20 MB grammar), and depth,
-    node count and grammar size are bounded."""
-
-    def __init__(self, root: dict):
-        self.root, self.rules, self.refs = root, [], {}
-        self.done: dict = {}   # (id(node), type) -> its expression
-        self.keep: list = []   # the nodes done's ids name (an id is unique only while its object lives)
-        self.depth = self.n_nodes = self.size = 0
-
-    def add(self, body: str) -> str:
-        name = "n%d" % len(self.rules)
-        self.rules.append((name, body))
-        self.size += len(body) + 12
-        if self.size > _SCHEMA_MAX_GRAMMAR:
-            raise RequestError("json_schema: its grammar would be over %d KB; simplify the schema"
-                               % (_SCHEMA_MAX_GRAMMAR >> 10), code="invalid_schema")
-        return name
-
-    def expr(self, node, path: str, typ=None) -> str:
-        """The GBNF expression of a schema node (typ: one of its list of types)."""
-        if node is True or node == {}:
-            return "value"
-        if not isinstance(node, dict):
-            raise RequestError("json_schema at %s: a schema must be an object" % path, code="invalid_schema")
-        key = (id(node), typ)
-        got = self.done.get(key)
-        if got is not None:
-            return got
-        self.n_nodes += 1
-        if self.depth >= _SCHEMA_MAX_DEPTH or self.n_nodes > _SCHEMA_MAX_NODES:
-            raise RequestError("json_schema at %s: over %d levels deep or %d nodes; simplify the schema"
-                               % (path[:200], _SCHEMA_MAX_DEPTH, _SCHEMA_MAX_NODES), code="invalid_schema")
-        self.depth += 1
-        try:
-            got = self._expr(node, path, typ)
-        finally:
-            self.depth -= 1
-        if len(got) > 64:  # named once, referred to by name wherever it is used again
-            got = self.add(got)
-        self.done[key] = got
-        self.keep.append(node)
-        return got
-
-    def _expr(self, node: dict, path: str, typ) -> str:
-        unknown = sorted(set(node) - _SCHEMA_KNOWN)
-        if unknown:
-            raise RequestError("json_schema at %s: %s not supported (supported: type, properties, required, "
-                               "items, minItems, maxItems, enum, const, anyOf, oneOf, $ref, minLength, maxLength, "
-                               "additionalProperties)"
-                               % (path, ", ".join(repr(k) for k in unknown)), code="invalid_schema")
-        if "$ref" in node:
-            return self.ref(node["$ref"], path)
-        if "const" in node:
-            return _gbnf_literal(json.dumps(node["const"], ensure_ascii=False))
-        if "enum" in node:
-            if not isinstance(node["enum"], list) or not node["enum"]:
-                raise RequestError("json_schema at %s: 'enum' must be a non-empty list" % path, code="invalid_schema")
-            return "( " + " | ".join(_gbnf_literal(json.dumps(v, ensure_ascii=False)) for v in node["enum"]) + " )"
-        for key in ("anyOf", "oneOf"):
-            if key in node:
-                subs = node[key]
-                if not isinstance(subs, list) or not subs:
-                    raise RequestError("json_schema at %s: '%s' must be a non-empty list" % (path, key),
-                                       code="invalid_schema")
-                return "( " + " | ".join(self.expr(s, "%s/%s/%d" % (path, key, i)) for i, s in enumerate(subs)) + " )"
-        if typ is None:
-            typ = node.get("type")
-        if isinstance(typ, list):
-            if not typ or not all(isinstance(t, str) for t in typ):
-                raise RequestError("json_schema at %s: 'type' must be a string or a non-empty list of strings"
-                                   % path, code="invalid_schema")
-            return "( " + " | ".join(self.expr(node, path, t) for t in dict.fromkeys(typ)) + " )"
-        if typ is None:
-            return "object" if "properties" in node else "value"
-        if typ in ("number", "integer", "boolean", "null"):
-            return typ
-        if typ == "string":
-            lo, hi = _bounds(node, "minLength", "maxLength", 100000)
-            if not lo and hi is None:
-                return "string"
-            return self.add(r'"\"" char{%d,%s} "\""' % (lo, "" if hi is None else hi))
-        if typ == "array":
-            item = self.expr(node.get("items", True), path + "/items")
-            lo, hi = _bounds(node, "minItems", "maxItems", 1000)
-            more = '( ", " %s ){%d,%s}' % (item, max(lo - 1, 0), "" if hi is None else max(hi - 1, 0))
-            if hi == 0:
-                return '"[]"'
-            body = "%s %s" % (item, more)
-            return self.add('"[" ' + (body if lo else "( %s )?" % body) + ' "]"')
-        if typ == "object":
-            return self.obj(node, path)
-        raise RequestError("json_schema at %s: unknown type %r" % (path, typ), code="invalid_schema")
-
-    def ref(self, ref, path: str) -> str:
-        parts = ref.split("/") if isinstance(ref, str) else []
-        if len(parts) != 3 or parts[0] != "#" or parts[1] not in ("$defs", "definitions"):
-            raise RequestError("json_schema at %s: only local refs '#/$defs/NAME' are supported, not %.100r"
-                               % (path, ref), code="invalid_schema")
-        if ref in self.refs:
-            return self.refs[ref]
-        defs = self.root.get(parts[1])
-        target = defs.get(parts[2]) if isinstance(defs, dict) else None
-        if target is None:
-            raise RequestError("json_schema at %s: %r points to nothing" % (path, ref), code="invalid_schema")
-        name = self.refs[ref] = "n%d" % len(self.rules)
-        self.rules.append((name, None))  # reserved first: a recursive ref names itself
-        body = self.expr(target, ref)
-        self.rules[int(name[1:])] = (name, body)
-        return name
-
-    def obj(self, node: dict, path: str) -> str:
-        props = node.get("properties") or {}
-        required = node.get("required") or []
-        if not isinstance(props, dict) or not isinstance(required, list):
-            raise RequestError("json_schema at %s: 'properties' must be an object, 'required' a list" % path,
-                               code="invalid_schema")
-        missing = [k for k in required if k not in props]
-        if missing:
-            raise RequestError("json_schema at %s: required %s not in 'properties'" % (path, missing),
-                               code="invalid_schema")
-        extra = node.get("additionalProperties")
-        if not props:  # any keys; their values as additionalProperties says, if it says
-            if not isinstance(extra, dict) or not extra:
-                return "object"
-            v = self.expr(extra, path + "/additionalProperties")
-            return self.add('"{" ( string ": " %s ( ", " string ": " %s )* )? "}"' % (v, v))
-        keys = list(props)
-        kv = ['%s ": " %s' % (_gbnf_literal(json.dumps(k, ensure_ascii=False)), self.expr(props[k], path + "/" + k))
-              for k in keys]
-        req = [k in required for k in keys]
-        # rest(i): what may follow once something was written; first(i): before anything
-        rest = [""] * (len(keys) + 1)
-        for i in range(len(keys) - 1, 0, -1):  # (rest(0) is never needed)
-            one = '", " %s' % kv[i]
-            rest[i] = self.add(("%s %s" % (one, rest[i + 1]) if req[i] else "( %s )? %s" % (one, rest[i + 1])).strip())
-        first = ""
-        for i in range(len(keys) - 1, -1, -1):
-            here = ("%s %s" % (kv[i], rest[i + 1])).strip()
-            if req[i]:
-                first = here
-            else:
-                first = "( %s | %s )" % (here, self.add(first)) if first else "( %s )?" % here
-        return self.add('"{" %s "}"' % first)
-
-
-def json_schema_grammar(schema: dict) -> str:
-    """A GBNF grammar for JSON that validates against ``schema`` (the subset named in
-    _SCHEMA_KNOWN), laid out as schema_gaps expects (", " and ": ", no other
-    whitespace), so keys and punctuation are forced and Il Suggeritore proposes them.
-    RequestError (400) for what it cannot express."""
-    if not isinstance(schema, dict):
-        raise RequestError("json_schema: the schema must be an object", code="invalid_schema")
-    g = _SchemaGrammar(schema)
-    try:
-        top = g.expr(schema, "#")
-    except RecursionError:  # (a $ref chain deeper than the depth bound counts)
-        raise RequestError("json_schema: nested too deeply", code="invalid_schema") from None
-    lines = ["root ::= " + top] + ["%s ::= %s" % (n, b) for n, b in g.rules]
-    return "\n".join(lines) + "\n" + _GBNF_BASE
-
-
-# == 16. Requests: what the engine takes and gives back ========================
+# == 17. Requests: what the engine takes and gives back ========================
 # A Request is one generation as its submitter sees it (events to read, cancel, wait);
 # a _Seq is the scheduler's private state of it while it holds a slot; a Result is
 # what it produced.
@@ -4410,10 +4515,24 @@ class _Seq:
         self.ended = False       # finished: its slot is free (Engine._finish ran)
 
 
-_STOP = object()
+# The scheduler's inbox (Engine._incoming) carries these, nothing else.
+class _Admit(NamedTuple):
+    """Queue a group: the n choices of one prompt (Requests sharing one events queue)."""
+
+    group: list
 
 
-# == 17. Slots: the memory tier, and consecutive sequence ids ==================
+class _Forget(NamedTuple):
+    """Drop the resident KV kept for a session (its cache_tag)."""
+
+    tag: str
+
+
+class _Stop(NamedTuple):
+    """Shut the scheduler down: what is queued or running ends with an error."""
+
+
+# == 18. Slots: the memory tier, and consecutive sequence ids ==================
 # Each slot is one sequence of the llama context (one KV stream). A free slot keeps its
 # last KV (a finished request's, or a session's): the memory tier a new request's
 # prompt is matched against. The sequences that decode are kept on consecutive slots,
@@ -4430,66 +4549,104 @@ _STOP = object()
 # from a cold run's at near-ties).
 
 
-class _SlotTable:
-    """Engine's slot bookkeeping, kept apart from the scheduling: which slot a request
-    gets, what of its prompt that slot's KV already holds, which entry is evicted, and
-    moving sequences to close gaps. A mixin: the state (_free, _resident, the context,
-    the counters) is the Engine's, set up in Engine.__init__, used by its thread only."""
+@dataclasses.dataclass
+class _Resident:
+    """A free slot's KV, kept for reuse (an entry of the memory tier)."""
 
-    def _reusable(self, entry: list, req: Request) -> tuple:
+    tag: Optional[str]   # the session (cache_tag) it belongs to; None: a finished request's
+    tokens: list         # the tokens its KV holds, from position 0
+    last_use: float      # time.monotonic() of its last use (least recently used goes first)
+    n_exact: int         # of those, positions bit-identical to a cold prefill's (whole chunks)
+    cuts: tuple          # the extra chunk ends its prompt was prefilled with, up to n_exact
+    tenant: str          # whose prefix cache it is part of
+
+
+def _renumber(s: _Seq, slot: int) -> None:
+    """s's sequence id is now slot (its KV moved there, or it held none)."""
+    s.seq_id = slot
+    if s.spec is not None:
+        s.spec.slot = slot
+        s.spec.state.pop(DraftModel.name, None)  # what it knew of the old slot's draft KV
+
+
+class SlotTable:
+    """The engine's slots, kept apart from the scheduling: which slot a request gets,
+    what of its prompt that slot's KV already holds, which entry is evicted, and moving
+    sequences to close gaps. Held by the Engine and used by its scheduler thread only;
+    the counters are read by Engine.stats() (ints, atomic under the GIL), and submitting
+    threads read ``resident`` for a hint (Engine._disk_plan: a stale answer costs only a
+    needless disk read)."""
+
+    def __init__(self, ctx: Context, model: Model, n_slots: int, chunk: int, cache_reuse: str,
+                 disk: Optional[DiskCache]):
+        self.ctx, self.model, self.chunk, self.disk = ctx, model, chunk, disk
+        self.cache_reuse = cache_reuse   # "exact" or "all"; read at each admission
+        self.free = list(range(n_slots))  # slots no active sequence holds
+        self.resident: dict = {}          # free slot -> _Resident
+        self.n_cache_hits = 0       # prompts that reused some resident KV
+        self.n_cache_misses = 0     # prompts that found nothing to reuse in memory
+        self.n_cache_evictions = 0  # resident entries dropped to make room
+        self.n_moves = 0            # sequences moved to another slot to close a gap in the decode batch
+        self.n_disk_hits = 0        # prompts that restored a prefix from the disk tier
+
+    def n_cells_cached(self) -> int:
+        """KV cells kept by free slots (reclaimable)."""
+        return sum(len(r.tokens) for r in self.resident.values())
+
+    def keep(self, slot: int, entry: _Resident) -> None:
+        """A sequence ended on slot: its KV stays there as a memory-tier entry."""
+        self.resident[slot] = entry
+
+    def forget(self, tag: str) -> None:
+        """Drop the resident KV kept for a session."""
+        for slot in [k for k, r in self.resident.items() if r.tag == tag]:
+            if self.resident.pop(slot, None) is not None:
+                self.ctx.seq_rm(slot)
+
+    def _reusable(self, entry: _Resident, req: Request) -> tuple:
         """(n_cached, n_exact): how much of req's prompt a resident entry's KV can give.
 
         Exact reuse ends at a chunk end both prompts share, below the first extra cut
         where their chunkings differ (then every chunk before it was cut the same way)."""
-        tokens, exact, cuts = entry[1], entry[3], entry[4]
-        if entry[5] != req.tenant:
+        if entry.tenant != req.tenant:
             return 0, 0  # another tenant's KV: never reused, so its prompt cannot be probed
         prompt = req.prompt
-        common = min(common_prefix(tokens, prompt), len(prompt) - 1)  # the last token is computed, for logits
-        limit = min(common, exact)
-        mine, theirs = set(req.cuts), set(cuts)
+        common = min(common_prefix(entry.tokens, prompt), len(prompt) - 1)  # the last token is computed, for logits
+        limit = min(common, entry.n_exact)
+        mine, theirs = set(req.cuts), set(entry.cuts)
         differ = [c for c in mine ^ theirs if c < limit]
         if differ:
             limit = min(differ)
         shared = [c for c in mine & theirs if c <= limit]
         n_exact = max([limit // self.chunk * self.chunk] + shared)
         n_cached = common if self.cache_reuse == "all" else n_exact
-        if n_cached < len(tokens) and not self.model.can_truncate:
+        if n_cached < len(entry.tokens) and not self.model.can_truncate:
             return 0, 0  # recurrent state cannot be cut back: only an exact end can be continued
         return n_cached, n_exact
 
-    def _take_slot(self, req: Request, reuse: bool = True) -> tuple:
+    def take(self, req: Request, disk: Optional[tuple], reuse: bool = True) -> tuple:
         """A free slot for req: (slot, prompt tokens already in its KV, of which exact).
 
-        The memory tier: free slots keep their last KV (a finished request's or a
-        session's). The longest reusable prefix wins; a plain entry or req's own session
-        is continued in place, another session's entry is copied (llama_memory_seq_cp)
-        so that session keeps it. Otherwise: req's own entry, an empty slot (lowest
-        first: fewer gaps in the decode batch's seq ids), then the least recently used
-        entry, plain ones before sessions.
+        ``disk``: what Engine._disk_plan found on the disk tier for req ((length, state),
+        the state None when it was over the hold budget: loaded now). The memory tier:
+        free slots keep their last KV (a finished request's or a session's). The longest
+        reusable prefix wins; a plain entry or req's own session is continued in place,
+        another session's entry is copied (llama_memory_seq_cp) so that session keeps it.
+        Otherwise: req's own entry, an empty slot (lowest first: fewer gaps in the decode
+        batch's seq ids), then the least recently used entry, plain ones before sessions.
         """
-        disk = self._take_disk(req)
-        if disk is not None and disk[1] is None:  # over the hold budget at submit: loaded now
+        if disk is not None and disk[1] is None:
             disk = self.disk.find(req.prompt, disk[0], req.cuts, more_than=0, scope=req.tenant)
         best, src = (0, 0), None
-        for k in self._free if reuse else ():
-            entry = self._resident.get(k)
+        for k in self.free if reuse else ():
+            entry = self.resident.get(k)
             if entry is not None:
                 got = self._reusable(entry, req)
-                if got[0] > best[0] or (got[0] == best[0] and got[0] and entry[0] == req.cache_tag):
+                if got[0] > best[0] or (got[0] == best[0] and got[0] and entry.tag == req.cache_tag):
                     best, src = got, k
         if disk is not None and disk[0] > best[0]:  # the disk tier has more of the prompt
-            slot = self._victim(req, exclude=None)
-            self._claim(slot, keep=None)
-            self.n_cache_misses += not best[0]
-            self.ctx.seq_rm(slot)
-            if self.ctx.state_seq_set(slot, disk[1]) and self.ctx.seq_pos_max(slot) == disk[0] - 1:
-                self.n_disk_hits += 1
-                return slot, disk[0], disk[0]
-            log.warning("llama.cpp refused a KV snapshot of %d tokens; recomputing it", disk[0])
-            self.ctx.seq_rm(slot)
-            return slot, 0, 0
-        own = src is not None and self._resident[src][0] in (None, req.cache_tag)
+            return self._restore(req, disk, cached=best[0])
+        own = src is not None and self.resident[src].tag in (None, req.cache_tag)
         if src is not None and own:
             slot = src
         else:
@@ -4498,7 +4655,7 @@ class _SlotTable:
                 slot, src = src, None
             elif src is not None:
                 self.ctx.seq_cp(src, slot)  # the whole stream (cross-stream copies are whole), cut below
-                self._resident[src][2] = time.monotonic()
+                self.resident[src].last_use = time.monotonic()
         if src is None:
             best = (0, 0)
         if best[0]:
@@ -4509,31 +4666,41 @@ class _SlotTable:
         self.ctx.seq_rm(slot, best[0] if best[0] else -1, -1)
         return slot, best[0], best[1]
 
+    def _restore(self, req: Request, disk: tuple, cached: int) -> tuple:
+        """A slot with a disk snapshot's KV put back: (slot, n, n); (slot, 0, 0) if
+        llama.cpp refused it (then the prompt is computed)."""
+        slot = self._victim(req, exclude=None)
+        self._claim(slot, keep=None)
+        self.n_cache_misses += not cached
+        self.ctx.seq_rm(slot)
+        if self.ctx.state_seq_set(slot, disk[1]) and self.ctx.seq_pos_max(slot) == disk[0] - 1:
+            self.n_disk_hits += 1
+            return slot, disk[0], disk[0]
+        log.warning("llama.cpp refused a KV snapshot of %d tokens; recomputing it", disk[0])
+        self.ctx.seq_rm(slot)
+        return slot, 0, 0
+
     def _claim(self, slot: int, keep: Optional[int]) -> None:
         """Take a free slot; its memory-tier entry goes (an eviction, unless it is the one reused)."""
-        self._free.remove(slot)
-        if self._resident.pop(slot, None) is not None and slot != keep:
+        self.free.remove(slot)
+        if self.resident.pop(slot, None) is not None and slot != keep:
             self.n_cache_evictions += 1
 
     def _victim(self, req: Request, exclude: Optional[int]) -> Optional[int]:
-        """The free slot whose KV matters least (see _take_slot), or None."""
-        free = [k for k in self._free if k != exclude]
+        """The free slot whose KV matters least (see take), or None."""
+        free = [k for k in self.free if k != exclude]
         if not free:
             return None
-        res = self._resident
+        res = self.resident
         for k in free:
-            if k in res and res[k][0] is not None and res[k][0] == req.cache_tag:
+            if k in res and res[k].tag is not None and res[k].tag == req.cache_tag:
                 return k
         empty = [k for k in free if k not in res]
         if empty:
             return min(empty)
-        return min(free, key=lambda k: (res[k][0] is not None, res[k][2]))
+        return min(free, key=lambda k: (res[k].tag is not None, res[k].last_use))
 
-    def _evict(self, slot: int) -> None:
-        if self._resident.pop(slot, None) is not None:
-            self.ctx.seq_rm(slot)
-
-    def _close_gaps(self, decoding: List[_Seq]) -> None:
+    def close_gaps(self, decoding: List[_Seq]) -> None:
         """Make the decode batch's slots consecutive: llama.cpp runs a batch over several KV
         streams as one pass only across consecutive sequence ids and splits it at every
         gap (slots 0 and 2 cost two passes: 56 ms against 45 for slots 0 and 1, measured
@@ -4547,8 +4714,8 @@ class _SlotTable:
             lo, hi = min(ids), max(ids)
             if hi - lo + 1 == len(ids):
                 return
-            holes = [k for k in self._free if lo - 1 <= k < hi and k not in ids
-                     and (self._resident.get(k) or (None,))[0] is None]
+            holes = [k for k in self.free if lo - 1 <= k < hi and k not in ids
+                     and (k not in self.resident or self.resident[k].tag is None)]
             if not holes:
                 return
             s = max(decoding, key=lambda q: q.seq_id)
@@ -4561,20 +4728,12 @@ class _SlotTable:
         self._claim(slot, keep=None)
         self.ctx.seq_cp(old, slot)  # (cross-stream: the whole stream, at the next decode)
         self.ctx.seq_rm(old)
-        self._free.append(old)
-        self._renumber(s, slot)
+        self.free.append(old)
+        _renumber(s, slot)
         self.n_moves += 1
 
-    @staticmethod
-    def _renumber(s: _Seq, slot: int) -> None:
-        """s's sequence id is now slot (its KV moved there, or it held none)."""
-        s.seq_id = slot
-        if s.spec is not None:
-            s.spec.slot = slot
-            s.spec.state.pop(DraftModel.name, None)  # what it knew of the old slot's draft KV
 
-
-# == 18. Engine: the scheduler thread and continuous batching ==================
+# == 19. Engine: the scheduler thread and continuous batching ==================
 # HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
 # thread owns the llama context: each step it admits waiting requests into free
 # slots, runs ONE llama_decode with the next token of every generating sequence,
@@ -4585,6 +4744,27 @@ class _SlotTable:
 # gets a copy of its KV (llama_memory_seq_cp) and goes its own way. A request with a
 # cache_tag (a session) leaves its KV resident in its slot when it ends, and the next
 # request with that tag prefills only what follows the common token prefix.
+
+
+@dataclasses.dataclass
+class EngineCounters:
+    """What the scheduler has done. Written by its thread only, read by anyone (ints and
+    floats: atomic under the GIL); Engine.stats() and /metrics report them."""
+
+    n_steps: int = 0
+    n_prefills: int = 0            # prompts prefilled (a group of n choices counts once)
+    n_twin_tok: int = 0            # tokens sampled from a twin's row, none computed for them
+    n_cached_tok: int = 0          # prompt tokens reused from a resident KV
+    n_disk_snaps: int = 0          # snapshots handed to the disk writer
+    kv_active: int = 0             # KV cells holding active sequences' tokens
+    kv_cached: int = 0             # KV cells kept by free slots (the memory tier; reclaimable)
+    n_prefill_tok: int = 0
+    n_decode_tok: int = 0          # rows computed by decode steps (drafts verified included)
+    t_decode_s: float = 0.0        # inside llama_decode
+    t_step_s: float = 0.0          # whole steps
+    n_decode_only_steps: int = 0
+    n_fast_verify_steps: int = 0   # decode steps with drafts that took the tiled kernel (spec_verify="fast")
+    t_decode_only_py_s: float = 0.0  # Python time of steps with no prefill (build batch, sample, emit)
 
 
 def _request_failure(e: Exception, where: str) -> ReameError:
@@ -4598,7 +4778,7 @@ def _request_failure(e: Exception, where: str) -> ReameError:
                        code="internal_error")
 
 
-class Engine(_SlotTable):
+class Engine:
     """A model, one context with ``n_slots`` sequences, and the scheduler thread.
 
     ``n_ctx`` is per sequence (what a user thinks of as the context); the KV memory
@@ -4631,7 +4811,6 @@ class Engine(_SlotTable):
                            n_threads=n_threads, **context_kw)
         self._batch = Batch(self.ctx.n_batch)
         self.chunk = max(1, min(prefill_chunk, self.ctx.n_batch))  # prompt tokens per prefill decode
-        self.cache_reuse = cache_reuse  # read by the scheduler at each admission
         self._heads: dict = {}  # system message -> its prompt head (prefix_boundary); any thread
         self.disk: Optional[DiskCache] = None
         if disk_cache:  # what changes the snapshot bytes or their exactness is in the file name and header
@@ -4656,38 +4835,18 @@ class Engine(_SlotTable):
             sources.append(DraftModel(self.draft_model, self.model, self.n_ctx, n_slots, n_threads))
         self.spec = SpecController(sources, default=spec_default, n_vocab=self.model.n_vocab)
         self._own_draft = draft is not None and not isinstance(draft, Model)
-        self._incoming: "queue.Queue" = queue.Queue()
+        self._incoming: "queue.Queue" = queue.Queue()  # _Admit, _Forget, _Stop (any thread puts)
         self._ids = iter(range(1, 1 << 62))
         self._ids_lock = threading.Lock()          # guards _ids
         # Scheduler-owned (no lock: only the scheduler thread touches them).
-        self._free = list(range(n_slots))
+        self.slots = SlotTable(self.ctx, self.model, n_slots, self.chunk, cache_reuse, self.disk)
         self._waiting: collections.deque = collections.deque()  # groups (lists of Requests)
         self._active: List[_Seq] = []
-        self._resident: dict = {}  # free slot -> [cache_tag, tokens in its KV, last use, n_exact, cuts, tenant]
         self.disk_hold_bytes = 256 << 20  # snapshot bytes queued requests may hold (read by submitters)
         self._disk_held = 0               # guarded by _disk_lock
         self._disk_lock = threading.Lock()
         self._closing = False
-        # Counters: written by the scheduler only, read by anyone (ints/floats; atomic under the GIL).
-        self.n_steps = 0
-        self.n_prefills = 0        # prompts prefilled (a group of n choices counts once)
-        self.n_twin_tok = 0        # tokens sampled from a twin's row, none computed for them
-        self.n_cached_tok = 0      # prompt tokens reused from a resident KV
-        self.n_cache_hits = 0      # prompts that reused some resident KV
-        self.n_cache_misses = 0    # prompts that found nothing to reuse in memory
-        self.n_cache_evictions = 0  # resident entries dropped to make room
-        self.n_moves = 0           # sequences moved to another slot to close a gap in the decode batch
-        self.n_disk_hits = 0       # prompts that restored a prefix from the disk tier
-        self.n_disk_snaps = 0      # snapshots handed to the disk writer
-        self.kv_active = 0         # KV cells holding active sequences' tokens
-        self.kv_cached = 0         # KV cells kept by free slots (the memory tier; reclaimable)
-        self.n_prefill_tok = 0
-        self.n_decode_tok = 0      # rows computed by decode steps (drafts verified included)
-        self.t_decode_s = 0.0      # inside llama_decode
-        self.t_step_s = 0.0        # whole steps
-        self.n_decode_only_steps = 0
-        self.n_fast_verify_steps = 0  # decode steps with drafts that took the tiled kernel (spec_verify="fast")
-        self.t_decode_only_py_s = 0.0  # Python time of steps with no prefill (build batch, sample, emit)
+        self.counters = EngineCounters()
         self._thread = threading.Thread(target=self._run, name="reame-scheduler", daemon=True)
         self._thread.start()
 
@@ -4750,7 +4909,7 @@ class Engine(_SlotTable):
             req.archive, req.tenant = archive, tenant
         if self.disk is not None:
             self._disk_plan(group[0])
-        self._incoming.put(group)
+        self._incoming.put(_Admit(group))
         return group
 
     def _disk_plan(self, req: Request) -> None:
@@ -4762,8 +4921,8 @@ class Engine(_SlotTable):
         n, c = len(req.prompt), self.chunk
         # A hint from the memory tier (read without the scheduler: a stale answer only
         # costs a needless disk read or a recompute): no disk read for what memory holds.
-        in_memory = max((common_prefix(e[1], req.prompt) for e in list(self._resident.values())
-                         if e[5] == req.tenant), default=0)
+        in_memory = max((common_prefix(e.tokens, req.prompt) for e in list(self.slots.resident.values())
+                         if e.tenant == req.tenant), default=0)
         # Snapshots held by queued requests are bounded (disk_hold_bytes): past it, only
         # where one is is noted here, and the scheduler loads it when the request starts.
         with self._disk_lock:
@@ -4813,7 +4972,7 @@ class Engine(_SlotTable):
 
     def forget(self, cache_tag: str) -> None:
         """Drop the resident KV kept for ``cache_tag`` (a deleted session)."""
-        self._incoming.put(("forget", cache_tag))
+        self._incoming.put(_Forget(cache_tag))
 
     def complete(self, prompt, params: Optional[SamplingParams] = None, **kw) -> Result:
         """Submit and wait: the whole Result."""
@@ -4823,20 +4982,30 @@ class Engine(_SlotTable):
         """Messages -> prompt tokens with the model's own chat template."""
         return self.model.chat_tokens(messages)
 
+    @property
+    def cache_reuse(self) -> str:
+        """"exact" or "all" (section 18); may change between requests."""
+        return self.slots.cache_reuse
+
+    @cache_reuse.setter
+    def cache_reuse(self, mode: str) -> None:
+        if mode not in ("exact", "all"):
+            raise RequestError("cache_reuse must be 'exact' or 'all'")
+        self.slots.cache_reuse = mode
+
     def stats(self) -> dict:
-        steps = max(self.n_decode_only_steps, 1)
-        return {"steps": self.n_steps, "prefill_tokens": self.n_prefill_tok, "decode_tokens": self.n_decode_tok,
-                "prefills": self.n_prefills, "twin_tokens": self.n_twin_tok, "cached_tokens": self.n_cached_tok,
-                "cache_hits": self.n_cache_hits, "cache_misses": self.n_cache_misses,
-                "cache_evictions": self.n_cache_evictions,
-                "slot_moves": self.n_moves,
-                "disk_hits": self.n_disk_hits, "disk_snapshots": self.n_disk_snaps, "disk_held_bytes": self._disk_held,
-                "decode_s": self.t_decode_s, "step_s": self.t_step_s,
-                "python_ms_per_decode_step": 1000 * self.t_decode_only_py_s / steps,
+        c, sl = self.counters, self.slots
+        return {"steps": c.n_steps, "prefill_tokens": c.n_prefill_tok, "decode_tokens": c.n_decode_tok,
+                "prefills": c.n_prefills, "twin_tokens": c.n_twin_tok, "cached_tokens": c.n_cached_tok,
+                "cache_hits": sl.n_cache_hits, "cache_misses": sl.n_cache_misses,
+                "cache_evictions": sl.n_cache_evictions, "slot_moves": sl.n_moves,
+                "disk_hits": sl.n_disk_hits, "disk_snapshots": c.n_disk_snaps, "disk_held_bytes": self._disk_held,
+                "decode_s": c.t_decode_s, "step_s": c.t_step_s,
+                "python_ms_per_decode_step": 1000 * c.t_decode_only_py_s / max(c.n_decode_only_steps, 1),
                 "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
-                "kv_cells_active": self.kv_active, "kv_cells_cached": self.kv_cached,
+                "kv_cells_active": c.kv_active, "kv_cells_cached": c.kv_cached,
                 "kv_cells_total": self.n_ctx * self.n_slots, "spec": self.spec.stats(),
-                "fast_verify_steps": self.n_fast_verify_steps,
+                "fast_verify_steps": c.n_fast_verify_steps,
                 "archive": None if self.archive is None else {
                     "stored": self.archive.n_stored, "dropped": self.archive.n_skipped + self.archive.n_failed,
                     "scopes": self.archive.stats()}}
@@ -4846,7 +5015,7 @@ class Engine(_SlotTable):
         if self._closing:
             return
         self._closing = True
-        self._incoming.put(_STOP)
+        self._incoming.put(_Stop())
         self._thread.join()
         self._fail_all(EngineError("engine is shut down"))  # a submit that raced close()
         self._batch.close()
@@ -4877,8 +5046,8 @@ class Engine(_SlotTable):
                     break
                 if self._active:
                     self._step()
-                self.kv_active = sum(s.n_past for s in self._active)
-                self.kv_cached = sum(len(r[1]) for r in self._resident.values())
+                self.counters.kv_active = sum(s.n_past for s in self._active)
+                self.counters.kv_cached = self.slots.n_cells_cached()
             except Exception as e:  # noqa: BLE001 - a bug must not hang every client
                 log.exception("scheduler step failed")
                 self._fail_all(e if isinstance(e, ReameError) else EngineError("internal error: %s" % e))
@@ -4893,19 +5062,18 @@ class Engine(_SlotTable):
             except queue.Empty:
                 break
             block = False
-            if item is _STOP:
+            if isinstance(item, _Stop):
                 return False
-            if isinstance(item, tuple):  # ("forget", tag)
-                for slot in [k for k, r in self._resident.items() if r[0] == item[1]]:
-                    self._evict(slot)
-                continue
-            self._waiting.append(item)
+            if isinstance(item, _Forget):
+                self.slots.forget(item.tag)
+            else:
+                self._waiting.append(item.group)
         for group in [g for g in self._waiting if all(r.cancelled for r in g)]:
             self._waiting.remove(group)
             for req in group:
                 self._take_disk(req)
                 req._finish(Result("", [], "cancelled", len(req.prompt), 0))
-        while self._waiting and len(self._free) >= len(self._waiting[0]):
+        while self._waiting and len(self.slots.free) >= len(self._waiting[0]):
             self._start(self._waiting.popleft())
         return True
 
@@ -4917,7 +5085,7 @@ class Engine(_SlotTable):
         slot = None
         try:
             for i, req in enumerate(group):
-                slot, n_cached, n_exact = self._take_slot(req, reuse=i == 0)
+                slot, n_cached, n_exact = self.slots.take(req, self._take_disk(req), reuse=i == 0)
                 p = req.params
                 sampler = Sampler(self.model, p)
                 room = self.n_ctx - len(req.prompt)
@@ -4932,7 +5100,7 @@ class Engine(_SlotTable):
         except Exception as e:  # noqa: BLE001 - this group's failure, not the engine's
             if slot is not None:  # taken, not yet owned by a sequence
                 self.ctx.seq_rm(slot)
-                self._free.append(slot)
+                self.slots.free.append(slot)
             err = _request_failure(e, "starting request %s" % group[0].id)
             self._take_disk(group[0])
             for s in seqs:
@@ -4942,7 +5110,7 @@ class Engine(_SlotTable):
             return
         seqs[0].twins = seqs[1:]
         if seqs[0].n_cached:
-            self.n_cached_tok += seqs[0].n_cached
+            self.counters.n_cached_tok += seqs[0].n_cached
         self._active.append(seqs[0])
 
     def _fail_group(self, lead: _Seq, detached: Sequence[_Seq], e: Exception) -> None:
@@ -4976,7 +5144,7 @@ class Engine(_SlotTable):
             if s.req.cancelled:
                 self._finish(s, "cancelled")
         decoding = [s for s in self._active if s.n_done == s.n_prompt]
-        self._close_gaps(decoding)
+        self.slots.close_gaps(decoding)
         decoding.sort(key=lambda s: s.seq_id)
         prefilling = [s for s in self._active if s.n_done < s.n_prompt]
         b = self._batch
@@ -4993,11 +5161,11 @@ class Engine(_SlotTable):
             b.clear()
             for s, plan in zip(decoding, plans):
                 b.add(s.last, s.n_past, s.seq_id, True)
-                for j, t in enumerate(plan[1] if plan else ()):  # drafts, with logits to verify each
+                for j, t in enumerate(plan.tokens if plan else ()):  # drafts, with logits to verify each
                     b.add(t, s.n_past + 1 + j, s.seq_id, True)
             t1 = time.perf_counter()
             rowwise = self.spec_verify == "exact" or not any(plans)
-            self.n_fast_verify_steps += not rowwise and b.n >= 8
+            self.counters.n_fast_verify_steps += not rowwise and b.n >= 8
             if not self._decode(b, decoding, rowwise=rowwise):
                 return
             t2 = time.perf_counter()
@@ -5010,15 +5178,15 @@ class Engine(_SlotTable):
                         self._twins_sample(s, s.last, twins, row)
                 except Exception as e:  # noqa: BLE001 - this request's failure only
                     self._fail_group(s, twins, e)
-                row += 1 + (len(plan[1]) if plan else 0)
+                row += 1 + (len(plan.tokens) if plan else 0)
             # what a step of b.n rows costs: the decode and each row's sampling and checks
-            self.spec.observe_step(decode_passes(ids, [1 + len(p[1]) if p else 1 for p in plans])
+            self.spec.observe_step(decode_passes(ids, [1 + len(p.tokens) if p else 1 for p in plans])
                                    if len(decoding) > 1 else b.n, time.perf_counter() - t1)
-            self.n_decode_tok += b.n
-            self.t_decode_s += t2 - t1
+            self.counters.n_decode_tok += b.n
+            self.counters.t_decode_s += t2 - t1
             if not prefilling:
-                self.n_decode_only_steps += 1
-                self.t_decode_only_py_s += (time.perf_counter() - t0) - (t2 - t1)
+                self.counters.n_decode_only_steps += 1
+                self.counters.t_decode_only_py_s += (time.perf_counter() - t0) - (t2 - t1)
         budget = self.ctx.n_batch
         for s in prefilling:
             while budget > 0 and s.n_done < s.n_prompt:
@@ -5026,8 +5194,8 @@ class Engine(_SlotTable):
                 if n < 0:
                     break
                 budget -= n
-        self.n_steps += 1
-        self.t_step_s += time.perf_counter() - t0
+        self.counters.n_steps += 1
+        self.counters.t_step_s += time.perf_counter() - t0
 
     def _prefill_chunk(self, s: _Seq) -> int:
         """Prefill s's next prompt chunk in its own llama_decode; -1 if the sequence failed."""
@@ -5041,16 +5209,16 @@ class Engine(_SlotTable):
         t1 = time.perf_counter()
         if not self._decode(b, [s]):
             return -1
-        self.t_decode_s += time.perf_counter() - t1
+        self.counters.t_decode_s += time.perf_counter() - t1
         if s.n_exact == start and (end % self.chunk == 0 or end in s.cuts):
             s.n_exact = end  # a whole chunk on an exact prefix: what a cold prefill computes
             if end in s.req.snap and self.disk.wants(prompt[:end], s.cuts, s.req.tenant):
                 self.disk.save(prompt[:end], s.cuts, self.ctx.state_seq_get(seq_id), s.req.tenant)  # the writer compresses
-                self.n_disk_snaps += 1
+                self.counters.n_disk_snaps += 1
         s.n_done = s.n_past = end
-        self.n_prefill_tok += end - start
+        self.counters.n_prefill_tok += end - start
         if end == s.n_prompt:
-            self.n_prefills += 1
+            self.counters.n_prefills += 1
             twins, s.twins = s.twins, []
             try:
                 tok = s.sampler.sample(self.ctx, b.n - 1)
@@ -5072,37 +5240,37 @@ class Engine(_SlotTable):
             t = f.sampler.sample(self.ctx, row)
             if t in leads:
                 leads[t].twins.append(f)
-                self.n_twin_tok += 1
+                self.counters.n_twin_tok += 1
             else:
                 leads[t] = f
                 self._own_kv(f, lead, twins)
             self._accept(f, t)
         for s in leads.values():  # a twin that finished (the end of text, a stop string) leaves
-            s.twins = [f for f in s.twins if f.seq_id not in self._free]
-            if s.twins and s.seq_id in self._free:  # (same tokens, same end: only if that changes)
+            s.twins = [f for f in s.twins if f.seq_id not in self.slots.free]
+            if s.twins and s.seq_id in self.slots.free:  # (same tokens, same end: only if that changes)
                 self._own_kv(s.twins[0], s, s.twins)
                 s.twins[0].twins, s.twins = s.twins[1:], []
 
     def _own_kv(self, f: _Seq, lead: _Seq, group: Sequence[_Seq] = ()) -> None:
         """A twin leaves lead: lead's KV is its history; a copy makes it a sequence of its own.
         It takes the lowest slot of the group's twins (theirs hold no KV yet: any of them
-        will do), so the sequences that decode sit on consecutive slots (see _close_gaps)."""
+        will do), so the sequences that decode sit on consecutive slots (see SlotTable.close_gaps)."""
         low = min((g for g in group if g is not f and g.seq_id < f.seq_id and g not in self._active
-                   and g.seq_id not in self._free), key=lambda g: g.seq_id, default=None)
+                   and g.seq_id not in self.slots.free), key=lambda g: g.seq_id, default=None)
         if low is not None:
             mine = f.seq_id
-            self._renumber(f, low.seq_id)
-            self._renumber(low, mine)
+            _renumber(f, low.seq_id)
+            _renumber(low, mine)
         self.ctx.seq_cp(lead.seq_id, f.seq_id)  # (a cross-stream copy: the whole stream)
         f.n_done, f.n_past, f.n_exact, f.cuts = lead.n_done, lead.n_past, lead.n_exact, lead.cuts
         self._active.append(f)
 
-    def _verify(self, s: _Seq, i: int, plan: Optional[tuple]) -> int:
+    def _verify(self, s: _Seq, i: int, plan: Optional[DraftPlan]) -> int:
         """Sample s's tokens from the batch rows from i on: its own next token, then for
         each draft that matches what was sampled, the token after it (sample, then
         compare: at any temperature the tokens are the ones a plain decode would pick,
         seed for seed). Rejected drafts leave the KV. Returns the next sequence's row."""
-        drafts = plan[1] if plan else ()
+        drafts = plan.tokens if plan else ()
         room = s.max_tokens - len(s.tokens)
         out = [s.sampler.sample(self.ctx, i)]
         while (len(out) <= len(drafts) and out[-1] == drafts[len(out) - 1] and len(out) < room
@@ -5113,11 +5281,11 @@ class Engine(_SlotTable):
         if n_ok < len(drafts):
             self.ctx.seq_rm(s.seq_id, s.n_past, -1)
         if plan:  # a draft after the end of text or max_tokens was not wrong, only unused
-            self.spec.verified(s.spec, plan[0], len(drafts), n_ok, rejected=n_ok < len(drafts) and
+            self.spec.verified(s.spec, plan.source, len(drafts), n_ok, rejected=n_ok < len(drafts) and
                                out[-1] != drafts[n_ok])
         for tok in out:
             self._accept(s, tok)
-            if s.seq_id in self._free:  # finished (a stop string, the end of text, max_tokens)
+            if s.seq_id in self.slots.free:  # finished (a stop string, the end of text, max_tokens)
                 break
         return i + 1 + len(drafts)
 
@@ -5173,12 +5341,12 @@ class Engine(_SlotTable):
             self.ctx.seq_rm(s.seq_id, n_valid, -1)
             s.n_past = n_valid
         if error is None and s.n_past:  # the memory tier: the KV stays until the slot is needed
-            self._resident[s.seq_id] = [req.cache_tag, (req.prompt + s.tokens)[:s.n_past], time.monotonic(),
-                                        s.n_exact, tuple(c for c in s.cuts if c <= s.n_exact), req.tenant]
+            self.slots.keep(s.seq_id, _Resident(req.cache_tag, (req.prompt + s.tokens)[:s.n_past], time.monotonic(),
+                                                s.n_exact, tuple(c for c in s.cuts if c <= s.n_exact), req.tenant))
         else:
             self.ctx.seq_rm(s.seq_id)
         s.sampler.close()
-        self._free.append(s.seq_id)
+        self.slots.free.append(s.seq_id)
         if error is not None:
             req._finish(None, error)
             return
@@ -5200,13 +5368,13 @@ class Engine(_SlotTable):
                 item = self._incoming.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, list):
-                for req in item:
+            if isinstance(item, _Admit):
+                for req in item.group:
                     self._take_disk(req)
                     req._finish(None, error)
 
 
-# == 19. The Conclave: best-of-N in one batch, voted ===========================
+# == 20. The Conclave: best-of-N in one batch, voted ===========================
 # N candidates of one prompt: one prefill, its KV copied to N-1 more slots
 # (Engine.submit_n), all decoded in the same steps with different seeds. As each
 # finishes, its answer is extracted and tallied; once the rest cannot change the
@@ -5253,77 +5421,95 @@ def _regex_program(pattern: str) -> tuple:
         raise RequestError("'vote' regex %r does not compile: %s" % (pattern, e), code="invalid_value") from None
     if tree.state.flags & ~re.UNICODE:
         raise RequestError("'vote' regex: inline flags are not supported", code="invalid_value")
-    prog: list = []
+    c = _RegexCompiler(parser.MAXREPEAT)
+    c.emit(("save", 0))
+    c.seq(list(tree))
+    c.emit(("save", 1))
+    c.emit(("match",))
+    return c.prog, tree.state.groups - 1
 
-    def bad(what):
+
+class _RegexCompiler:
+    """Python's parse of a regex -> Pike VM instructions (see _regex_program)."""
+
+    _UNSUPPORTED = {"GROUPREF": "a backreference", "ASSERT": "a lookahead or lookbehind",
+                    "ASSERT_NOT": "a negative lookahead or lookbehind", "GROUPREF_EXISTS": "a conditional group"}
+
+    def __init__(self, max_repeat: int):
+        self.prog: list = []
+        self.max_repeat = max_repeat  # the parser's "no upper bound"
+
+    @staticmethod
+    def bad(what: str):
         raise RequestError("'vote' regex: %s is not supported (the matcher does not backtrack)" % what,
                            code="invalid_value")
 
-    def emit(ins):
-        if len(prog) >= _VOTE_PROGRAM_MAX:
+    def emit(self, ins) -> int:
+        if len(self.prog) >= _VOTE_PROGRAM_MAX:
             raise RequestError("'vote' regex too complex (over %d instructions)" % _VOTE_PROGRAM_MAX,
                                code="invalid_value")
-        prog.append(ins)
-        return len(prog) - 1
+        self.prog.append(ins)
+        return len(self.prog) - 1
 
-    def seq(items, depth=0):
+    def seq(self, items, depth: int = 0) -> None:
         if depth > 50:
-            bad("nesting over 50 groups")
+            self.bad("nesting over 50 groups")
         for op, av in items:
-            node(str(op), av, depth)
+            self.node(str(op), av, depth)
 
-    def node(op, av, depth):
+    def node(self, op: str, av, depth: int) -> None:
         if op in ("LITERAL", "NOT_LITERAL", "ANY", "IN"):
-            emit(("char", _char_pred(op, av)))
+            self.emit(("char", _char_pred(op, av)))
         elif op == "AT":
-            emit(("at", str(av)))
+            self.emit(("at", str(av)))
         elif op == "SUBPATTERN":
             group, add, rm, sub = av
             if add or rm:
-                bad("an inline flag")
+                self.bad("an inline flag")
             if group:
-                emit(("save", 2 * group))
-            seq(sub, depth + 1)
+                self.emit(("save", 2 * group))
+            self.seq(sub, depth + 1)
             if group:
-                emit(("save", 2 * group + 1))
+                self.emit(("save", 2 * group + 1))
         elif op == "BRANCH":
-            jumps, alts = [], av[1]
-            for i, alt in enumerate(alts):
-                if i < len(alts) - 1:
-                    split = emit(None)
-                    seq(alt, depth + 1)
-                    jumps.append(emit(None))
-                    prog[split] = ("split", split + 1, len(prog))
-                else:
-                    seq(alt, depth + 1)
-            for j in jumps:
-                prog[j] = ("jmp", len(prog))
+            self.branch(av[1], depth)
         elif op in ("MAX_REPEAT", "MIN_REPEAT"):
-            lo, hi, sub = av
-            greedy = op == "MAX_REPEAT"
-            for _ in range(lo):
-                seq(sub, depth + 1)
-            if hi == parser.MAXREPEAT:  # x*: L: split(body, out); body; loop L, out
-                top = emit(None)
-                seq(sub, depth + 1)
-                emit(("loop", top, len(prog) + 1))
-                prog[top] = ("split", top + 1, len(prog)) if greedy else ("split", len(prog), top + 1)
-            else:  # (x(x(x)?)?)? for the optional ones
-                splits = []
-                for _ in range(hi - lo):
-                    splits.append(emit(None))
-                    seq(sub, depth + 1)
-                for sp in splits:
-                    prog[sp] = ("split", sp + 1, len(prog)) if greedy else ("split", len(prog), sp + 1)
+            self.repeat(av, op == "MAX_REPEAT", depth)
         else:  # GROUPREF, ASSERT, ASSERT_NOT, GROUPREF_EXISTS, ATOMIC_GROUP, POSSESSIVE_REPEAT
-            bad({"GROUPREF": "a backreference", "ASSERT": "a lookahead or lookbehind",
-                 "ASSERT_NOT": "a negative lookahead or lookbehind",
-                 "GROUPREF_EXISTS": "a conditional group"}.get(op, op.lower().replace("_", " ")))
-    emit(("save", 0))
-    seq(list(tree))
-    emit(("save", 1))
-    emit(("match",))
-    return prog, tree.state.groups - 1
+            self.bad(self._UNSUPPORTED.get(op, op.lower().replace("_", " ")))
+
+    def branch(self, alts, depth: int) -> None:
+        """a|b|c: split(a, split(b, c)), each alternative jumping past the rest."""
+        prog, jumps = self.prog, []
+        for i, alt in enumerate(alts):
+            if i < len(alts) - 1:
+                split = self.emit(None)
+                self.seq(alt, depth + 1)
+                jumps.append(self.emit(None))
+                prog[split] = ("split", split + 1, len(prog))
+            else:
+                self.seq(alt, depth + 1)
+        for j in jumps:
+            prog[j] = ("jmp", len(prog))
+
+    def repeat(self, av, greedy: bool, depth: int) -> None:
+        """x{lo,hi}: lo copies, then x* as a loop, or (x(x(x)?)?)? for the optional ones."""
+        lo, hi, sub = av
+        prog = self.prog
+        for _ in range(lo):
+            self.seq(sub, depth + 1)
+        if hi == self.max_repeat:  # x*: L: split(body, out); body; loop L, out
+            top = self.emit(None)
+            self.seq(sub, depth + 1)
+            self.emit(("loop", top, len(prog) + 1))
+            prog[top] = ("split", top + 1, len(prog)) if greedy else ("split", len(prog), top + 1)
+        else:
+            splits = []
+            for _ in range(hi - lo):
+                splits.append(self.emit(None))
+                self.seq(sub, depth + 1)
+            for sp in splits:
+                prog[sp] = ("split", sp + 1, len(prog)) if greedy else ("split", len(prog), sp + 1)
 
 
 def _char_pred(op: str, av):
@@ -5553,6 +5739,18 @@ class ConclaveResult:
     n_saved_tok: int                # an estimate: tokens the cancelled ones did not generate
 
 
+def conclave_params(params: SamplingParams, temperature_given: bool = True) -> SamplingParams:
+    """best_of's sampling parameters: temperature SAMPLED_TEMPERATURE unless one was
+    given, and a 400 at 0 (greedy candidates would all agree). The one home of this
+    rule: the HTTP request, the CLI and run_conclave all ask here."""
+    if not temperature_given:
+        params = dataclasses.replace(params, temperature=SAMPLED_TEMPERATURE)
+    if params.temperature <= 0:
+        raise RequestError("best_of needs a temperature above 0 (greedy candidates would all agree)",
+                           code="invalid_value", param="temperature")
+    return params
+
+
 def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vote: str = "last_number",
                  early_stop: bool = True, on_event=None, alive=None, **submit_kw) -> ConclaveResult:
     """Submit n candidates (one prefill), tally them as they finish, cancel the rest once
@@ -5561,9 +5759,7 @@ def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vo
     nothing happens; False cancels every candidate: EngineError code client_gone).
     Raises the first candidate error."""
     check_extractor(vote)
-    if params.temperature <= 0:
-        raise RequestError("best_of needs a temperature above 0 (identical greedy candidates cannot vote)",
-                           code="invalid_value")
+    params = conclave_params(params)
     reqs = engine.submit_n(prompt, params, n, **submit_kw)
     results: List[Optional[Result]] = [None] * n
     order: List[int] = []                # finished candidates, in order
@@ -5607,10 +5803,11 @@ def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vo
                           int(sum(max(0.0, mean - r.n_gen_tok) for r in cancelled)))
 
 
-# == 20. Request bodies: OpenAI JSON to engine arguments =======================
+# == 21. Request bodies: OpenAI JSON to engine arguments =======================
 # What a request body asks for, checked field by field (a 400 with the field's name
-# and the reason, never a traceback), as SamplingParams, structure, speculation
-# and archive options, and chat messages. Pure functions of the body.
+# and the reason, never a traceback): request_from_body turns a body into one
+# ApiRequest (sampling, structure, choices, streaming, session, speculation, archive,
+# vote), the only place where body rules live. Pure functions of the body.
 
 
 def _openai_error(err: ReameError) -> dict:
@@ -5637,6 +5834,12 @@ def _field(body: dict, name: str, kinds, default=None, *, check=None, why=""):
     return value
 
 
+def _max_tokens_asked(body: dict) -> Optional[int]:
+    """The caller's own token limit: max_tokens, or its newer name max_completion_tokens."""
+    asked = _field(body, "max_completion_tokens", int, None, check=lambda v: v >= 1, why="an integer >= 1")
+    return _field(body, "max_tokens", int, asked, check=lambda v: v >= 1, why="an integer >= 1")
+
+
 def params_from_body(body: dict, max_tokens_cap: int) -> SamplingParams:
     """OpenAI request fields (plus llama-style top_k, min_p, repeat_penalty) -> SamplingParams."""
     num = (int, float)
@@ -5644,8 +5847,7 @@ def params_from_body(body: dict, max_tokens_cap: int) -> SamplingParams:
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if any(not isinstance(x, str) for x in stop):
         raise RequestError("'stop' must be a string or a list of strings", code="invalid_type")
-    max_tokens = _field(body, "max_completion_tokens", int, None, check=lambda v: v >= 1, why="an integer >= 1")
-    max_tokens = _field(body, "max_tokens", int, max_tokens, check=lambda v: v >= 1, why="an integer >= 1")
+    max_tokens = _max_tokens_asked(body)
     grammar, schema = structure_from_body(body)
     return SamplingParams(
         temperature=float(_field(body, "temperature", num, 1.0, why="a number in [0, 2]")),
@@ -5748,7 +5950,64 @@ def _messages_from_body(body: dict) -> List[dict]:
     return out
 
 
-# == 21. Sessions: conversations the server keeps ==============================
+@dataclasses.dataclass
+class ApiRequest:
+    """One request body, checked (request_from_body): everything the server needs to run it."""
+
+    chat: bool                      # /v1/chat/completions (messages) or /v1/completions (prompt)
+    params: SamplingParams          # max_tokens capped by the server (--max-tokens, else the context)
+    max_tokens_asked: Optional[int]  # the caller's own max_tokens / max_completion_tokens
+    n: int = 1                      # choices
+    best_of: int = 1                # > 1: candidates voted into one choice (the Conclave)
+    stream: bool = False
+    include_usage: bool = False     # stream_options.include_usage
+    session_id: Optional[str] = None  # continue this conversation (checked by Sessions)
+    spec: Optional[SpecOptions] = None  # None: the engine's default
+    archive: Optional[str] = None   # the archive scope (None: not stored, not drafted from)
+    vote: str = "last_number"       # best_of: the answer extractor
+    early_stop: bool = True         # best_of: stop the losers once the vote is decided
+    candidates: bool = False        # best_of: return (and stream) every candidate
+    messages: List[dict] = dataclasses.field(default_factory=list)  # chat
+    prompt: str = ""                # completions
+
+
+def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_tokens_cap: int,
+                      spec_default: SpecOptions, session_header: Optional[str] = None) -> ApiRequest:
+    """A request body -> ApiRequest, or a 400 naming the field at fault. ``owner``: the
+    caller's scope (its archive); ``n_slots``: the most choices or candidates; a session
+    id comes from the X-Reame-Session header (``session_header``) or ``session_id``."""
+    slots_why = "an integer from 1 to %d (the server's --parallel)" % n_slots
+    api = ApiRequest(chat=chat, params=params_from_body(body, max_tokens_cap), max_tokens_asked=_max_tokens_asked(body),
+                     n=_field(body, "n", int, 1, check=lambda v: 1 <= v <= n_slots, why=slots_why),
+                     best_of=_field(body, "best_of", int, 1, check=lambda v: 1 <= v <= n_slots, why=slots_why),
+                     stream=_field(body, "stream", bool, False, why="a boolean"),
+                     spec=spec_from_body(body, spec_default), archive=archive_from_body(body, owner))
+    api.include_usage = bool(_field(body, "stream_options", dict, {}, why="an object").get("include_usage"))
+    api.session_id = session_header or body.get("session_id")
+    if api.session_id is not None and api.n != 1:
+        raise RequestError("a session continues one answer: 'n' must be 1 with 'session_id'", code="invalid_value")
+    ext = _extension(body)
+    if api.best_of > 1:
+        if api.n != 1 or api.session_id is not None:
+            raise RequestError("'best_of' answers with one voted choice: not with 'n' > 1 or a session",
+                               code="invalid_value")
+        api.vote = check_extractor(_field(ext, "vote", str, "last_number", why="an extractor name"))
+        api.early_stop = _field(ext, "early_stop", bool, True, why="a boolean")
+        api.candidates = _field(ext, "candidates", bool, False, why="a boolean")
+        api.params = conclave_params(api.params, temperature_given=body.get("temperature") is not None)
+    if chat:
+        api.messages = _messages_from_body(body)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise RequestError("'prompt' must be a string", code="invalid_value", param="prompt")
+        api.prompt = prompt
+    return api
+
+
+# == 22. Sessions: conversations the server keeps ==============================
 # A session id names a conversation whose history the server keeps, so a client
 # sends only its new message, and whose KV stays resident in the engine (its cache
 # tag) between turns. Sessions belong to the API key that made them.
@@ -5780,6 +6039,15 @@ class _Session:
     @property
     def tag(self) -> str:  # the engine's cache tag for this session's resident KV
         return "session:%s:%s" % (self.owner, self.id)
+
+    def add_turn(self, history: List[dict], text: str, answer: Result) -> None:
+        """A finished answer: the conversation goes on from it (``history`` for chat,
+        ``text`` for completions: what was sent, with the session's earlier turns)."""
+        if self.chat:
+            self.messages = history + [{"role": "assistant", "content": answer.text}]
+        else:
+            self.text = text + answer.text
+        self.n_tokens = answer.n_prompt_tok + answer.n_gen_tok
 
 
 class Sessions:
@@ -5911,7 +6179,7 @@ class Sessions:
                 self._drop(s)
 
 
-# == 22. HTTP server ===========================================================
+# == 23. HTTP server ===========================================================
 # OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
 # thread per connection: it validates, templates, submits to the Engine, and writes
 # JSON or SSE from the Request's events. It never touches the llama context.
@@ -5935,10 +6203,79 @@ class _Histogram:
         self.n += 1
 
     def lines(self, name: str) -> List[str]:
-        out = ["# TYPE %s histogram" % name]
-        out += ['%s_bucket{le="%g"} %d' % (name, b, c) for b, c in zip(self.buckets, self.counts)]
+        out = ['%s_bucket{le="%g"} %d' % (name, b, c) for b, c in zip(self.buckets, self.counts)]
         return out + ['%s_bucket{le="+Inf"} %d' % (name, self.n), "%s_sum %.6f" % (name, self.sum),
                       "%s_count %d" % (name, self.n)]
+
+
+# /metrics, one line per metric here: name (after "reame_"), type, help, and the key of
+# Server._metric_values it reads: a number, a {label value: number} dict (the label's
+# name last), a _Histogram, or None (not reported: a disk tier or archive that is off).
+_METRICS = (
+    ("requests_total", "counter", "HTTP requests answered, by status", "requests", "status"),
+    ("prompt_tokens_total", "counter", "prompt tokens of answered requests", "prompt_tokens", None),
+    ("completion_tokens_total", "counter", "tokens generated for answered requests", "completion_tokens", None),
+    ("time_to_first_token_seconds", "histogram", "submit to first token", "ttft", None),
+    ("time_per_output_token_seconds", "histogram", "time per token after the first", "per_token", None),
+    ("disk_cache_misses_total", "counter", "prompt lookups the disk tier had nothing for", "disk_misses", None),
+    ("disk_cache_written_total", "counter", "KV snapshots written to disk", "disk_written", None),
+    ("disk_cache_evictions_total", "counter", "KV snapshot files evicted (size bound)", "disk_evicted", None),
+    ("disk_cache_rejected_total", "counter", "KV snapshot files that failed their checks (deleted)", "disk_bad",
+     None),
+    ("disk_cache_files", "gauge", "KV snapshot files on disk", "disk_files", None),
+    ("disk_cache_bytes", "gauge", "bytes of KV snapshot files on disk", "disk_bytes", None),
+    ("disk_cache_enabled", "gauge", "1 while the disk tier is writable", "disk_enabled", None),
+    ("disk_cache_held_bytes", "gauge", "snapshot bytes held by queued requests", "disk_held", None),
+    ("active_sequences", "gauge", "sequences holding a slot", "active", None),
+    ("queued_requests", "gauge", "requests waiting for a slot", "waiting", None),
+    ("kv_cells_used", "gauge", "KV cells of active sequences", "kv_used", None),
+    ("kv_cells_cached", "gauge", "KV cells kept by free slots (the memory tier)", "kv_cached", None),
+    ("kv_cells_free", "gauge", "KV cells neither used nor cached", "kv_free", None),
+    ("cache_hits_total", "counter", "prompts that reused resident KV", "cache_hits", None),
+    ("cache_misses_total", "counter", "prompts that found no resident KV to reuse", "cache_misses", None),
+    ("cache_evictions_total", "counter", "resident KV entries dropped for room", "cache_evictions", None),
+    ("disk_cache_hits_total", "counter", "prompts that restored a prefix from disk", "disk_hits", None),
+    ("disk_cache_snapshots_total", "counter", "KV snapshots handed to the disk writer", "disk_snapshots", None),
+    ("sessions", "gauge", "conversations kept (all keys)", "sessions", None),
+    ("prefills_total", "counter", "prompts prefilled", "prefills", None),
+    ("twin_tokens_total", "counter", "tokens of n > 1 choices sampled from a shared row", "twin_tokens", None),
+    ("prefill_tokens_total", "counter", "prompt tokens computed", "prefill_tokens", None),
+    ("cached_prompt_tokens_total", "counter", "prompt tokens reused, not computed", "cached_tokens", None),
+    ("decode_steps_total", "counter", "scheduler steps", "steps", None),
+    ("spec_proposed_tokens_total", "counter", "draft tokens verified, by source", "spec_proposed", "source"),
+    ("spec_accepted_tokens_total", "counter", "draft tokens that came true, by source", "spec_accepted", "source"),
+    ("spec_verify_steps_total", "counter", "steps that verified drafts, by source", "spec_steps", "source"),
+    ("spec_probes_total", "counter", "probes of a source that did not pay, by source", "spec_probes", "source"),
+    ("spec_draft_tokens", "gauge", "the last draft length chosen, by source", "spec_k", "source"),
+    ("spec_on", "gauge", "1 while the last decision for the source was to use it", "spec_on", "source"),
+    ("spec_estimated_speedup", "gauge", "the expected speedup of the last decision, by source", "spec_gain",
+     "source"),
+    ("conclaves_total", "counter", "best_of requests voted", "conclaves", None),
+    ("conclave_candidates_total", "counter", "best_of candidates, by state", "conclave_candidates", "state"),
+    ("conclave_tokens_saved_total", "counter", "tokens early stops saved (estimate)", "conclave_saved", None),
+    ("archive_stored_total", "counter", "generations stored in the Palimpsest", "archive_stored", None),
+    ("archive_dropped_total", "counter", "generations not stored (too short, failed)", "archive_dropped", None),
+    ("archive_tokens", "gauge", "tokens this process has read from the archive (all scopes)", "archive_tokens",
+     None),
+)
+
+
+def _metrics_text(values: dict) -> str:
+    """The Prometheus text of _METRICS from their values (Server._metric_values)."""
+    lines = []
+    for name, kind, help_text, key, label in _METRICS:
+        v = values.get(key)
+        if v is None:
+            continue
+        full = "reame_" + name
+        lines += ["# HELP %s %s" % (full, help_text), "# TYPE %s %s" % (full, kind)]
+        if isinstance(v, _Histogram):
+            lines += v.lines(full)
+        elif isinstance(v, dict):
+            lines += ['%s{%s="%s"} %s' % (full, label, k, x) for k, x in sorted(v.items())]
+        else:
+            lines.append("%s %s" % (full, v))
+    return "\n".join(lines) + "\n"
 
 
 def _installation_secret() -> bytes:
@@ -6114,6 +6451,57 @@ class Server:
     def release_body(self, n: int) -> None:
         with self._lock:
             self.body_in_flight -= n
+
+    def count_conclave(self, n: int, res: "ConclaveResult") -> None:
+        with self._lock:
+            c = self.conclave
+            c["runs"] += 1
+            c["started"] += n
+            c["finished"] += res.n_finished
+            c["cancelled"] += res.n_cancelled
+            c["saved_tokens"] += res.n_saved_tok
+
+    def admit(self) -> None:
+        """A 429 with Retry-After when max_queue requests are waiting already."""
+        if self.engine.stats()["waiting"] >= self.max_queue:
+            err = ReameError("the server is busy (%d requests queued); retry later" % self.max_queue,
+                             status=429, code="queue_full")
+            err.headers = [("Retry-After", str(self.retry_after()))]
+            raise err
+
+    def _metric_values(self) -> dict:
+        """A snapshot of everything /metrics reports (section 23's _METRICS)."""
+        eng = self.engine
+        st = eng.stats()
+        with self._lock:
+            v = {"requests": dict(self.n_requests), "prompt_tokens": self.n_prompt_tok,
+                 "completion_tokens": self.n_completion_tok, "ttft": copy.deepcopy(self.h_ttft),
+                 "per_token": copy.deepcopy(self.h_token), "conclaves": self.conclave.get("runs", 0),
+                 "conclave_candidates": {k: self.conclave.get(k, 0) for k in ("started", "finished", "cancelled")},
+                 "conclave_saved": self.conclave.get("saved_tokens", 0)}
+        if eng.disk is not None:
+            d = eng.disk
+            files, size = d.usage()
+            v.update(disk_misses=d.n_missed, disk_written=d.n_saved, disk_evicted=d.n_evicted, disk_bad=d.n_bad,
+                     disk_files=files, disk_bytes=size, disk_enabled=int(d.enabled), disk_held=st["disk_held_bytes"])
+        v.update(active=st["active"], waiting=st["waiting"], kv_used=st["kv_cells_active"],
+                 kv_cached=st["kv_cells_cached"],
+                 kv_free=st["kv_cells_total"] - st["kv_cells_active"] - st["kv_cells_cached"],
+                 cache_hits=st["cache_hits"], cache_misses=st["cache_misses"], cache_evictions=st["cache_evictions"],
+                 disk_hits=st["disk_hits"], disk_snapshots=st["disk_snapshots"], sessions=len(self.sessions),
+                 prefills=st["prefills"], twin_tokens=st["twin_tokens"], prefill_tokens=st["prefill_tokens"],
+                 cached_tokens=st["cached_tokens"], steps=st["steps"])
+        for key, field in (("spec_proposed", "proposed"), ("spec_accepted", "accepted"), ("spec_steps", "steps"),
+                           ("spec_probes", "probes"), ("spec_k", "k"), ("spec_on", "on"), ("spec_gain", "gain")):
+            v[key] = {name: c[field] for name, c in st["spec"].items()}
+        arc = st["archive"]
+        if arc is not None:  # all scopes together: a scope per key would list the other tenants to every caller
+            v.update(archive_stored=arc["stored"], archive_dropped=arc["dropped"],
+                     archive_tokens=sum(sc["tokens"] for sc in arc["scopes"].values()))
+        return v
+
+    def metrics_text(self) -> str:
+        return _metrics_text(self._metric_values())
 
     def retry_after(self) -> int:
         st = self.engine.stats()
@@ -6296,29 +6684,28 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             pass
 
     # -- routes --
-    def do_GET(self):
-        self._guard(self._get)
+    # (method, path) -> handler name; a path ending in "/" takes the rest as an argument
+    _ROUTES = {("GET", "/health"): "_health", ("GET", "/v1/models"): "_models", ("GET", "/metrics"): "_metrics",
+               ("POST", "/v1/chat/completions"): "_completion", ("POST", "/v1/completions"): "_completion",
+               ("GET", "/v1/sessions/"): "_session_get", ("DELETE", "/v1/sessions/"): "_session_delete"}
 
-    def do_POST(self):
-        self._guard(self._post)
-
-    def do_DELETE(self):
-        self._guard(self._delete)
-
-    def _not_allowed(self):
-        self._guard(self._no_route)
-
-    do_PUT = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed
-
-    _ROUTES = {"/health": "GET", "/v1/models": "GET", "/metrics": "GET", "/v1/chat/completions": "POST",
-               "/v1/completions": "POST"}
-
-    def _no_route(self):
+    def _dispatch(self):
         path = self.path.split("?", 1)[0]
-        if path in self._ROUTES or path.startswith("/v1/sessions/"):
+        prefix = next((p for m, p in self._ROUTES if p.endswith("/") and path.startswith(p)), None)
+        key = path if prefix is None else prefix
+        name = self._ROUTES.get((self.command, key))
+        if name is not None:
+            getattr(self, name)(path[len(prefix):]) if prefix is not None else getattr(self, name)()
+        elif any(p == key for _, p in self._ROUTES):
             raise RequestError("method %s is not allowed on %s" % (self.command, path), status=405,
                                code="method_not_allowed")
-        raise RequestError("no route %s %s" % (self.command, path), status=404, code="not_found")
+        else:
+            raise RequestError("no route %s %s" % (self.command, path), status=404, code="not_found")
+
+    def _route(self):
+        self._guard(self._dispatch)
+
+    do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = do_HEAD = do_OPTIONS = _route
 
     def _owner(self) -> str:
         """Authenticate; the caller's identity for session scoping."""
@@ -6330,206 +6717,158 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise ReameError("the model is still loading", status=503, code="loading")
         return owner
 
-    def _get(self):
-        path = self.path.split("?", 1)[0]
-        srv = self.server_ref
-        if path == "/health":  # unauthenticated: for load balancers and supervisors
-            if srv.engine is None:
-                self._send_json(503, {"status": "loading"})
-            else:
-                self._send_json(200, {"status": "ok"})
-            return
-        owner = self._owner()
-        if path == "/v1/models":
-            self._send_json(200, {"object": "list", "data": [
-                {"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "reame"}]})
-        elif path == "/metrics":
-            self._send_metrics()
-        elif path.startswith("/v1/sessions/"):
-            self._send_json(200, srv.sessions.get(path[len("/v1/sessions/"):], owner))
-        else:
-            self._no_route()
+    def _health(self):  # unauthenticated: for load balancers and supervisors
+        self._send_json(*((503, {"status": "loading"}) if self.server_ref.engine is None else (200, {"status": "ok"})))
 
-    def _delete(self):
-        path = self.path.split("?", 1)[0]
-        if not path.startswith("/v1/sessions/"):
-            self._no_route()
-        sid = path[len("/v1/sessions/"):]
+    def _models(self):
+        self._owner()
+        srv = self.server_ref
+        self._send_json(200, {"object": "list", "data": [
+            {"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "reame"}]})
+
+    def _metrics(self):
+        self._owner()
+        data = self.server_ref.metrics_text().encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(data)))
+        self._head_done()
+        self.wfile.write(data)
+
+    def _session_get(self, sid: str):
+        self._send_json(200, self.server_ref.sessions.get(sid, self._owner()))
+
+    def _session_delete(self, sid: str):
         self.server_ref.sessions.delete(sid, self._owner())
         self._send_json(200, {"id": sid, "object": "session", "deleted": True})
 
-    def _post(self):
-        path = self.path.split("?", 1)[0]
-        if path not in ("/v1/chat/completions", "/v1/completions"):
-            self._no_route()
+    def _completion(self):
+        """Who is calling -> the request (section 21) -> admission -> submit -> the answer."""
         owner = self._owner()
-        body = self._read_body()
         srv, eng = self.server_ref, self.server_ref.engine
-        chat = path == "/v1/chat/completions"
-        params = params_from_body(body, srv.max_tokens_cap)
-        if params.grammar:
-            check_grammar(eng.model, params.grammar)
-        spec = spec_from_body(body, eng.spec.default)
-        archive = archive_from_body(body, owner)
-        n = _field(body, "n", int, 1, check=lambda v: 1 <= v <= eng.n_slots,
-                   why="an integer from 1 to %d (the server's --parallel)" % eng.n_slots)
-        stream = _field(body, "stream", bool, False, why="a boolean")
-        opts = _field(body, "stream_options", dict, {}, why="an object")
-        sid = self.headers.get("X-Reame-Session") or body.get("session_id")
-        if sid is not None and n != 1:
-            raise RequestError("a session continues one answer: 'n' must be 1 with 'session_id'",
-                               code="invalid_value")
-        best_of = _field(body, "best_of", int, 1, check=lambda v: 1 <= v <= eng.n_slots,
-                         why="an integer from 1 to %d (the server's --parallel)" % eng.n_slots)
-        ext = _extension(body)
-        if best_of > 1:
-            if n != 1 or sid is not None:
-                raise RequestError("'best_of' answers with one voted choice: not with 'n' > 1 or a session",
-                                   code="invalid_value")
-            check_extractor(_field(ext, "vote", str, "last_number", why="an extractor name"))
-            if body.get("temperature") is None:  # candidates must differ to vote
-                params = dataclasses.replace(params, temperature=0.7)
-            if params.temperature <= 0:
-                raise RequestError("'best_of' needs a temperature above 0 (greedy candidates would all agree)",
-                                   code="invalid_value")
-        if chat:
-            messages = _messages_from_body(body)
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                raise RequestError("'prompt' must be a string", code="invalid_value")
-        if eng.stats()["waiting"] >= srv.max_queue:
-            err = ReameError("the server is busy (%d requests queued); retry later" % srv.max_queue,
-                             status=429, code="queue_full")
-            err.headers = [("Retry-After", str(srv.retry_after()))]
-            raise err
-        session = srv.sessions.begin(sid, owner, chat) if sid is not None else None
+        api = request_from_body(self._read_body(), chat=self.path.split("?", 1)[0] == "/v1/chat/completions",
+                                owner=owner, n_slots=eng.n_slots, max_tokens_cap=srv.max_tokens_cap,
+                                spec_default=eng.spec.default, session_header=self.headers.get("X-Reame-Session"))
+        if api.params.grammar:
+            check_grammar(eng.model, api.params.grammar)
+        srv.admit()
+        session = srv.sessions.begin(api.session_id, owner, api.chat) if api.session_id is not None else None
         try:
-            if chat:
-                history = (session.messages if session else []) + messages
-                tokens = eng.chat_prompt(history)
-            else:
-                text = (session.text if session else "") + prompt
-                tokens = eng.model.tokenize(text)
-            if len(tokens) >= eng.n_ctx or (body.get("max_tokens") is not None and
-                                             len(tokens) + params.max_tokens > eng.n_ctx):
+            history = (session.messages if session else []) + api.messages
+            text = (session.text if session else "") + api.prompt
+            tokens = eng.chat_prompt(history) if api.chat else eng.model.tokenize(text)
+            if len(tokens) >= eng.n_ctx or (api.max_tokens_asked is not None and
+                                             len(tokens) + api.params.max_tokens > eng.n_ctx):
                 raise RequestError("prompt (%d tokens) plus max_tokens (%d) is over the context (%d tokens "
-                                   "per sequence)" % (len(tokens), params.max_tokens, eng.n_ctx),
+                                   "per sequence)" % (len(tokens), api.params.max_tokens, eng.n_ctx),
                                    code="context_length_exceeded")
-            if best_of > 1:
-                self._conclave(tokens, params, best_of, ext, chat, stream, bool(opts.get("include_usage")),
-                               snap_at=eng.prefix_boundary(history, tokens) if chat else (), spec=spec,
-                               archive=archive, tenant=srv.tenant(owner))
+            kw = dict(snap_at=eng.prefix_boundary(history, tokens) if api.chat else (), spec=api.spec,
+                      archive=api.archive, tenant=srv.tenant(owner))
+            if api.best_of > 1:
+                self._conclave(api, tokens, kw)
                 return
-            reqs = eng.submit_n(tokens, params, n, cache_tag=session.tag if session else None,
-                                snap_at=eng.prefix_boundary(history, tokens) if chat else (), spec=spec,
-                                archive=archive, tenant=srv.tenant(owner))
-            rid = ("chatcmpl-" if chat else "cmpl-") + reqs[0].id
+            reqs = eng.submit_n(tokens, api.params, api.n, cache_tag=session.tag if session else None, **kw)
 
-            def keep(results: List[Result]) -> None:
+            def done(results: List[Result]) -> None:
                 """The answer into the session, which is free again before the answer's
                 last byte goes out (its next turn may come at once)."""
                 nonlocal session
-                if session is None:
-                    return
-                if results and results[0].finish_reason in ("stop", "length"):
-                    r = results[0]
-                    if chat:
-                        session.messages = history + [{"role": "assistant", "content": r.text}]
-                    else:
-                        session.text = text + r.text
-                    session.n_tokens = r.n_prompt_tok + r.n_gen_tok
-                srv.sessions.end(session)
-                session = None
-            if stream:
-                self._stream(reqs, rid, chat, bool(opts.get("include_usage")), before_done=keep)
-            else:
-                results = self._wait(reqs)
-                if results is None:
-                    return
-                self._results = results
-                srv.count(200, results)
-                keep(results)
-                choices = [({"index": r.index, "message": {"role": "assistant", "content": r.text},
-                             "finish_reason": r.finish_reason, "logprobs": None} if chat else
-                            {"index": r.index, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None})
-                           for r in results]
-                self._send_json(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                      "created": int(time.time()), "model": srv.model_name, "choices": choices,
-                                      "usage": _usage(results)})
+                if session is not None:
+                    if results and results[0].finish_reason in ("stop", "length"):
+                        session.add_turn(history, text, results[0])
+                    srv.sessions.end(session)
+                    session = None
+            self._answer(api, reqs, done)
         finally:
             if session is not None:
                 srv.sessions.end(session)
 
-    def _conclave(self, tokens, params, n, ext, chat, stream, include_usage, **submit_kw) -> None:
-        """best_of: n candidates voted (section 19). The response has one choice, the
+    # -- answers: one shape for JSON, SSE and the Conclave --
+    def _envelope(self, api: ApiRequest, rid: str, chunk: bool) -> dict:
+        obj = "chat.completion" if api.chat else "text_completion"
+        return {"id": rid, "object": obj + (".chunk" if chunk and api.chat else ""), "created": int(time.time()),
+                "model": self.server_ref.model_name}
+
+    @staticmethod
+    def _choice(chat: bool, index: int, text: Optional[str], finish: Optional[str], delta: bool = False,
+                role: bool = True) -> dict:
+        """One choice in OpenAI's shape: a chat message (or a stream's delta: ``text`` None
+        is an empty delta) or a completion's text."""
+        if chat:
+            msg = {"role": "assistant"} if role else {}
+            if text is not None:
+                msg["content"] = text
+            c = {"index": index, ("delta" if delta else "message"): msg}
+        else:
+            c = {"index": index, "text": text or ""}
+        c.update(finish_reason=finish, logprobs=None)
+        return c
+
+    def _answer(self, api: ApiRequest, reqs: List[Request], done) -> None:
+        """The n choices as one JSON response or an SSE stream. ``done(results)`` runs
+        once they are all in, before the last byte goes out."""
+        rid = ("chatcmpl-" if api.chat else "cmpl-") + reqs[0].id
+        if api.stream:
+            self._stream(reqs, api, rid, before_done=done)
+            return
+        results = self._wait(reqs)
+        if results is None:
+            return
+        self._results = results
+        self.server_ref.count(200, results)
+        done(results)
+        choices = [self._choice(api.chat, r.index, r.text, r.finish_reason) for r in results]
+        self._send_json(200, dict(self._envelope(api, rid, False), choices=choices, usage=_usage(results)))
+
+    def _conclave(self, api: ApiRequest, tokens: List[int], submit_kw: dict) -> None:
+        """best_of: candidates voted (section 20). The response has one choice, the
         winner, and a "conclave" object: the answer, the votes, candidates finished and
         cancelled (and each candidate with "reame": {"candidates": true}). Streaming
         sends the winner once decided, or, with candidates, every candidate's text as
         it comes, tagged by its index, then the result."""
-        srv = self.server_ref
-        vote = _field(ext, "vote", str, "last_number")
-        early = _field(ext, "early_stop", bool, True, why="a boolean")
-        want = _field(ext, "candidates", bool, False, why="a boolean")
-        obj = "chat.completion" if chat else "text_completion"
-        rid = ("chatcmpl-" if chat else "cmpl-") + "conclave-" + os.urandom(6).hex()
-        base = {"id": rid, "object": obj + (".chunk" if chat and stream else ""), "created": int(time.time()),
-                "model": srv.model_name}
-
-        def choice(r, i=0, delta=False):
-            if chat:
-                return {"index": i, ("delta" if delta else "message"): {"role": "assistant", "content": r.text},
-                        "finish_reason": r.finish_reason, "logprobs": None}
-            return {"index": i, "text": r.text, "finish_reason": r.finish_reason, "logprobs": None}
-
+        srv, n, chat = self.server_ref, api.best_of, api.chat
+        base = self._envelope(api, ("chatcmpl-" if chat else "cmpl-") + "conclave-" + os.urandom(6).hex(),
+                              api.stream)
         send = self._sse_send
 
         def on_event(kind, payload, i):  # candidates streamed as they come, tagged by index
             if kind == "text":
-                c = {"index": i, "finish_reason": None, "logprobs": None}
-                c.update({"delta": {"content": payload}} if chat else {"text": payload})
-                send(dict(base, choices=[c]))
-        if stream:
+                send(dict(base, choices=[self._choice(chat, i, payload, None, delta=True, role=False)]))
+        if api.stream:
             self._sse_start()
         try:
-            res = run_conclave(srv.engine, tokens, params, n, vote=vote, early_stop=early,
-                               on_event=on_event if stream and want else None,
+            res = run_conclave(srv.engine, tokens, api.params, n, vote=api.vote, early_stop=api.early_stop,
+                               on_event=on_event if api.stream and api.candidates else None,
                                alive=lambda: not self._client_gone(), **submit_kw)
         except ReameError as e:
             if e.code == "client_gone":
                 srv.count(499)
                 self._status, self.close_connection = 499, True
                 return
-            if not stream:
+            if not api.stream:
                 raise
             send(_openai_error(e))
             self.wfile.write(b"data: [DONE]\n\n")
             srv.count(e.status)
             self._status = e.status
             return
-        with srv._lock:
-            c = srv.conclave
-            c["runs"] += 1
-            c["started"] += n
-            c["finished"] += res.n_finished
-            c["cancelled"] += res.n_cancelled
-            c["saved_tokens"] += res.n_saved_tok
-        info = {"answer": res.answer, "votes": res.votes, "vote": vote, "candidates_total": n,
+        srv.count_conclave(n, res)
+        info = {"answer": res.answer, "votes": res.votes, "vote": api.vote, "candidates_total": n,
                 "finished": res.n_finished, "cancelled": res.n_cancelled, "tokens_saved_estimate": res.n_saved_tok}
-        if want:
-            info["candidates"] = [dict(choice(r, r.index), answer=extract_answer(r.text, vote)
-                                       if r.finish_reason != "cancelled" else None) for r in res.results]
+        if api.candidates:
+            info["candidates"] = [dict(self._choice(chat, r.index, r.text, r.finish_reason),
+                                       answer=extract_answer(r.text, api.vote) if r.finish_reason != "cancelled"
+                                       else None) for r in res.results]
         winner = res.winner or Result("", [], "cancelled", len(tokens), 0)
         usage = _usage(res.results) if res.results else _usage([winner])
         self._results = [winner]
         srv.count(200, [winner])
-        if not stream:
-            self._send_json(200, dict(base, choices=[choice(winner)], usage=usage, conclave=info))
+        if not api.stream:
+            self._send_json(200, dict(base, choices=[self._choice(chat, 0, winner.text, winner.finish_reason)],
+                                      usage=usage, conclave=info))
             return
-        send(dict(base, choices=[choice(winner, delta=True)]))
-        send(dict(base, choices=[], conclave=info, **({"usage": usage} if include_usage else {})))
+        send(dict(base, choices=[self._choice(chat, 0, winner.text, winner.finish_reason, delta=True)]))
+        send(dict(base, choices=[], conclave=info, **({"usage": usage} if api.include_usage else {})))
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
@@ -6557,30 +6896,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
         self.wfile.flush()
 
-    def _stream(self, reqs: List[Request], rid: str, chat: bool, include_usage: bool,
-                before_done=None) -> List[Result]:
+    def _stream(self, reqs: List[Request], api: ApiRequest, rid: str, before_done=None) -> List[Result]:
         """SSE in OpenAI's chunk format for all n choices. Returns the results ([] if cut
         short). ``before_done(results)`` runs just before the final [DONE]."""
-        srv = self.server_ref
+        srv, chat = self.server_ref, api.chat
         self._sse_start()
-        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": srv.model_name}
+        base = self._envelope(api, rid, True)
 
-        def chunk(i, delta=None, text=None, finish=None):
-            c = dict(base)
-            if chat:
-                c["choices"] = [{"index": i, "delta": delta or {}, "finish_reason": finish, "logprobs": None}]
-            else:
-                c["choices"] = [{"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}]
-            return c
-
-        send = self._sse_send
+        def send(i, text=None, finish=None, role=False):
+            self._sse_send(dict(base, choices=[self._choice(chat, i, text, finish, delta=True, role=role)]))
         results: List[Optional[Result]] = [None] * len(reqs)
         events = reqs[0].events
         try:
             if chat:
                 for r in reqs:
-                    send(chunk(r.index, delta={"role": "assistant", "content": ""}))
+                    send(r.index, "", role=True)
             left = len(reqs)
             while left:
                 try:
@@ -6590,23 +6920,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     self.wfile.flush()
                     continue
                 if kind == "text":
-                    send(chunk(i, delta={"content": payload}, text=payload))
+                    send(i, payload)
                 elif kind == "done":
-                    send(chunk(i, finish=payload.finish_reason))
+                    send(i, finish=payload.finish_reason)
                     results[i] = payload
                     left -= 1
                 else:
-                    send(_openai_error(payload))
+                    self._sse_send(_openai_error(payload))
                     srv.count(payload.status)
                     self._status = payload.status
                     for r in reqs:
                         r.cancel()
                     break
             if not left:
-                if include_usage:
-                    c = dict(base)
-                    c["choices"], c["usage"] = [], _usage(results)
-                    send(c)
+                if api.include_usage:
+                    self._sse_send(dict(base, choices=[], usage=_usage(results)))
                 srv.count(200, results)
                 self._results = results
             if before_done is not None:
@@ -6621,82 +6949,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return []
         return results if not left else []
 
-    def _send_metrics(self) -> None:
-        srv, eng = self.server_ref, self.server_ref.engine
-        st = eng.stats()
-        with srv._lock:
-            lines = ["# TYPE reame_requests_total counter"]
-            lines += ['reame_requests_total{status="%d"} %d' % (k, v) for k, v in sorted(srv.n_requests.items())]
-            lines += ["# TYPE reame_prompt_tokens_total counter", "reame_prompt_tokens_total %d" % srv.n_prompt_tok,
-                      "# TYPE reame_completion_tokens_total counter",
-                      "reame_completion_tokens_total %d" % srv.n_completion_tok]
-            lines += srv.h_ttft.lines("reame_time_to_first_token_seconds")
-            lines += srv.h_token.lines("reame_time_per_output_token_seconds")
-        if eng.disk is not None:
-            d = eng.disk
-            files, size = d.usage()
-            lines += ["# TYPE reame_disk_cache_misses_total counter", "reame_disk_cache_misses_total %d" % d.n_missed,
-                      "# TYPE reame_disk_cache_written_total counter", "reame_disk_cache_written_total %d" % d.n_saved,
-                      "# TYPE reame_disk_cache_evictions_total counter",
-                      "reame_disk_cache_evictions_total %d" % d.n_evicted,
-                      "# TYPE reame_disk_cache_rejected_total counter", "reame_disk_cache_rejected_total %d" % d.n_bad,
-                      "# TYPE reame_disk_cache_files gauge", "reame_disk_cache_files %d" % files,
-                      "# TYPE reame_disk_cache_bytes gauge", "reame_disk_cache_bytes %d" % size,
-                      "# TYPE reame_disk_cache_enabled gauge", "reame_disk_cache_enabled %d" % d.enabled,
-                      "# TYPE reame_disk_cache_held_bytes gauge",
-                      "reame_disk_cache_held_bytes %d" % st["disk_held_bytes"]]
-        lines += ["# TYPE reame_active_sequences gauge", "reame_active_sequences %d" % st["active"],
-                  "# TYPE reame_queued_requests gauge", "reame_queued_requests %d" % st["waiting"],
-                  "# TYPE reame_kv_cells_used gauge", "reame_kv_cells_used %d" % st["kv_cells_active"],
-                  "# TYPE reame_kv_cells_cached gauge", "reame_kv_cells_cached %d" % st["kv_cells_cached"],
-                  "# TYPE reame_kv_cells_free gauge", "reame_kv_cells_free %d" % (
-                      st["kv_cells_total"] - st["kv_cells_active"] - st["kv_cells_cached"]),
-                  "# TYPE reame_cache_hits_total counter", "reame_cache_hits_total %d" % st["cache_hits"],
-                  "# TYPE reame_cache_misses_total counter", "reame_cache_misses_total %d" % st["cache_misses"],
-                  "# TYPE reame_cache_evictions_total counter",
-                  "reame_cache_evictions_total %d" % st["cache_evictions"],
-                  "# TYPE reame_disk_cache_hits_total counter", "reame_disk_cache_hits_total %d" % st["disk_hits"],
-                  "# TYPE reame_disk_cache_snapshots_total counter",
-                  "reame_disk_cache_snapshots_total %d" % st["disk_snapshots"],
-                  "# TYPE reame_sessions gauge", "reame_sessions %d" % len(srv.sessions),
-                  "# TYPE reame_prefills_total counter", "reame_prefills_total %d" % st["prefills"],
-                  "# TYPE reame_twin_tokens_total counter", "reame_twin_tokens_total %d" % st["twin_tokens"],
-                  "# TYPE reame_prefill_tokens_total counter", "reame_prefill_tokens_total %d" % st["prefill_tokens"],
-                  "# TYPE reame_cached_prompt_tokens_total counter",
-                  "reame_cached_prompt_tokens_total %d" % st["cached_tokens"],
-                  "# TYPE reame_decode_steps_total counter", "reame_decode_steps_total %d" % st["steps"]]
-        spec = st["spec"]  # per draft source: what the speculation controller did and expects
-        for metric, key, kind in (("proposed_tokens_total", "proposed", "counter"),
-                                  ("accepted_tokens_total", "accepted", "counter"),
-                                  ("verify_steps_total", "steps", "counter"), ("probes_total", "probes", "counter"),
-                                  ("draft_tokens", "k", "gauge"), ("on", "on", "gauge"),
-                                  ("estimated_speedup", "gain", "gauge")):
-            lines.append("# TYPE reame_spec_%s %s" % (metric, kind))
-            lines += ['reame_spec_%s{source="%s"} %s' % (metric, name, c[key]) for name, c in sorted(spec.items())]
-        with self.server_ref._lock:
-            conc = dict(self.server_ref.conclave)
-        lines += ["# TYPE reame_conclaves_total counter", "reame_conclaves_total %d" % conc.get("runs", 0),
-                  "# TYPE reame_conclave_candidates_total counter"]
-        lines += ['reame_conclave_candidates_total{state="%s"} %d' % (k, conc.get(k, 0))
-                  for k in ("started", "finished", "cancelled")]
-        lines += ["# TYPE reame_conclave_tokens_saved_total counter",
-                  "reame_conclave_tokens_saved_total %d" % conc.get("saved_tokens", 0)]
-        arc = st["archive"]
-        if arc is not None:  # Palimpsest: runs stored, and the tokens this process has read (all
-            # scopes together: a scope per key would list the other tenants to every caller)
-            lines += ["# TYPE reame_archive_stored_total counter", "reame_archive_stored_total %d" % arc["stored"],
-                      "# TYPE reame_archive_dropped_total counter", "reame_archive_dropped_total %d" % arc["dropped"],
-                      "# TYPE reame_archive_tokens gauge",
-                      "reame_archive_tokens %d" % sum(sc["tokens"] for sc in arc["scopes"].values())]
-        data = ("\n".join(lines) + "\n").encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(data)))
-        self._head_done()
-        self.wfile.write(data)
 
-
-# == 23. Command line ==========================================================
+# == 24. Command line ==========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
@@ -6789,7 +7043,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_args(r)
     r.add_argument("prompt", nargs="?", help="one prompt to answer (default: read stdin, or chat on a tty)")
-    r.add_argument("--temperature", type=float, default=0.7, help="0 = greedy, deterministic (default 0.7)")
+    r.add_argument("--temperature", type=float, default=SAMPLED_TEMPERATURE,
+                   help="0 = greedy, deterministic (default %g)" % SAMPLED_TEMPERATURE)
     r.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens (default: "
                    "until the model stops or the context is full)")
     r.add_argument("--seed", type=int, default=None, help="sampling seed (default random)")
@@ -6880,8 +7135,7 @@ def _cmd_run(args) -> int:
         raise RequestError("--best-of must be between 1 and 16")
     if args.best_of > 1:
         check_extractor(args.vote)
-        if args.temperature <= 0:
-            raise RequestError("--best-of needs --temperature above 0 (greedy candidates would all agree)")
+        conclave_params(params)  # (--temperature 0: a clear error before the model loads)
     engine = Engine(path, n_slots=args.best_of, **_engine_kwargs(args))
     try:
         prompt = args.prompt
@@ -6972,8 +7226,9 @@ def _cmd_serve(args) -> int:
     if args.api_key_file:
         with open(args.api_key_file) as f:
             keys += [line.strip() for line in f if line.strip()]
-    if os.environ.get("REAME_API_KEY"):
-        keys.append(os.environ["REAME_API_KEY"])
+    env_key = Config.from_env().api_key
+    if env_key:
+        keys.append(env_key)
     if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("!!! serving on %s WITHOUT an API key: anyone who can reach this port can use it. "
                     "Pass --api-key or set REAME_API_KEY.", args.host)
@@ -7118,8 +7373,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.prompt = extra[0]  # `run MODEL --temperature 0 "PROMPT"`: argparse drops a late optional positional
     elif extra:
         parser.error("unrecognized arguments: %s" % " ".join(extra))
-    level = Config.from_env().log_level
-    if args.command == "serve" and not os.environ.get("REAME_LOG"):
+    cfg = Config.from_env()
+    level = cfg.log_level
+    if args.command == "serve" and not cfg.log_level_set:
         level = "info"  # a server logs one line per request by default
     setup_logging(level)
     if not args.command:
