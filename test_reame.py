@@ -3392,3 +3392,45 @@ def test_a_session_is_free_when_its_answer_ends(server):
         status, payload = _http(server, "POST", "/v1/completions", body)
         assert status == 200, (i, payload[:200])
     assert _http(server, "DELETE", "/v1/sessions/" + sid)[0] == 200
+
+
+# == C kernels: the build's patches tested as C ================================
+# patches/test_kernels.c, compiled with the system C compiler against the patched tree
+# that built _llama (its "source_dir" in manifest.json).
+
+
+def test_c_kernels_batched_equal_alone(tmp_path):
+    """build_llama.sh's multi-token Q4_K/Q6_K kernels (patches/reame-kernels.c), tested
+    as C on random blocks: k tokens at once give each token the bits it gets alone (the
+    AVX2/AVX kernels: ggml's one-row kernel's bits), within a stated bound of the exact
+    dot product. First the kernels in the shipped _llama/libggml-cpu.so (the ones the
+    build's -march=native selected), then, on x86, reame-kernels.c compiled from the
+    patched tree as an AVX2 build and an AVX build would compile it."""
+    import shutil
+    with open(os.path.join(HERE, "_llama", "manifest.json")) as f:
+        man = json.load(f)
+    assert man.get("patches"), "_llama was built without build_llama.sh's patches: %s" % man.get("source_id")
+    ggml = os.path.join(man["source_dir"], "ggml")
+    for h in ("include/ggml.h", "src/ggml-quants.h", "src/ggml-cpu/quants.h", "src/ggml-cpu/arch/x86/reame-kernels.c"):
+        assert os.path.isfile(os.path.join(ggml, h)), "no %s in %s: run ./build_llama.sh" % (h, ggml)
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    assert cc, "no C compiler (cc, gcc or clang) to build patches/test_kernels.c"
+    lib = os.path.join(HERE, "_llama")
+    inc = ["-I" + os.path.join(ggml, d) for d in ("include", "src", "src/ggml-cpu")]
+    link = ["-L" + lib, "-lggml-cpu", "-lggml-base", "-lm", "-Wl,-rpath," + lib]
+    x86 = os.uname().machine in ("x86_64", "amd64")
+    builds = [("the shipped " + lib, ["-O2"] + (["-march=native"] if x86 and man.get("ggml_native") == "ON" else []), [])]
+    cpu = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    quants = os.path.join(ggml, "src/ggml-cpu/arch/x86/quants.c")
+    if x86 and "avx2" in cpu:
+        builds.append(("an AVX2 build from source", ["-O3", "-march=native", "-mno-avx512f"], [quants]))
+    if x86 and "avx" in cpu:
+        builds.append(("an AVX build from source", ["-O3", "-march=native", "-mno-avx2"], [quants]))
+    for i, (name, opt, extra) in enumerate(builds):
+        exe = str(tmp_path / ("test_kernels_%d" % i))
+        r = subprocess.run([cc, "-std=gnu11", *opt, *inc, os.path.join(HERE, "patches", "test_kernels.c"), *extra,
+                            "-o", exe, *link], capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, "%s: %s failed to compile test_kernels.c:\n%s" % (name, cc, r.stderr[-4000:])
+        r = subprocess.run([exe], capture_output=True, text=True, timeout=600)
+        print("== %s\n%s%s" % (name, r.stdout, r.stderr))
+        assert r.returncode == 0 and r.stdout.rstrip().endswith("test_kernels: PASS"), "%s:\n%s" % (name, r.stdout[-4000:])
