@@ -115,7 +115,8 @@ Soak (--soak, only this section; not a benchmark: a pass/fail run, exit status 1
     timeout (30 s) or a dropped socket (noted but not failed for the HTTP framing attacks); one
     thread abandons requests (a stream closed after its first chunk, a request closed before
     its answer, half a request head, a body shorter than its Content-Length); /health is
-    probed every 0.5 s. Afterwards /metrics must read reame_active_sequences, reame_queued_requests
+    probed every 0.5 s from a process of its own (so the client threads' GIL is not in its
+    latency; a probe over 0.25 s lists what was in flight). Afterwards /metrics must read reame_active_sequences, reame_queued_requests
     and reame_kv_cells_used 0 (waited for up to 60 s) and the process must be the one started.
     A server that exits is recorded with what was in flight and ends the run; one that hangs
     makes its requests time out and is killed at the end. --save-json keeps the whole report.
@@ -2860,6 +2861,7 @@ class SoakLog:
         self.attacks = {}     # name -> {"runs", "statuses": {label: n}, "problems": {problem: n}}
         self.disconnects = {}  # name -> {what happened: n}
         self.health = []      # latency of each good /health
+        self.slow_probes = []  # (latency, what was in flight) of probes over a quarter of the limit
         self.health_failures = []
         self.in_flight = {}   # thread name -> (what, name, t0): what a crash interrupted
         self.recent = collections.deque(maxlen=64)  # (t_end, what, name): what ended just before it
@@ -2967,27 +2969,50 @@ def soak_disconnecter(port: int, lg: SoakLog, stop: threading.Event) -> None:
         stop.wait(0.5)  # a non-streamed request's slot stays busy until its answer: keep them few
 
 
+# The /health prober runs in a process of its own: in bench.py's, its latency would include
+# waiting for the GIL behind the 11 client threads, which is the client's delay, not the server's.
+SOAK_PROBE_CHILD = r"""
+import http.client, sys, time
+port, every_s = int(sys.argv[1]), float(sys.argv[2])
+while True:
+    t0 = time.perf_counter()
+    failure = "-"
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        r.read()
+        if r.status != 200:
+            failure = "HTTP_%d" % r.status
+    except (OSError, http.client.HTTPException) as e:
+        failure = type(e).__name__
+    finally:
+        conn.close()
+    dt = time.perf_counter() - t0
+    print("%.6f %s" % (dt, failure), flush=True)
+    time.sleep(max(0.5 if failure != "-" else 0.0, every_s - dt))
+"""
+
+
 def soak_prober(port: int, lg: SoakLog, stop: threading.Event, every_s: float = 0.5) -> None:
-    """GET /health every every_s on a fresh connection: latency, or what went wrong."""
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        failure = None
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        try:
-            conn.request("GET", "/health")
-            r = conn.getresponse()
-            r.read()
-            if r.status != 200:
-                failure = "HTTP %d" % r.status
-        except (OSError, http.client.HTTPException) as e:
-            failure = type(e).__name__
-        finally:
-            conn.close()
-        dt = time.perf_counter() - t0
-        if failure is not None:
-            time.sleep(0.5)  # as for normal requests: a failure from a dying server is the crash's
-        lg.health_result(dt, failure)
-        stop.wait(max(0.0, every_s - dt))
+    """GET /health every every_s on a fresh connection, from a child process: latency, or
+    what went wrong; a probe slower than a quarter of the limit notes what was in flight."""
+    child = subprocess.Popen([sys.executable, "-c", SOAK_PROBE_CHILD, str(port), str(every_s)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        for line in child.stdout:
+            if stop.is_set():
+                break
+            dt_s, failure = line.split()
+            dt = float(dt_s)
+            if dt > SOAK_HEALTH_MAX_S / 4:
+                with lg.lock:
+                    flight = sorted({"%s %s" % (w, n) for w, n, _ in lg.in_flight.values()})
+                lg.slow_probes.append((round(dt, 3), flight))
+            lg.health_result(dt, None if failure == "-" else failure)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def wait_soak_idle(srv: ServerProcess, timeout_s: float = SOAK_DRAIN_S) -> dict:
@@ -3101,7 +3126,8 @@ def run_soak(args) -> dict:
                health={"probes": len(lg.health) + len(lg.health_failures),
                        "max_s": max(lg.health) if lg.health else None,
                        "p99_s": nearest_rank(lg.health, 0.99), "failures": lg.health_failures[:10],
-                       "n_failures": len(lg.health_failures)})
+                       "n_failures": len(lg.health_failures),
+                       "slow": sorted(lg.slow_probes, reverse=True)[:5]})
     out["log_tracebacks"] = count_tracebacks(srv.log_path)
     out["failures"] = soak_failures(out, {a[0]: a[1] for a in all_attacks})
     out["passed"] = not out["failures"]
@@ -3186,8 +3212,10 @@ def print_soak(s: dict, w) -> None:
     w("\ndisconnects: %s\n" % (", ".join("%s %s" % (name, ", ".join("%s x%d" % kv for kv in sorted(d.items())))
                                           for name, d in sorted(s["disconnects"].items())) or "none"))
     h = s["health"]
-    w("/health: %d probes, max %s s, p99 %s s, %d failures\n" % (h["probes"], _fmt(h["max_s"], 3),
-                                                                 _fmt(h["p99_s"], 3), h["n_failures"]))
+    w("/health (probed from its own process): %d probes, max %s s, p99 %s s, %d failures\n"
+      % (h["probes"], _fmt(h["max_s"], 3), _fmt(h["p99_s"], 3), h["n_failures"]))
+    for dt, flight in h.get("slow", ()):
+        w("  a %.3f s probe; in flight: %s\n" % (dt, ", ".join(flight) or "nothing"))
     if s["crash"]:
         cr = s["crash"]
         w("server: CRASHED (exit %s) after %s s; in flight: %s\n  log tail:\n    %s\n"
