@@ -98,7 +98,7 @@ __all__ = [
     "schema_gaps", "JsonScan", "align_proposal", "SUGGEST_RULES", "Suggestion", "JSON_OBJECT_GRAMMAR",
     "json_schema_grammar", "grammar_sampler", "check_grammar", "gbnf_check", "structure_from_body",
     "DraftPlan", "SlotTable", "EngineCounters", "ApiRequest", "request_from_body", "conclave_params",
-    "SAMPLED_TEMPERATURE",
+    "SAMPLED_TEMPERATURE", "chat_template_known",
 ]
 
 log = logging.getLogger("reame")
@@ -821,6 +821,15 @@ _GGUF_MAGIC = b"GGUF"
 _FAMILY_TEMPLATES = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "qwen2": "chatml"}
 
 
+def chat_template_known(template: str) -> bool:
+    """Whether llama.cpp's built-in formatter recognizes a chat template (a built-in name
+    such as "chatml", or a GGUF's Jinja text it can match to one)."""
+    msg = (_llama_chat_message * 1)()
+    msg[0].role, msg[0].content = b"user", b"x"
+    buf = ctypes.create_string_buffer(1024)
+    return lib().llama_chat_apply_template(template.encode(), msg, 1, True, buf, 1024) >= 0
+
+
 class Model:
     """A loaded GGUF model: weights, vocabulary, chat template. Thread-safe to read."""
 
@@ -861,6 +870,13 @@ class Model:
             self.chat_template = _FAMILY_TEMPLATES[self.arch]
             log.info("%s has no chat template; using llama.cpp's built-in '%s' template",
                      os.path.basename(self.path), self.chat_template)
+        self.template_known = bool(self.chat_template) and chat_template_known(self.chat_template)
+        if self.chat_template and not self.template_known:
+            # llama.cpp picks a built-in formatter by matching the Jinja text; an unmatched one
+            # would format chats wrongly, so chat requests are refused (completions still work)
+            log.warning("%s: its chat template is not one llama.cpp recognizes; chat requests will be "
+                        "refused (use /v1/completions with your own formatting, or `run --raw`)",
+                        os.path.basename(self.path))
         # token -> piece bytes; filled lazily. A dict write is atomic under the GIL,
         # and two threads computing the same piece agree, so no lock is needed.
         self._pieces = {}
@@ -920,6 +936,10 @@ class Model:
         if not self.chat_template:
             raise RequestError("model %s has no chat template; use a completion prompt instead"
                                % os.path.basename(self.path))
+        if not self.template_known:
+            raise RequestError("model %s has a chat template llama.cpp does not recognize, so chats are refused "
+                               "rather than formatted wrongly; use a completion prompt with your own formatting"
+                               % os.path.basename(self.path), code="unsupported_chat_template")
         keep = []  # the C strings must outlive the call
         arr = (_llama_chat_message * len(messages))()
         for i, m in enumerate(messages):
@@ -5926,6 +5946,12 @@ def archive_from_body(body: dict, owner: str) -> Optional[str]:
     return owner or "shared"
 
 
+# The roles a chat template knows, and what each is called there: OpenAI's "developer"
+# (its newer name for system instructions) is the system turn. "tool" turns need tool
+# calling, which this server does not do: a 400, rather than a template's guess at them.
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
 def _messages_from_body(body: dict) -> List[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -5934,6 +5960,9 @@ def _messages_from_body(body: dict) -> List[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError("'messages[%d]' must be an object with a string 'role'" % i, code="invalid_value")
+        if m["role"] not in _ROLES:
+            raise RequestError("'messages[%d].role' must be one of %s, not %r" % (
+                i, ", ".join(sorted(_ROLES)), m["role"][:40]), code="invalid_value", param="messages[%d].role" % i)
         content = m.get("content")
         if isinstance(content, list):  # array of parts: keep the text ones
             parts = []
@@ -5946,7 +5975,7 @@ def _messages_from_body(body: dict) -> List[dict]:
         if not isinstance(content, str):
             raise RequestError("'messages[%d].content' must be a string or an array of text parts" % i,
                                code="invalid_value")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": _ROLES[m["role"]], "content": content})
     return out
 
 
@@ -6357,6 +6386,14 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self._closed()
+
+    def handle_error(self, request, client_address):
+        """A client that resets its connection (before or between requests) is no error of
+        ours: one debug line, not socketserver's traceback; anything else is logged whole."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            log.debug("%s reset the connection", client_address[0] if client_address else "a client")
+            return
+        log.exception("error on a connection from %s", client_address[0] if client_address else "?")
 
     def _closed(self) -> None:
         with self._open_lock:

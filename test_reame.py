@@ -405,6 +405,18 @@ def test_chat_templates_qwen_chatml_and_gemma(qwen, gemma):
     assert toks[0] == reame.lib().llama_vocab_bos(gemma.model._vocab)  # gemma adds BOS
 
 
+def test_an_unrecognized_chat_template_is_refused_not_guessed(qwen, monkeypatch):
+    assert qwen.model.template_known and reame.chat_template_known(qwen.model.chat_template)
+    assert reame.chat_template_known("chatml") and reame.chat_template_known("gemma")
+    odd = "{% for m in messages %}<<{{ m.role }}>>{{ m.content }}{% endfor %}"
+    assert not reame.chat_template_known(odd)
+    monkeypatch.setattr(qwen.model, "chat_template", odd)
+    monkeypatch.setattr(qwen.model, "template_known", False)
+    with pytest.raises(reame.RequestError) as e:
+        qwen.chat_prompt([{"role": "user", "content": "U"}])
+    assert e.value.code == "unsupported_chat_template" and e.value.status == 400
+
+
 def test_bad_model_path_and_corrupt_gguf(tmp_path):
     with pytest.raises(reame.ModelError) as e:
         reame.Model(str(tmp_path / "nope.gguf"))
@@ -2330,6 +2342,48 @@ def test_server_auth(server):
     assert status == 200 and json.loads(payload)["data"][0]["id"] == "gemma3-270m"
 
 
+def test_server_roles_are_strict_and_developer_is_system(server, gemma):
+    for role in ("wizard", "tool", "function", "System"):
+        status, payload = _http(server, "POST", "/v1/chat/completions",
+                                {"messages": [{"role": role, "content": "Hi"}], "max_tokens": 2})
+        err = json.loads(payload)["error"]
+        assert status == 400 and err["param"] == "messages[0].role" and role in err["message"], (role, payload)
+    ask = {"role": "user", "content": "Name a colour."}
+    got = {}
+    for role in ("developer", "system"):
+        status, payload = _http(server, "POST", "/v1/chat/completions", {
+            "messages": [{"role": role, "content": "Answer in one word."}, ask], "temperature": 0, "max_tokens": 8})
+        assert status == 200, payload
+        got[role] = json.loads(payload)["choices"][0]["message"]["content"]
+    want = gemma.complete(gemma.chat_prompt([{"role": "system", "content": "Answer in one word."}, ask]),
+                          temperature=0, max_tokens=8).text
+    assert got == {"developer": want, "system": want}
+
+
+def test_server_max_completion_tokens_obeys_the_caps(server):
+    for field in ("max_tokens", "max_completion_tokens"):
+        status, payload = _http(server, "POST", "/v1/completions", {"prompt": "hi", field: 5000})
+        assert status == 400 and json.loads(payload)["error"]["code"] == "context_length_exceeded", (field, payload)
+        status, payload = _http(server, "POST", "/v1/completions", {"prompt": "hi", field: 3, "temperature": 0})
+        assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] <= 3, (field, payload)
+
+
+def test_server_bearer_is_case_insensitive_and_binds_ipv6(gemma):
+    import http.client
+    srv = reame.Server(gemma, "g", host="::1", port=0, api_keys=["k1"])
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            conn = http.client.HTTPConnection("::1", srv.port, timeout=30)
+            conn.request("GET", "/v1/models", headers={"Authorization": scheme + " k1"})
+            resp = conn.getresponse()
+            resp.read()
+            conn.close()
+            assert resp.status == 200, scheme
+    finally:
+        srv.shutdown()
+
+
 @pytest.mark.parametrize("method,path,body,raw,status", [
     ("POST", "/v1/completions", None, b"{not json", 400),
     ("POST", "/v1/completions", None, b"\xff\xfe\x00", 400),
@@ -3118,6 +3172,20 @@ def test_attack_connection_and_body_caps(gemma):
         for c in idle:
             c.close()
         srv.shutdown()
+
+
+def test_attack_connection_resets_leave_no_traceback(server, capfd):
+    import socket
+    import struct
+    for _ in range(3):
+        c = socket.create_connection(("127.0.0.1", server.port))
+        c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        c.sendall(b"GET /heal")  # half a request line, then a reset
+        time.sleep(0.05)
+        c.close()
+    time.sleep(0.5)
+    assert _http(server, "GET", "/health", key=None)[0] == 200
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_attack_disconnected_non_stream_request_is_cancelled(server, gemma):
