@@ -53,6 +53,7 @@ import hmac
 import http.server
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -98,7 +99,7 @@ __all__ = [
     "schema_gaps", "JsonScan", "align_proposal", "SUGGEST_RULES", "Suggestion", "JSON_OBJECT_GRAMMAR",
     "json_schema_grammar", "grammar_sampler", "check_grammar", "gbnf_check", "structure_from_body",
     "DraftPlan", "SlotTable", "EngineCounters", "ApiRequest", "request_from_body", "conclave_params",
-    "SAMPLED_TEMPERATURE", "chat_template_known",
+    "SAMPLED_TEMPERATURE", "chat_template_known", "MAX_CHOICES", "seeded_from", "LOGPROBS_MAX", "logprob_entry", "logprobs_json",
 ]
 
 log = logging.getLogger("reame")
@@ -1549,6 +1550,7 @@ class SamplingParams:
     stop: tuple = ()
     grammar: Optional[str] = None    # GBNF: only text it accepts (json_schema_grammar, a raw grammar)
     schema: Optional[dict] = None    # the json_schema the grammar came from (Il Suggeritore's hints)
+    top_logprobs: Optional[int] = None  # each token's log-probability and this many alternatives (0-20)
 
     def validate(self) -> "SamplingParams":
         def bad(field, why):
@@ -1573,7 +1575,45 @@ class SamplingParams:
             bad("seed", "must be in [0, 2^32-2]")
         if len(self.stop) > 4 or any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be up to 4 non-empty strings")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= LOGPROBS_MAX:
+            bad("top_logprobs", "must be between 0 and %d" % LOGPROBS_MAX)
         return self
+
+
+LOGPROBS_MAX = 20  # alternatives per token, as OpenAI
+
+
+def logprob_entry(model, ctx, idx: int, tok: int, n_top: int) -> dict:
+    """The log-probability of token tok at batch row idx, and the n_top likeliest tokens
+    (likeliest first, the lower id first among equals), in OpenAI's shape ({"token",
+    "logprob", "bytes", "top_logprobs"}). From the model's own distribution: a softmax
+    of the raw logits, before temperature, penalties and grammar. The same row gives the
+    same numbers whether it was computed alone, batched or as a verified draft."""
+    ptr = lib().llama_get_logits_ith(ctx.ptr, idx)
+    n = model.n_vocab
+    if _np is not None:
+        logits = _np.ctypeslib.as_array(ptr, shape=(n,)).astype(_np.float64)
+        top_logit = logits.max()
+        lse = top_logit + math.log(float(_np.exp(logits - top_logit).sum()))
+        if n_top:
+            cut = _np.argpartition(-logits, n_top - 1)[:n_top] if n_top < n else _np.arange(n)
+            top = sorted(cut.tolist(), key=lambda t: (-logits[t], t))[:n_top]
+        else:
+            top = []
+        value = lambda t: float(logits[t])  # noqa: E731
+    else:  # pure Python: the same numbers, ~50x slower
+        row = ptr[:n]
+        top_logit = max(row)
+        lse = top_logit + math.log(math.fsum(math.exp(x - top_logit) for x in row))
+        top = sorted(range(n), key=lambda t: (-row[t], t))[:n_top] if n_top else []
+        value = row.__getitem__
+
+    def one(t):
+        b = model.piece(t)
+        return {"token": b.decode("utf-8", "replace"), "logprob": value(t) - lse, "bytes": list(b)}
+    entry = one(tok)
+    entry["top_logprobs"] = [one(t) for t in top]
+    return entry
 
 
 class Sampler:
@@ -4433,6 +4473,7 @@ class Result:
     total_s: float = 0.0
     n_cached_tok: int = 0       # prompt tokens whose KV was reused, not computed
     index: int = 0              # the choice's index in an n-choice group
+    logprobs: Optional[list] = None  # with params.top_logprobs: each token's logprob_entry
 
 
 class Request:
@@ -4440,7 +4481,9 @@ class Request:
 
     Events on ``events`` (a thread-safe queue, shared by the choices of a group) are
     (kind, payload, index): ("text", str, i) pieces, then exactly one of
-    ("done", Result, i) or ("error", ReameError, i) per choice.
+    ("done", Result, i) or ("error", ReameError, i) per choice. With
+    params.top_logprobs, ("logprobs", [entry, ...], i) comes before each text piece:
+    the tokens since the last piece (and before "done", tokens whose text never came).
     """
 
     def __init__(self, request_id: str, prompt: List[int], params: SamplingParams, *, index: int = 0,
@@ -4463,6 +4506,8 @@ class Request:
         self._result: Optional[Result] = None
         self._error: Optional[ReameError] = None
         self._text: List[str] = []
+        self._lp: list = []                        # logprob entries not yet sent
+        self._lp_all: Optional[list] = [] if params.top_logprobs is not None else None
 
     def cancel(self) -> None:
         """Stop generating; the slot is freed at the scheduler's next step."""
@@ -4480,7 +4525,7 @@ class Request:
                 yield payload
             elif kind == "done":
                 return
-            else:
+            elif kind == "error":
                 raise payload
 
     def finished(self, timeout: Optional[float] = None) -> bool:
@@ -4498,13 +4543,25 @@ class Request:
     # -- written by the scheduler thread only --
     def _emit(self, text: str) -> None:
         self._text.append(text)
+        self._send_logprobs()
         self.events.put(("text", text, self.index))
+
+    def _logprob(self, entry: dict) -> None:
+        self._lp.append(entry)
+        self._lp_all.append(entry)
+
+    def _send_logprobs(self) -> None:
+        if self._lp:
+            self.events.put(("logprobs", self._lp, self.index))
+            self._lp = []
 
     def _finish(self, result: Optional[Result], error: Optional[ReameError] = None) -> None:
         if self._done.is_set():  # exactly one end per choice, whichever path ends it first
             return
         if result is not None:
             result.index = self.index
+            result.logprobs = self._lp_all
+            self._send_logprobs()
         self._result, self._error = result, error
         self.events.put(("error", error, self.index) if error else ("done", result, self.index))
         self._done.set()
@@ -5241,8 +5298,8 @@ class Engine:
             self.counters.n_prefills += 1
             twins, s.twins = s.twins, []
             try:
-                tok = s.sampler.sample(self.ctx, b.n - 1)
-                self._accept(s, tok)
+                tok, lp = self._pick(s, b.n - 1)
+                self._accept(s, tok, lp)
                 self._twins_sample(s, tok, twins, b.n - 1)
             except Exception as e:  # noqa: BLE001 - this request's failure only
                 self._fail_group(s, twins, e)
@@ -5257,14 +5314,14 @@ class Engine:
         own way, with the others that picked the same as its twins."""
         leads = {tok: lead}
         for f in twins:
-            t = f.sampler.sample(self.ctx, row)
+            t, lp = self._pick(f, row)
             if t in leads:
                 leads[t].twins.append(f)
                 self.counters.n_twin_tok += 1
             else:
                 leads[t] = f
                 self._own_kv(f, lead, twins)
-            self._accept(f, t)
+            self._accept(f, t, lp)
         for s in leads.values():  # a twin that finished (the end of text, a stop string) leaves
             s.twins = [f for f in s.twins if f.seq_id not in self.slots.free]
             if s.twins and s.seq_id in self.slots.free:  # (same tokens, same end: only if that changes)
@@ -5292,10 +5349,13 @@ class Engine:
         seed for seed). Rejected drafts leave the KV. Returns the next sequence's row."""
         drafts = plan.tokens if plan else ()
         room = s.max_tokens - len(s.tokens)
-        out = [s.sampler.sample(self.ctx, i)]
+        first, lp = self._pick(s, i)
+        out, lps = [first], [lp]
         while (len(out) <= len(drafts) and out[-1] == drafts[len(out) - 1] and len(out) < room
                and not self.model.is_eog(out[-1])):
-            out.append(s.sampler.sample(self.ctx, i + len(out)))
+            tok, lp = self._pick(s, i + len(out))
+            out.append(tok)
+            lps.append(lp)
         n_ok = len(out) - 1
         s.n_past += 1 + n_ok
         if n_ok < len(drafts):
@@ -5303,8 +5363,8 @@ class Engine:
         if plan:  # a draft after the end of text or max_tokens was not wrong, only unused
             self.spec.verified(s.spec, plan.source, len(drafts), n_ok, rejected=n_ok < len(drafts) and
                                out[-1] != drafts[n_ok])
-        for tok in out:
-            self._accept(s, tok)
+        for tok, lp in zip(out, lps):
+            self._accept(s, tok, lp)
             if s.seq_id in self.slots.free:  # finished (a stop string, the end of text, max_tokens)
                 break
         return i + 1 + len(drafts)
@@ -5319,7 +5379,14 @@ class Engine:
                 self._finish(s, None, e)
             return False
 
-    def _accept(self, s: _Seq, tok: int) -> None:
+    def _pick(self, s: _Seq, row: int) -> tuple:
+        """s's next token from batch row, and its logprob entry when the request asked for
+        them (else None)."""
+        tok = s.sampler.sample(self.ctx, row)
+        n_top = s.req.params.top_logprobs
+        return tok, (logprob_entry(self.model, self.ctx, row, tok, n_top) if n_top is not None else None)
+
+    def _accept(self, s: _Seq, tok: int, lp: Optional[dict] = None) -> None:
         """A sampled token: record it, emit its text, and finish the sequence if done."""
         s.last = tok
         if not s.tokens:
@@ -5328,6 +5395,8 @@ class Engine:
             self._finish(s, "stop")
             return
         s.tokens.append(tok)
+        if lp is not None:
+            s.req._logprob(lp)
         if s.spec is not None:
             s.spec.history.append(tok)
         text, stopped = s.stream.push(self.model.piece(tok))
@@ -5771,56 +5840,82 @@ def conclave_params(params: SamplingParams, temperature_given: bool = True) -> S
     return params
 
 
+def seeded_from(params: SamplingParams, start: int) -> SamplingParams:
+    """params for choices start, start+1, ... of a request submitted in waves: with a
+    seed, choice i samples with seed + i in whichever wave it runs."""
+    if params.seed is None or not start:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + start) % (2 ** 32 - 1))
+
+
 def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vote: str = "last_number",
                  early_stop: bool = True, on_event=None, alive=None, **submit_kw) -> ConclaveResult:
     """Submit n candidates (one prefill), tally them as they finish, cancel the rest once
-    they cannot change the winner (early_stop; see conclave_vote). ``on_event(kind, payload, index)``
-    sees every engine event (streaming). ``alive()``: is the caller still there (asked while
-    nothing happens; False cancels every candidate: EngineError code client_gone).
-    Raises the first candidate error."""
+    they cannot change the winner (early_stop; see conclave_vote). More candidates than
+    the engine has slots run in waves of n_slots: a wave's prompt is the last wave's
+    resident KV (whole chunks), and no wave starts once the vote is decided.
+    ``on_event(kind, payload, index)`` sees every engine event (streaming). ``alive()``:
+    is the caller still there (asked while nothing happens; False cancels every
+    candidate: EngineError code client_gone). Raises the first candidate error."""
     check_extractor(vote)
     params = conclave_params(params)
-    reqs = engine.submit_n(prompt, params, n, **submit_kw)
     results: List[Optional[Result]] = [None] * n
     order: List[int] = []                # finished candidates, in order
     answers: List[Optional[str]] = []
-    decided, left = False, n
+    decided, start, first_id = False, 0, None
+    reqs: List[Request] = []             # the wave running
     try:
-        while left:
-            try:
-                kind, payload, i = reqs[0].events.get(timeout=0.5)
-            except queue.Empty:
-                if alive is not None and not alive():
-                    raise EngineError("the client went away", status=499, code="client_gone") from None
-                continue
-            if on_event is not None:
-                on_event(kind, payload, i)
-            if kind == "error":
-                raise payload
-            if kind != "done":
-                continue
-            left -= 1
-            results[i] = payload
-            if payload.finish_reason == "cancelled":
-                continue
-            order.append(i)
-            answers.append(extract_answer(payload.text, vote))
-            if early_stop and not decided and conclave_vote(answers, n)[2]:
-                decided = True
-                for r in reqs:
-                    r.cancel()  # finished ones ignore it; the others free their slots next step
+        while start < n and not decided:
+            reqs = engine.submit_n(prompt, seeded_from(params, start), min(n - start, engine.n_slots), **submit_kw)
+            first_id = first_id or reqs[0].id
+            decided = _conclave_wave(reqs, start, results, order, answers, n, vote, early_stop, on_event, alive)
+            start += len(reqs)
     finally:
         for r in reqs:
-            if results[r.index] is None:
-                r.cancel()
+            r.cancel()  # (a candidate that ended ignores it; one still running frees its slot next step)
     answer, counts, _ = conclave_vote(answers, n)
     winner = next((results[i] for i, a in zip(order, answers) if a == answer), None) if answer is not None else (
         results[order[0]] if order else None)
     done = [results[i] for i in order]
     cancelled = [r for r in results if r is not None and r.finish_reason == "cancelled"]
+    n_unstarted = n - start  # never submitted: the vote was decided before their wave
     mean = sum(r.n_gen_tok for r in done) / len(done) if done else 0
-    return ConclaveResult(reqs[0].id, winner, answer, counts, [r for r in results if r is not None], len(done), len(cancelled),
-                          int(sum(max(0.0, mean - r.n_gen_tok) for r in cancelled)))
+    return ConclaveResult(first_id, winner, answer, counts, [r for r in results if r is not None], len(done),
+                          len(cancelled) + n_unstarted,
+                          int(sum(max(0.0, mean - r.n_gen_tok) for r in cancelled) + mean * n_unstarted))
+
+
+def _conclave_wave(reqs: List[Request], start: int, results: list, order: list, answers: list, n: int,
+                   vote: str, early_stop: bool, on_event, alive) -> bool:
+    """One wave of run_conclave's candidates (choice i of the wave is candidate start + i),
+    until all have ended; True once the vote is decided (the rest are cancelled)."""
+    decided, left = False, len(reqs)
+    while left:
+        try:
+            kind, payload, i = reqs[0].events.get(timeout=0.5)
+        except queue.Empty:
+            if alive is not None and not alive():
+                raise EngineError("the client went away", status=499, code="client_gone") from None
+            continue
+        i += start
+        if on_event is not None:
+            on_event(kind, payload, i)
+        if kind == "error":
+            raise payload
+        if kind != "done":
+            continue
+        left -= 1
+        payload.index = i
+        results[i] = payload
+        if payload.finish_reason == "cancelled":
+            continue
+        order.append(i)
+        answers.append(extract_answer(payload.text, vote))
+        if early_stop and not decided and conclave_vote(answers, n)[2]:
+            decided = True
+            for r in reqs:
+                r.cancel()  # finished ones ignore it; the others free their slots next step
+    return decided
 
 
 # == 21. Request bodies: OpenAI JSON to engine arguments =======================
@@ -5979,6 +6074,36 @@ def _messages_from_body(body: dict) -> List[dict]:
     return out
 
 
+def _logprobs_from_body(body: dict, chat: bool) -> Optional[int]:
+    """How many alternatives each token's logprobs list (None: no logprobs). Chat:
+    ``logprobs: true`` and ``top_logprobs`` 0-20; completions: ``logprobs: N``, 0-20."""
+    why = "an integer from 0 to %d" % LOGPROBS_MAX
+    in_range = lambda v: 0 <= v <= LOGPROBS_MAX  # noqa: E731
+    if not chat:
+        return _field(body, "logprobs", int, None, check=in_range, why=why)
+    want = _field(body, "logprobs", bool, False, why="a boolean")
+    top = _field(body, "top_logprobs", int, None, check=in_range, why=why)
+    if top is not None and not want:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", code="invalid_value", param="top_logprobs")
+    return (top or 0) if want else None
+
+
+def logprobs_json(chat: bool, entries: Optional[list], offset: int = 0) -> Optional[dict]:
+    """Token logprob entries (logprob_entry) in OpenAI's shape: chat's {"content": [...]},
+    or the completions API's token lists, whose text offsets start at ``offset``."""
+    if entries is None:
+        return None
+    if chat:
+        return {"content": entries, "refusal": None}
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
 @dataclasses.dataclass
 class ApiRequest:
     """One request body, checked (request_from_body): everything the server needs to run it."""
@@ -6000,15 +6125,20 @@ class ApiRequest:
     prompt: str = ""                # completions
 
 
+MAX_CHOICES = 16  # n and best_of up to this (or --parallel, if more), whatever the slots
+
+
 def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_tokens_cap: int,
                       spec_default: SpecOptions, session_header: Optional[str] = None) -> ApiRequest:
     """A request body -> ApiRequest, or a 400 naming the field at fault. ``owner``: the
-    caller's scope (its archive); ``n_slots``: the most choices or candidates; a session
+    caller's scope (its archive); ``n_slots``: the engine's slots (choices or candidates
+    past them run in waves, up to MAX_CHOICES); a session
     id comes from the X-Reame-Session header (``session_header``) or ``session_id``."""
-    slots_why = "an integer from 1 to %d (the server's --parallel)" % n_slots
+    most = max(MAX_CHOICES, n_slots)  # past n_slots they run in waves
+    most_why = "an integer from 1 to %d" % most
     api = ApiRequest(chat=chat, params=params_from_body(body, max_tokens_cap), max_tokens_asked=_max_tokens_asked(body),
-                     n=_field(body, "n", int, 1, check=lambda v: 1 <= v <= n_slots, why=slots_why),
-                     best_of=_field(body, "best_of", int, 1, check=lambda v: 1 <= v <= n_slots, why=slots_why),
+                     n=_field(body, "n", int, 1, check=lambda v: 1 <= v <= most, why=most_why),
+                     best_of=_field(body, "best_of", int, 1, check=lambda v: 1 <= v <= most, why=most_why),
                      stream=_field(body, "stream", bool, False, why="a boolean"),
                      spec=spec_from_body(body, spec_default), archive=archive_from_body(body, owner))
     api.include_usage = bool(_field(body, "stream_options", dict, {}, why="an object").get("include_usage"))
@@ -6024,6 +6154,11 @@ def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_t
         api.early_stop = _field(ext, "early_stop", bool, True, why="a boolean")
         api.candidates = _field(ext, "candidates", bool, False, why="a boolean")
         api.params = conclave_params(api.params, temperature_given=body.get("temperature") is not None)
+    n_top = _logprobs_from_body(body, chat)
+    if n_top is not None:
+        if api.best_of > 1:
+            raise RequestError("'logprobs' is not available with 'best_of'", code="invalid_value", param="logprobs")
+        api.params = dataclasses.replace(api.params, top_logprobs=n_top)
     if chat:
         api.messages = _messages_from_body(body)
     else:
@@ -6804,7 +6939,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if api.best_of > 1:
                 self._conclave(api, tokens, kw)
                 return
-            reqs = eng.submit_n(tokens, api.params, api.n, cache_tag=session.tag if session else None, **kw)
+            def submit(start: int, k: int) -> List[Request]:  # choices start..start+k-1 (a wave)
+                return eng.submit_n(tokens, seeded_from(api.params, start), k,
+                                    cache_tag=session.tag if session else None, **kw)
 
             def done(results: List[Result]) -> None:
                 """The answer into the session, which is free again before the answer's
@@ -6815,7 +6952,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         session.add_turn(history, text, results[0])
                     srv.sessions.end(session)
                     session = None
-            self._answer(api, reqs, done)
+            self._answer(api, submit, done)
         finally:
             if session is not None:
                 srv.sessions.end(session)
@@ -6828,7 +6965,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     @staticmethod
     def _choice(chat: bool, index: int, text: Optional[str], finish: Optional[str], delta: bool = False,
-                role: bool = True) -> dict:
+                role: bool = True, logprobs: Optional[dict] = None) -> dict:
         """One choice in OpenAI's shape: a chat message (or a stream's delta: ``text`` None
         is an empty delta) or a completion's text."""
         if chat:
@@ -6838,23 +6975,36 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             c = {"index": index, ("delta" if delta else "message"): msg}
         else:
             c = {"index": index, "text": text or ""}
-        c.update(finish_reason=finish, logprobs=None)
+        c.update(finish_reason=finish, logprobs=logprobs)
         return c
 
-    def _answer(self, api: ApiRequest, reqs: List[Request], done) -> None:
-        """The n choices as one JSON response or an SSE stream. ``done(results)`` runs
+    def _answer(self, api: ApiRequest, submit, done) -> None:
+        """The n choices as one JSON response or an SSE stream. ``submit(start, k)`` queues
+        choices start..start+k-1: more choices than the engine has slots run in waves of
+        n_slots (a wave's prompt is the last one's resident KV). ``done(results)`` runs
         once they are all in, before the last byte goes out."""
+        per = self.server_ref.engine.n_slots
+        reqs = submit(0, min(api.n, per))
         rid = ("chatcmpl-" if api.chat else "cmpl-") + reqs[0].id
         if api.stream:
-            self._stream(reqs, api, rid, before_done=done)
+            self._stream(reqs, api, rid, submit, before_done=done)
             return
-        results = self._wait(reqs)
-        if results is None:
-            return
+        results: List[Result] = []
+        while True:
+            got = self._wait(reqs)
+            if got is None:
+                return
+            for r in got:
+                r.index += len(results)
+            results += got
+            if len(results) == api.n:
+                break
+            reqs = submit(len(results), min(api.n - len(results), per))
         self._results = results
         self.server_ref.count(200, results)
         done(results)
-        choices = [self._choice(api.chat, r.index, r.text, r.finish_reason) for r in results]
+        choices = [self._choice(api.chat, r.index, r.text, r.finish_reason,
+                                logprobs=logprobs_json(api.chat, r.logprobs)) for r in results]
         self._send_json(200, dict(self._envelope(api, rid, False), choices=choices, usage=_usage(results)))
 
     def _conclave(self, api: ApiRequest, tokens: List[int], submit_kw: dict) -> None:
@@ -6933,49 +7083,48 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
         self.wfile.flush()
 
-    def _stream(self, reqs: List[Request], api: ApiRequest, rid: str, before_done=None) -> List[Result]:
-        """SSE in OpenAI's chunk format for all n choices. Returns the results ([] if cut
-        short). ``before_done(results)`` runs just before the final [DONE]."""
-        srv, chat = self.server_ref, api.chat
+    def _stream(self, reqs: List[Request], api: ApiRequest, rid: str, submit, before_done=None) -> List[Result]:
+        """SSE in OpenAI's chunk format for all n choices, the first wave ``reqs`` and the
+        rest from ``submit`` (see _answer). Returns the results ([] if cut short).
+        ``before_done(results)`` runs just before the final [DONE]."""
+        srv, chat, n = self.server_ref, api.chat, api.n
         self._sse_start()
         base = self._envelope(api, rid, True)
+        lp_pending: dict = {}  # choice -> logprob entries of the text to come
+        lp_offset = [0] * n    # choice -> characters sent (completions' text_offset)
 
         def send(i, text=None, finish=None, role=False):
-            self._sse_send(dict(base, choices=[self._choice(chat, i, text, finish, delta=True, role=role)]))
-        results: List[Optional[Result]] = [None] * len(reqs)
-        events = reqs[0].events
+            lp = lp_pending.pop(i, None)
+            c = self._choice(chat, i, text, finish, delta=True, role=role,
+                             logprobs=logprobs_json(chat, lp, lp_offset[i]))
+            lp_offset[i] += sum(len(e["token"]) for e in lp or ())
+            self._sse_send(dict(base, choices=[c]))
+        results: List[Optional[Result]] = [None] * n
+        start, failed = 0, None
         try:
             if chat:
-                for r in reqs:
-                    send(r.index, "", role=True)
-            left = len(reqs)
-            while left:
-                try:
-                    kind, payload, i = events.get(timeout=10)
-                except queue.Empty:  # a long prefill or a queue: keep proxies from timing out
-                    self.wfile.write(b": ping\n\n")
-                    self.wfile.flush()
-                    continue
-                if kind == "text":
-                    send(i, payload)
-                elif kind == "done":
-                    send(i, finish=payload.finish_reason)
-                    results[i] = payload
-                    left -= 1
-                else:
-                    self._sse_send(_openai_error(payload))
-                    srv.count(payload.status)
-                    self._status = payload.status
-                    for r in reqs:
-                        r.cancel()
+                for i in range(n):
+                    send(i, "", role=True)
+            while failed is None:
+                failed = self._stream_wave(reqs, start, send, results, lp_pending)
+                start += len(reqs)
+                if failed is not None or start == n:
                     break
-            if not left:
+                try:
+                    reqs = submit(start, min(n - start, srv.engine.n_slots))
+                except ReameError as e:
+                    failed = e
+            if failed is not None:
+                self._sse_send(_openai_error(failed))
+                srv.count(failed.status)
+                self._status = failed.status
+            else:
                 if api.include_usage:
                     self._sse_send(dict(base, choices=[], usage=_usage(results)))
                 srv.count(200, results)
                 self._results = results
             if before_done is not None:
-                before_done(results if not left else [])
+                before_done(results if failed is None else [])
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except OSError:  # BrokenPipe, ConnectionReset, timeouts: the client left
@@ -6984,7 +7133,35 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             srv.count(499)
             self._status = 499
             return []
-        return results if not left else []
+        return results if failed is None else []
+
+    def _stream_wave(self, reqs: List[Request], start: int, send, results: list,
+                     lp_pending: dict) -> Optional[ReameError]:
+        """Send one wave's events (its choice i is choice start + i) until every choice
+        ended; its error, if one failed (then the wave is cancelled)."""
+        events, left = reqs[0].events, len(reqs)
+        while left:
+            try:
+                kind, payload, i = events.get(timeout=10)
+            except queue.Empty:  # a long prefill or a queue: keep proxies from timing out
+                self.wfile.write(b": ping\n\n")
+                self.wfile.flush()
+                continue
+            i += start
+            if kind == "text":
+                send(i, payload)
+            elif kind == "logprobs":
+                lp_pending.setdefault(i, []).extend(payload)
+            elif kind == "done":
+                payload.index = i
+                send(i, finish=payload.finish_reason)
+                results[i] = payload
+                left -= 1
+            else:
+                for r in reqs:
+                    r.cancel()
+                return payload
+        return None
 
 
 # == 24. Command line ==========================================================

@@ -2468,6 +2468,41 @@ def test_server_with_openai_client(server):
         client.completions.create(model="gemma3-270m", prompt="word " * 3000, max_tokens=4)
 
 
+def test_server_logprobs_with_openai_client(server):
+    """logprobs in OpenAI's shape, chat and completions, streamed too: at temperature 0 the
+    top alternative is the chosen token, and the numbers are the same with speculation on."""
+    import openai
+    client = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % server.port, api_key="k1", max_retries=0)
+    ask = dict(model="gemma3-270m", messages=[{"role": "user", "content": "Count from one to ten in words."}],
+               temperature=0, max_tokens=16, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(**ask)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0 and bytes(e.bytes).decode("utf-8", "replace") == e.token
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+    plain = [(e.token, e.logprob) for e in content]
+    spec = client.chat.completions.create(**ask, extra_body={"reame": {"spec": "on"}})
+    assert [(e.token, e.logprob) for e in spec.choices[0].logprobs.content] == plain
+    streamed = [(e.token, e.logprob) for c in client.chat.completions.create(**ask, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == plain
+    c = client.completions.create(model="gemma3-270m", prompt="One, two, three,", temperature=0, max_tokens=6,
+                                  logprobs=2)
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
+    assert all(len(t) <= 2 and max(t.values()) == v for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert r.choices[0].logprobs is not None and client.chat.completions.create(
+        model="gemma3-270m", messages=ask["messages"], temperature=0, max_tokens=2).choices[0].logprobs is None
+    for bad in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": 2},
+                {"logprobs": True, "best_of": 2}):
+        status, payload = _http(server, "POST", "/v1/chat/completions", dict(messages=ask["messages"], **bad))
+        assert status == 400 and json.loads(payload)["error"]["param"] in ("logprobs", "top_logprobs"), (bad, payload)
+
+
 def _sse(payload: bytes) -> list:
     events = [line[6:] for line in payload.decode().split("\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]", events[-3:]
@@ -2914,6 +2949,36 @@ def test_server_best_of(server):
         assert status == 400, (bad, payload)
     status, payload = _http(server, "GET", "/metrics")
     assert b"reame_conclaves_total 2" in payload and b'reame_conclave_candidates_total{state="started"} 6' in payload
+
+
+def test_server_n_and_best_of_beyond_parallel(server, gemma):
+    """n and best_of past the slots (4 here, the default --parallel) run in waves: n=6
+    gives six choices, choice i sampling with seed + i in whichever wave it ran, streamed
+    the same; best_of=5 votes over five candidates."""
+    assert gemma.n_slots == 4
+    msgs = [{"role": "user", "content": "Name an animal."}]
+    body = {"messages": msgs, "max_tokens": 8, "temperature": 0.9, "seed": 7, "n": 6}
+    status, payload = _http(server, "POST", "/v1/chat/completions", body)
+    assert status == 200, payload
+    out = json.loads(payload)
+    texts = [c["message"]["content"] for c in out["choices"]]
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    alone = [json.loads(_http(server, "POST", "/v1/chat/completions", dict(body, n=1, seed=7 + i))[1])
+             ["choices"][0]["message"]["content"] for i in (0, 4, 5)]
+    assert [texts[0], texts[4], texts[5]] == alone
+    streamed = [""] * 6
+    for e in _sse(_http(server, "POST", "/v1/chat/completions", dict(body, stream=True))[1]):
+        for c in e["choices"]:
+            streamed[c["index"]] += c["delta"].get("content") or ""
+    assert streamed == texts
+    status, payload = _http(server, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "What is 2 plus 2? Answer with a number."}], "max_tokens": 16,
+        "best_of": 5, "seed": 3, "reame": {"candidates": True}})
+    assert status == 200, payload
+    c = json.loads(payload)["conclave"]
+    assert c["candidates_total"] == 5 and c["finished"] + c["cancelled"] == 5
+    assert sorted(x["index"] for x in c["candidates"]) == sorted(set(x["index"] for x in c["candidates"]))
+    assert _http(server, "POST", "/v1/chat/completions", dict(body, n=17))[0] == 400
 
 
 # == 23. HTTP server, attacked: one request can neither crash it nor reach another tenant
