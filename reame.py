@@ -31,17 +31,19 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
    17. Requests: what the engine takes and gives back
    18. Slots: the memory tier, and consecutive sequence ids
    19. Engine: the scheduler thread and continuous batching
-   20. The Conclave: best-of-N in one batch, voted
-   21. Request bodies: OpenAI JSON to engine arguments
-   22. Sessions: conversations the server keeps
-   23. HTTP server (OpenAI-compatible)
-   24. Command line
+   20. Embeddings: pooled hidden states
+   21. The Conclave: best-of-N in one batch, voted
+   22. Request bodies: OpenAI JSON to engine arguments
+   23. Sessions: conversations the server keeps
+   24. HTTP server (OpenAI-compatible)
+   25. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
 
 import argparse
 import array
+import base64
 import bisect
 import codecs
 import collections
@@ -99,7 +101,8 @@ __all__ = [
     "schema_gaps", "JsonScan", "align_proposal", "SUGGEST_RULES", "Suggestion", "JSON_OBJECT_GRAMMAR",
     "json_schema_grammar", "grammar_sampler", "check_grammar", "gbnf_check", "structure_from_body",
     "DraftPlan", "SlotTable", "EngineCounters", "ApiRequest", "request_from_body", "conclave_params",
-    "SAMPLED_TEMPERATURE", "chat_template_known", "MAX_CHOICES", "seeded_from", "LOGPROBS_MAX", "logprob_entry", "logprobs_json",
+    "SAMPLED_TEMPERATURE", "chat_template_known", "MAX_CHOICES", "seeded_from", "Embedder", "EMBED_MAX_INPUTS",
+    "embeddings_from_body", "LOGPROBS_MAX", "logprob_entry", "logprobs_json",
 ]
 
 log = logging.getLogger("reame")
@@ -472,6 +475,7 @@ _c_u64, _c_i64 = ctypes.c_uint64, ctypes.c_int64
 _token_p = ctypes.POINTER(ctypes.c_int32)
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+LLAMA_POOLING_TYPE_MEAN = 1  # enum llama_pooling_type
 
 
 class _llama_model_params(ctypes.Structure):
@@ -582,6 +586,8 @@ _SIGNATURES = [
     ("llama_model_get_vocab", _P, [_P]),
     # int32_t llama_model_n_ctx_train(const struct llama_model * model);
     ("llama_model_n_ctx_train", _c_i32, [_P]),
+    # int32_t llama_model_n_embd(const struct llama_model * model);
+    ("llama_model_n_embd", _c_i32, [_P]),
     # int32_t llama_model_n_swa(const struct llama_model * model);
     ("llama_model_n_swa", _c_i32, [_P]),
     # bool llama_model_is_recurrent(const struct llama_model * model);
@@ -624,6 +630,8 @@ _SIGNATURES = [
     ("llama_set_n_threads", None, [_P, _c_i32, _c_i32]),
     # float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
     ("llama_get_logits_ith", ctypes.POINTER(_c_float), [_P, _c_i32]),
+    # float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
+    ("llama_get_embeddings_seq", ctypes.POINTER(_c_float), [_P, _c_i32]),
     # bool llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
     ("llama_vocab_is_eog", _c_bool, [_P, _c_i32]),
     # llama_token llama_vocab_bos(const struct llama_vocab * vocab);
@@ -1103,7 +1111,7 @@ class Context:
 
     def __init__(self, model: Model, *, n_ctx: int, n_seq_max: int, n_batch: int = 512,
                  n_threads: Optional[int] = None, kv_unified: bool = False, swa_full: bool = True,
-                 flash_attn: int = -1):
+                 flash_attn: int = -1, embeddings: bool = False):
         L = lib()
         self.model = model
         p = L.llama_context_default_params()
@@ -1119,6 +1127,8 @@ class Context:
         p.flash_attn_type = flash_attn  # -1 auto (on for CPU): its kernel skips masked cells, so a
         # sequence's attention does not depend on its neighbours in the unified KV
         p.no_perf = True
+        if embeddings:  # pooled per sequence: llama_get_embeddings_seq (section 20)
+            p.embeddings, p.pooling_type = True, LLAMA_POOLING_TYPE_MEAN
         L.take_errors()
         ptr = L.llama_init_from_model(model.ptr, p)
         if not ptr:
@@ -5463,7 +5473,79 @@ class Engine:
                     req._finish(None, error)
 
 
-# == 20. The Conclave: best-of-N in one batch, voted ===========================
+# == 20. Embeddings: pooled hidden states ======================================
+# /v1/embeddings: a model's hidden states, mean-pooled per input and L2-normalized, from
+# a llama context of their own in embedding mode: the served model's weights (shared, no
+# second copy), or an embedding GGUF given with --embedding-model. A generative model's
+# pooled states are a usable but plain embedding (paraphrases land closer than unrelated
+# texts); a model trained for embeddings is better.
+
+EMBED_MAX_INPUTS = 256  # inputs in one request
+
+
+class Embedder:
+    """Embeddings of token lists. Thread-safe: one batch at a time (its lock guards the
+    context); its decodes run on the process's compute thread, as every decode does.
+    Inputs are packed into batches of up to n_ctx tokens and n_seq sequences."""
+
+    def __init__(self, model, *, n_ctx: int = 2048, n_seq: int = 16, n_threads: Optional[int] = None):
+        self._own = not isinstance(model, Model)
+        self.model = Model(model) if self._own else model
+        self.n_ctx = min(n_ctx, self.model.n_ctx_train or n_ctx)
+        self.n_embd = lib().llama_model_n_embd(self.model.ptr)
+        self.n_seq = n_seq
+        # one KV buffer for all sequences (kv_unified): a batch packs inputs of any lengths
+        self.ctx = Context(self.model, n_ctx=self.n_ctx, n_seq_max=n_seq, n_batch=self.n_ctx, n_threads=n_threads,
+                           kv_unified=True, embeddings=True)
+        self._batch = Batch(self.n_ctx)
+        self._lock = threading.Lock()
+
+    def embed(self, inputs: Sequence[Sequence[int]]) -> List[List[float]]:
+        """One unit vector of n_embd floats per input (a non-empty token list of at most
+        n_ctx tokens: RequestError otherwise)."""
+        for j, toks in enumerate(inputs):
+            if not 1 <= len(toks) <= self.n_ctx:
+                raise RequestError("input %d has %d tokens; an embedding takes 1 to %d" % (j, len(toks), self.n_ctx),
+                                   code="invalid_value", param="input")
+        out: List[List[float]] = []
+        with self._lock:
+            i = 0
+            while i < len(inputs):
+                group, used = [], 0
+                while i < len(inputs) and len(group) < self.n_seq and used + len(inputs[i]) <= self.n_ctx:
+                    group.append(inputs[i])
+                    used += len(inputs[i])
+                    i += 1
+                out += self._pooled(group)
+        return out
+
+    def _pooled(self, group: Sequence[Sequence[int]]) -> List[List[float]]:
+        b = self._batch
+        b.clear()
+        for seq, toks in enumerate(group):
+            for pos, t in enumerate(toks):
+                b.add(t, pos, seq, True)
+        self.ctx.clear()
+        try:
+            self.ctx.decode(b)
+            vecs = [lib().llama_get_embeddings_seq(self.ctx.ptr, seq)[:self.n_embd] for seq in range(len(group))]
+        finally:
+            self.ctx.clear()
+        out = []
+        for v in vecs:
+            norm = math.sqrt(math.fsum(x * x for x in v)) or 1.0
+            out.append([x / norm for x in v])
+        return out
+
+    def close(self) -> None:
+        with self._lock:  # (after an embedding in progress)
+            self._batch.close()
+            self.ctx.close()
+            if self._own:
+                self.model.close()
+
+
+# == 21. The Conclave: best-of-N in one batch, voted ===========================
 # N candidates of one prompt: one prefill, its KV copied to N-1 more slots
 # (Engine.submit_n), all decoded in the same steps with different seeds. As each
 # finishes, its answer is extracted and tallied; once the rest cannot change the
@@ -5918,7 +6000,7 @@ def _conclave_wave(reqs: List[Request], start: int, results: list, order: list, 
     return decided
 
 
-# == 21. Request bodies: OpenAI JSON to engine arguments =======================
+# == 22. Request bodies: OpenAI JSON to engine arguments =======================
 # What a request body asks for, checked field by field (a 400 with the field's name
 # and the reason, never a traceback): request_from_body turns a body into one
 # ApiRequest (sampling, structure, choices, streaming, session, speculation, archive,
@@ -6171,7 +6253,33 @@ def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_t
     return api
 
 
-# == 22. Sessions: conversations the server keeps ==============================
+def embeddings_from_body(body: dict) -> tuple:
+    """A /v1/embeddings body -> (inputs: strings or token lists, base64: bool). ``input``:
+    a string, a list of strings, a token list or a list of token lists (1 to
+    EMBED_MAX_INPUTS of them); ``encoding_format``: float (default) or base64;
+    ``dimensions``, which would cut the vectors, is refused (a 400)."""
+    raw = body.get("input")
+    is_tokens = lambda v: isinstance(v, list) and v and all(  # noqa: E731
+        isinstance(t, int) and not isinstance(t, bool) for t in v)
+    if isinstance(raw, str) or is_tokens(raw):
+        inputs = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(x, str) or is_tokens(x) for x in raw):
+        inputs = raw
+    else:
+        raise RequestError("'input' must be a string, a list of strings, a list of token ids or a list of such lists",
+                           code="invalid_value", param="input")
+    if len(inputs) > EMBED_MAX_INPUTS:
+        raise RequestError("'input' has %d items; at most %d" % (len(inputs), EMBED_MAX_INPUTS),
+                           code="invalid_value", param="input")
+    fmt = _field(body, "encoding_format", str, "float", check=lambda v: v in ("float", "base64"),
+                 why="'float' or 'base64'")
+    if body.get("dimensions") is not None:
+        raise RequestError("'dimensions' is not supported: the vectors have the model's own size",
+                           code="invalid_value", param="dimensions")
+    return inputs, fmt == "base64"
+
+
+# == 23. Sessions: conversations the server keeps ==============================
 # A session id names a conversation whose history the server keeps, so a client
 # sends only its new message, and whose KV stays resident in the engine (its cache
 # tag) between turns. Sessions belong to the API key that made them.
@@ -6343,7 +6451,7 @@ class Sessions:
                 self._drop(s)
 
 
-# == 23. HTTP server ===========================================================
+# == 24. HTTP server ===========================================================
 # OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
 # thread per connection: it validates, templates, submits to the Engine, and writes
 # JSON or SSE from the Request's events. It never touches the llama context.
@@ -6546,7 +6654,8 @@ class Server:
                  api_keys: Sequence[str] = (), max_tokens_cap: Optional[int] = None, max_queue: int = 64,
                  max_sessions: int = 256, session_idle_s: float = 3600.0, session_dir: Optional[str] = None,
                  header_timeout_s: float = 30.0, body_timeout_s: float = 60.0, max_connections: int = 256,
-                 max_body_in_flight: int = 16 << 20, shared_cache: bool = False, secret: Optional[bytes] = None):
+                 max_body_in_flight: int = 16 << 20, shared_cache: bool = False, secret: Optional[bytes] = None,
+                 embedding_model: Optional[str] = None):
         self.engine, self.model_name = engine, model_name
         self.api_keys = tuple(k.encode() for k in api_keys if k)
         # a key's scope (directories, cache, metrics) is a keyed hash: the names on disk do
@@ -6559,6 +6668,9 @@ class Server:
         self.max_body_in_flight = max_body_in_flight
         self.body_in_flight = 0  # bytes of request bodies being read or served now; guarded by _lock
         self.sessions = Sessions(lambda: self.engine, max_sessions, session_idle_s, session_dir)
+        self.embedding_model = embedding_model  # a GGUF for /v1/embeddings (None: the served model)
+        self._embedder: Optional[Embedder] = None  # made at the first /v1/embeddings; guarded by _embedder_lock
+        self._embedder_lock = threading.Lock()
         self.created = int(time.time())
         handler = type("_BoundHandler", (_Handler,), {"server_ref": self})
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -6642,7 +6754,7 @@ class Server:
             raise err
 
     def _metric_values(self) -> dict:
-        """A snapshot of everything /metrics reports (section 23's _METRICS)."""
+        """A snapshot of everything /metrics reports (section 24's _METRICS)."""
         eng = self.engine
         st = eng.stats()
         with self._lock:
@@ -6674,6 +6786,14 @@ class Server:
 
     def metrics_text(self) -> str:
         return _metrics_text(self._metric_values())
+
+    def embedder(self) -> Embedder:
+        """The Embedder for /v1/embeddings, made on first use (a context of its own)."""
+        with self._embedder_lock:
+            if self._embedder is None:
+                model = self.embedding_model or self.engine.model
+                self._embedder = Embedder(model, n_threads=self.engine.ctx.n_threads)
+            return self._embedder
 
     def retry_after(self) -> int:
         st = self.engine.stats()
@@ -6708,6 +6828,10 @@ class Server:
         self._stop.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+        with self._embedder_lock:
+            if self._embedder is not None:
+                self._embedder.close()
+                self._embedder = None
 
 
 def _usage(results: Sequence[Result]) -> dict:
@@ -6859,6 +6983,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     # (method, path) -> handler name; a path ending in "/" takes the rest as an argument
     _ROUTES = {("GET", "/health"): "_health", ("GET", "/v1/models"): "_models", ("GET", "/metrics"): "_metrics",
                ("POST", "/v1/chat/completions"): "_completion", ("POST", "/v1/completions"): "_completion",
+               ("POST", "/v1/embeddings"): "_embeddings",
                ("GET", "/v1/sessions/"): "_session_get", ("DELETE", "/v1/sessions/"): "_session_delete"}
 
     def _dispatch(self):
@@ -6914,8 +7039,29 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.server_ref.sessions.delete(sid, self._owner())
         self._send_json(200, {"id": sid, "object": "session", "deleted": True})
 
+    def _embeddings(self):
+        """POST /v1/embeddings (section 20): unit vectors, floats or base64 of float32."""
+        self._owner()
+        srv = self.server_ref
+        inputs, as_base64 = embeddings_from_body(self._read_body())
+        emb = srv.embedder()
+        tokens = []
+        for j, x in enumerate(inputs):
+            toks = emb.model.tokenize(x, parse_special=False) if isinstance(x, str) else list(x)
+            if any(not 0 <= t < emb.model.n_vocab for t in toks):
+                raise RequestError("input %d has a token id outside the vocabulary" % j, code="invalid_value",
+                                   param="input")
+            tokens.append(toks)
+        vecs = emb.embed(tokens)
+        n = sum(len(t) for t in tokens)
+        data = [{"object": "embedding", "index": j, "embedding": base64.b64encode(struct.pack(
+            "<%df" % len(v), *v)).decode() if as_base64 else v} for j, v in enumerate(vecs)]
+        srv.count(200)
+        self._send_json(200, {"object": "list", "data": data, "model": srv.model_name,
+                              "usage": {"prompt_tokens": n, "total_tokens": n}})
+
     def _completion(self):
-        """Who is calling -> the request (section 21) -> admission -> submit -> the answer."""
+        """Who is calling -> the request (section 22) -> admission -> submit -> the answer."""
         owner = self._owner()
         srv, eng = self.server_ref, self.server_ref.engine
         api = request_from_body(self._read_body(), chat=self.path.split("?", 1)[0] == "/v1/chat/completions",
@@ -7008,7 +7154,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send_json(200, dict(self._envelope(api, rid, False), choices=choices, usage=_usage(results)))
 
     def _conclave(self, api: ApiRequest, tokens: List[int], submit_kw: dict) -> None:
-        """best_of: candidates voted (section 20). The response has one choice, the
+        """best_of: candidates voted (section 21). The response has one choice, the
         winner, and a "conclave" object: the answer, the votes, candidates finished and
         cancelled (and each candidate with "reame": {"candidates": true}). Streaming
         sends the winner once decided, or, with candidates, every candidate's text as
@@ -7164,7 +7310,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return None
 
 
-# == 24. Command line ==========================================================
+# == 25. Command line ==========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
@@ -7292,6 +7438,9 @@ def _build_parser() -> argparse.ArgumentParser:
                     "(default 3600)")
     sv.add_argument("--max-connections", type=int, default=256, help="open connections at most; one more gets "
                     "503 with Retry-After (default 256)")
+    sv.add_argument("--embedding-model", default=None, metavar="MODEL", help="the model for /v1/embeddings (an "
+                    "alias, path or hf:// ref; loaded at its first request). Default: the served model's own "
+                    "hidden states, mean-pooled")
     sv.add_argument("--shared-cache", action="store_true", help="with API keys, let every key reuse every "
                     "other's prompt-prefix KV (memory and disk). Default: each key has its own, so a key cannot "
                     "learn another's prompts from cached_tokens or timing")
@@ -7451,11 +7600,13 @@ def _cmd_serve(args) -> int:
     _ensure_library()
     path = resolve_model(args.model)
     name = _spec_for(args.model).alias if _spec_for(args.model) else os.path.basename(path)
+    embedding = resolve_model(args.embedding_model) if args.embedding_model else None
     # The port opens first (/health says "loading"), then the model loads.
     server = Server(None, name, host=args.host, port=args.port, api_keys=keys, max_tokens_cap=args.max_tokens,
                     max_queue=args.max_queue, max_sessions=args.sessions, session_idle_s=args.session_idle,
                     session_dir=None if args.no_disk_cache else os.path.join(Config.from_env().home, "sessions"),
-                    max_connections=args.max_connections, shared_cache=args.shared_cache)
+                    max_connections=args.max_connections, shared_cache=args.shared_cache,
+                    embedding_model=embedding)
 
     def on_signal(signum, frame):
         threading.Thread(target=server.shutdown, name="reame-shutdown", daemon=True).start()

@@ -335,7 +335,7 @@ def test_open_with_deadline_gives_up(monkeypatch):
     assert time.monotonic() - t0 < 3
 
 
-# == 24. Command line (no model needed) ========================================
+# == 25. Command line (no model needed) ========================================
 
 
 def test_cli_help_explains_every_command():
@@ -1042,7 +1042,7 @@ def test_greedy_same_without_numpy(gemma):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == want
 
 
-# == 24. Command line ==========================================================
+# == 25. Command line ==========================================================
 
 
 def test_cli_run_answers_and_exits():
@@ -2184,7 +2184,7 @@ def test_suggeritore_values_equal_plain_greedy_and_get_accepted(qwen):
     assert qwen.stats()["spec"]["suggest.values"]["accepted"] - before >= 10
 
 
-# == 20. The Conclave: best-of-N in one batch, voted ===========================
+# == 21. The Conclave: best-of-N in one batch, voted ===========================
 
 
 def test_conclave_extractors():
@@ -2249,7 +2249,7 @@ def test_conclave_one_prefill_shared_steps_early_stop(qwen5):
         reame.run_conclave(eng, prompt, reame.SamplingParams(temperature=0), 3)
 
 
-# == 23. HTTP server (real socket on port 0, real model) =======================
+# == 24. HTTP server (real socket on port 0, real model) =======================
 
 
 @pytest.fixture(scope="module")
@@ -2501,6 +2501,35 @@ def test_server_logprobs_with_openai_client(server):
                 {"logprobs": True, "best_of": 2}):
         status, payload = _http(server, "POST", "/v1/chat/completions", dict(messages=ask["messages"], **bad))
         assert status == 400 and json.loads(payload)["error"]["param"] in ("logprobs", "top_logprobs"), (bad, payload)
+
+
+def test_server_embeddings_with_openai_client(server, gemma):
+    """/v1/embeddings: the served model's pooled hidden states, unit length; two paraphrases
+    closer than two unrelated texts; base64 the same floats; token lists; clear 400s."""
+    import base64
+    import openai
+    import struct
+    client = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % server.port, api_key="k1", max_retries=0)
+    texts = ["The cat sat on the mat.", "A cat was sitting on the rug.", "Quarterly tax deadlines for corporations."]
+    r = client.embeddings.create(model="gemma3-270m", input=texts)
+    v = [d.embedding for d in r.data]
+    assert [d.index for d in r.data] == [0, 1, 2] and len({len(x) for x in v}) == 1 and len(v[0]) >= 64
+    dot = lambda a, b: sum(x * y for x, y in zip(a, b))  # noqa: E731
+    assert all(abs(dot(x, x) - 1) < 1e-4 for x in v)
+    assert dot(v[0], v[1]) > dot(v[0], v[2]) and dot(v[0], v[1]) > dot(v[1], v[2]), (dot(v[0], v[1]), dot(v[0], v[2]))
+    toks = gemma.model.tokenize(texts[0], parse_special=False)
+    assert r.usage.prompt_tokens == sum(len(gemma.model.tokenize(t, parse_special=False)) for t in texts)
+    status, payload = _http(server, "POST", "/v1/embeddings", {"input": texts[0], "encoding_format": "base64"})
+    raw = base64.b64decode(json.loads(payload)["data"][0]["embedding"])
+    b64 = struct.unpack("<%df" % (len(raw) // 4), raw)
+    status, payload = _http(server, "POST", "/v1/embeddings", {"input": toks})
+    by_tokens = json.loads(payload)["data"][0]["embedding"]
+    assert status == 200 and dot(b64, by_tokens) > 0.9999 and dot(b64, v[0]) > 0.999
+    for bad in ({"input": []}, {"input": 5}, {"input": [[]]}, {"input": "x", "dimensions": 8},
+                {"input": "x", "encoding_format": "hex"}, {"input": [10 ** 9]}, {"input": ["x"] * 257}):
+        status, payload = _http(server, "POST", "/v1/embeddings", bad)
+        assert status == 400 and json.loads(payload)["error"]["message"], (bad, payload)
+    assert _http(server, "POST", "/v1/embeddings", {"input": "x"}, key=None)[0] == 401
 
 
 def _sse(payload: bytes) -> list:
@@ -2981,7 +3010,7 @@ def test_server_n_and_best_of_beyond_parallel(server, gemma):
     assert _http(server, "POST", "/v1/chat/completions", dict(body, n=17))[0] == 400
 
 
-# == 23. HTTP server, attacked: one request can neither crash it nor reach another tenant
+# == 24. HTTP server, attacked: one request can neither crash it nor reach another tenant
 # Each attack runs against a real server on port 0 (gemma3-270m) while a victim stream of
 # another key decodes: the attacker gets a clear 4xx (or 413/429/503), /health answers
 # within a second, and the victim gets exactly the greedy text it gets alone.
