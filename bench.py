@@ -2779,8 +2779,7 @@ def soak_attacks() -> list:
                                                        ok200=any_answer)),
         ("unknown-fields", False, lambda p: soak_post(p, CHAT, chat(
             "Say OK.", logit_bias={"1": 100, "2": -100}, logprobs=True, top_logprobs=5, user="x",
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
-            frobnicate={"x": [1, 2, 3]}), ok200=any_answer)),
+            metadata={"k": "v"}, frobnicate={"x": [1, 2, 3]}), ok200=any_answer)),
         ("schema-nullable", False, lambda p: soak_post(p, CHAT, chat(
             "Describe a person as JSON.", max_tokens=48, response_format={
                 "type": "json_schema", "json_schema": {"name": "p", "schema": nullable}}), ok200=nullable_person)),

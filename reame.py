@@ -102,7 +102,8 @@ __all__ = [
     "json_schema_grammar", "grammar_sampler", "check_grammar", "gbnf_check", "structure_from_body",
     "DraftPlan", "SlotTable", "EngineCounters", "ApiRequest", "request_from_body", "conclave_params",
     "SAMPLED_TEMPERATURE", "chat_template_known", "MAX_CHOICES", "seeded_from", "Embedder", "EMBED_MAX_INPUTS",
-    "embeddings_from_body", "LOGPROBS_MAX", "logprob_entry", "logprobs_json",
+    "embeddings_from_body", "hermes_messages", "parse_tool_calls", "tools_from_body", "tools_grammar",
+    "tools_supported", "LOGPROBS_MAX", "logprob_entry", "logprobs_json",
 ]
 
 log = logging.getLogger("reame")
@@ -6124,12 +6125,12 @@ def archive_from_body(body: dict, owner: str) -> Optional[str]:
 
 
 # The roles a chat template knows, and what each is called there: OpenAI's "developer"
-# (its newer name for system instructions) is the system turn. "tool" turns need tool
-# calling, which this server does not do: a 400, rather than a template's guess at them.
+# (its newer name for system instructions) is the system turn. "tool" turns (results of
+# tool calls) only with a model that has a tool format (tools_ok; see tool calling below).
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
-def _messages_from_body(body: dict) -> List[dict]:
+def _messages_from_body(body: dict, tools_ok: bool = False) -> List[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise RequestError("'messages' must be a non-empty array", code="invalid_value")
@@ -6137,10 +6138,16 @@ def _messages_from_body(body: dict) -> List[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError("'messages[%d]' must be an object with a string 'role'" % i, code="invalid_value")
-        if m["role"] not in _ROLES:
-            raise RequestError("'messages[%d].role' must be one of %s, not %r" % (
-                i, ", ".join(sorted(_ROLES)), m["role"][:40]), code="invalid_value", param="messages[%d].role" % i)
+        roles = set(_ROLES) | ({"tool"} if tools_ok else set())
+        if m["role"] not in roles:
+            raise RequestError("'messages[%d].role' must be one of %s, not %r%s" % (
+                i, ", ".join(sorted(roles)), m["role"][:40], "" if tools_ok else
+                " (tool turns need a model with a tool-call format)"), code="invalid_value",
+                param="messages[%d].role" % i)
+        calls = _tool_calls_from_message(m, i) if tools_ok and m["role"] == "assistant" else None
         content = m.get("content")
+        if content is None and (calls or m["role"] == "tool"):
+            content = ""
         if isinstance(content, list):  # array of parts: keep the text ones
             parts = []
             for p in content:
@@ -6152,8 +6159,152 @@ def _messages_from_body(body: dict) -> List[dict]:
         if not isinstance(content, str):
             raise RequestError("'messages[%d].content' must be a string or an array of text parts" % i,
                                code="invalid_value")
-        out.append({"role": _ROLES[m["role"]], "content": content})
+        msg = {"role": _ROLES.get(m["role"], m["role"]), "content": content}
+        if calls:
+            msg["tool_calls"] = calls
+        if m["role"] == "tool":
+            msg["tool_call_id"] = str(m.get("tool_call_id") or "")[:128]
+        out.append(msg)
     return out
+
+
+# -- tool calling, in the Hermes format that Qwen2.5 was trained on: tools listed in the
+# system turn inside <tools></tools>, each call written as <tool_call>{"name": ...,
+# "arguments": {...}}</tool_call>, results sent back as a user turn of <tool_response>s.
+# A model whose chat template has no such format gets a 400 for tools, never prose.
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TOOLS_MAX = 128
+_HERMES_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+def tools_supported(model) -> bool:
+    """Whether the model's chat template has the Hermes tool format (Qwen2.5 and kin)."""
+    return "<tool_call>" in (model.chat_template or "")
+
+
+def _tool_calls_from_message(m: dict, i: int) -> Optional[list]:
+    """An assistant turn's tool_calls, checked: [{id, type, function: {name, arguments}}]
+    with arguments a JSON object (as a string, as OpenAI sends them, or an object)."""
+    calls = m.get("tool_calls")
+    if calls is None:
+        return None
+    if not isinstance(calls, list) or len(calls) > _TOOLS_MAX:
+        raise RequestError("'messages[%d].tool_calls' must be a list" % i, code="invalid_value")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        args = fn.get("arguments", "{}") if isinstance(fn, dict) else None
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            args = None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(args, dict):
+            raise RequestError("'messages[%d].tool_calls[%d]' must be {type: function, function: {name, arguments: "
+                               "a JSON object}}" % (i, j), code="invalid_value")
+        out.append({"id": str(c.get("id") or "")[:128], "type": "function",
+                    "function": {"name": fn["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
+    return out
+
+
+def tools_from_body(body: dict) -> tuple:
+    """(tools, tool_choice, parallel): the request's function tools (a list of OpenAI
+    {"type": "function", "function": {...}}, [] without any), "none", "auto", "required"
+    or a function's name, and whether several calls may come in one answer."""
+    tools = _field(body, "tools", list, [], why="a list of tools")
+    if len(tools) > _TOOLS_MAX:
+        raise RequestError("'tools' has %d tools; at most %d" % (len(tools), _TOOLS_MAX), code="invalid_value",
+                           param="tools")
+    names = []
+    for j, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _TOOL_NAME.match(fn["name"]) \
+                or not isinstance(fn.get("parameters", {}), dict):
+            raise RequestError("'tools[%d]' must be {type: function, function: {name (A-Z a-z 0-9 _ -, up to 64), "
+                               "description, parameters: a JSON schema}}" % j, code="invalid_value", param="tools")
+        names.append(fn["name"])
+    choice = body.get("tool_choice", "auto" if tools else "none")
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        choice = fn.get("name") if isinstance(fn, dict) else None
+        if choice not in names:
+            raise RequestError("'tool_choice' names no function of 'tools'", code="invalid_value", param="tool_choice")
+    elif choice not in ("none", "auto", "required"):
+        raise RequestError("'tool_choice' must be none, auto, required or {type: function, function: {name}}",
+                           code="invalid_value", param="tool_choice")
+    if choice != "none" and not tools:
+        raise RequestError("'tool_choice' %s needs 'tools'" % choice, code="invalid_value", param="tool_choice")
+    return tools, choice, _field(body, "parallel_tool_calls", bool, True, why="a boolean")
+
+
+def hermes_messages(messages: Sequence[dict], tools: Sequence[dict]) -> List[dict]:
+    """Chat messages with tools, tool calls and tool results written as Qwen2.5's own
+    template writes them, as plain system / user / assistant turns for llama.cpp's ChatML
+    formatter (which knows no tools)."""
+    out: List[dict] = []
+    msgs = list(messages)
+    if tools:
+        system = msgs.pop(0)["content"] if msgs and msgs[0]["role"] == "system" else _HERMES_DEFAULT_SYSTEM
+        out.append({"role": "system", "content": system + "\n\n# Tools\n\nYou may call one or more functions to "
+                    "assist with the user query.\n\nYou are provided with function signatures within <tools></tools>"
+                    " XML tags:\n<tools>" + "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools) +
+                    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                    "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+                    "\"arguments\": <args-json-object>}\n</tool_call>"})
+    for m in msgs:
+        if m["role"] == "tool":
+            part = "<tool_response>\n%s\n</tool_response>" % m["content"]
+            if out and out[-1].get("tool_results"):
+                out[-1]["content"] += "\n" + part
+            else:
+                out.append({"role": "user", "content": part, "tool_results": True})
+        elif m.get("tool_calls"):
+            calls = "\n".join('<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (
+                c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"] else "") + calls})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    return [{"role": m["role"], "content": m["content"]} for m in out]
+
+
+def tools_grammar(tools: Sequence[dict], name: Optional[str], parallel: bool) -> str:
+    """GBNF for an answer that is tool calls only (tool_choice required, or the function
+    ``name``): each call's arguments constrained by its function's parameters schema."""
+    g = _SchemaGrammar({})
+    alts = []
+    for t in tools:
+        fn = t["function"]
+        if name is not None and fn["name"] != name:
+            continue
+        args = g.expr(fn.get("parameters") or {"type": "object"}, "#/tools/%s" % fn["name"])
+        alts.append(_gbnf_literal('"%s", "arguments": ' % fn["name"]) + " " + args)
+    lines = ["root ::= call" + (' ("\\n" call)*' if parallel and name is None else ""),
+             "call ::= " + _gbnf_literal('<tool_call>\n{"name": ') + " ( " + " | ".join(alts) + " ) " +
+             _gbnf_literal("}\n</tool_call>")]
+    return "\n".join(lines + ["%s ::= %s" % (n, b) for n, b in g.rules]) + "\n" + _GBNF_BASE
+
+
+def parse_tool_calls(text: str) -> tuple:
+    """(content, tool calls) of an answer: every well-formed <tool_call> block becomes an
+    OpenAI tool call (a new id; arguments as a JSON string); the rest is the content
+    (None when nothing else was said). A malformed block stays content."""
+    calls, kept, at = [], [], 0
+    for m in _TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            continue
+        args = obj.get("arguments", {})
+        kept.append(text[at:m.start()])
+        at = m.end()
+        calls.append({"id": "call_" + os.urandom(12).hex(), "type": "function", "function": {
+            "name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
+    kept.append(text[at:])
+    content = "".join(kept).strip()
+    return (content or None) if calls else text, calls
 
 
 def _logprobs_from_body(body: dict, chat: bool) -> Optional[int]:
@@ -6205,17 +6356,27 @@ class ApiRequest:
     candidates: bool = False        # best_of: return (and stream) every candidate
     messages: List[dict] = dataclasses.field(default_factory=list)  # chat
     prompt: str = ""                # completions
+    tools: list = dataclasses.field(default_factory=list)  # function tools (chat)
+    tool_choice: str = "none"       # none, auto, required, or the function's name
+    parallel_tool_calls: bool = True
+
+    @property
+    def calls_tools(self) -> bool:
+        """The answer may be tool calls (the tools are in the prompt, its text is parsed)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 MAX_CHOICES = 16  # n and best_of up to this (or --parallel, if more), whatever the slots
 
 
 def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_tokens_cap: int,
-                      spec_default: SpecOptions, session_header: Optional[str] = None) -> ApiRequest:
+                      spec_default: SpecOptions, session_header: Optional[str] = None,
+                      tools_ok: bool = False) -> ApiRequest:
     """A request body -> ApiRequest, or a 400 naming the field at fault. ``owner``: the
     caller's scope (its archive); ``n_slots``: the engine's slots (choices or candidates
     past them run in waves, up to MAX_CHOICES); a session
-    id comes from the X-Reame-Session header (``session_header``) or ``session_id``."""
+    id comes from the X-Reame-Session header (``session_header``) or ``session_id``;
+    ``tools_ok``: the model has a tool-call format (tools_supported)."""
     most = max(MAX_CHOICES, n_slots)  # past n_slots they run in waves
     most_why = "an integer from 1 to %d" % most
     api = ApiRequest(chat=chat, params=params_from_body(body, max_tokens_cap), max_tokens_asked=_max_tokens_asked(body),
@@ -6242,7 +6403,20 @@ def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_t
             raise RequestError("'logprobs' is not available with 'best_of'", code="invalid_value", param="logprobs")
         api.params = dataclasses.replace(api.params, top_logprobs=n_top)
     if chat:
-        api.messages = _messages_from_body(body)
+        api.tools, api.tool_choice, api.parallel_tool_calls = tools_from_body(body)
+        if api.tools and not tools_ok:
+            raise RequestError("'tools' needs a model whose chat template has a tool-call format (Qwen2.5's "
+                               "<tool_call>); this model's has none", code="tools_not_supported", param="tools")
+        if api.calls_tools and api.best_of > 1:
+            raise RequestError("'tools' is not available with 'best_of'", code="invalid_value", param="tools")
+        if api.tool_choice not in ("none", "auto"):  # required, or a named function: only calls
+            if api.params.grammar is not None:
+                raise RequestError("give either a forced 'tool_choice' or a 'response_format'/'grammar', not both",
+                                   code="invalid_value", param="tool_choice")
+            named = None if api.tool_choice == "required" else api.tool_choice
+            api.params = dataclasses.replace(api.params, grammar=tools_grammar(api.tools, named,
+                                                                               api.parallel_tool_calls))
+        api.messages = _messages_from_body(body, tools_ok=tools_ok)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -6841,6 +7015,30 @@ def _usage(results: Sequence[Result]) -> dict:
             "prompt_tokens_details": {"cached_tokens": results[0].n_cached_tok}}
 
 
+class _ToolText:
+    """A streamed answer's text, held back from a <tool_call> on (and while its end could
+    still become one): the content streams, the tool calls are sent whole at the end."""
+
+    MARK = "<tool_call>"
+
+    def __init__(self):
+        self.rest, self.calling = "", False  # text held back; a call has begun
+
+    def feed(self, text: str) -> str:
+        """The part of text that can go out now as content."""
+        self.rest += text
+        if self.calling:
+            return ""
+        k = self.rest.find(self.MARK)
+        if k >= 0:
+            out, self.rest, self.calling = self.rest[:k], self.rest[k:], True
+            return out
+        keep = next((n for n in range(min(len(self.MARK) - 1, len(self.rest)), 0, -1)
+                     if self.MARK.startswith(self.rest[-n:])), 0)
+        out, self.rest = self.rest[:len(self.rest) - keep], self.rest[len(self.rest) - keep:]
+        return out
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_ref: Server = None  # set on the bound subclass
@@ -7066,7 +7264,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         srv, eng = self.server_ref, self.server_ref.engine
         api = request_from_body(self._read_body(), chat=self.path.split("?", 1)[0] == "/v1/chat/completions",
                                 owner=owner, n_slots=eng.n_slots, max_tokens_cap=srv.max_tokens_cap,
-                                spec_default=eng.spec.default, session_header=self.headers.get("X-Reame-Session"))
+                                spec_default=eng.spec.default, session_header=self.headers.get("X-Reame-Session"),
+                                tools_ok=tools_supported(eng.model))
         if api.params.grammar:
             check_grammar(eng.model, api.params.grammar)
         srv.admit()
@@ -7074,17 +7273,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         try:
             history = (session.messages if session else []) + api.messages
             text = (session.text if session else "") + api.prompt
-            tokens = eng.chat_prompt(history) if api.chat else eng.model.tokenize(text)
+            turns = history
+            if api.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in history):
+                turns = hermes_messages(history, api.tools if api.calls_tools else ())
+            tokens = eng.chat_prompt(turns) if api.chat else eng.model.tokenize(text)
             if len(tokens) >= eng.n_ctx or (api.max_tokens_asked is not None and
                                              len(tokens) + api.params.max_tokens > eng.n_ctx):
                 raise RequestError("prompt (%d tokens) plus max_tokens (%d) is over the context (%d tokens "
                                    "per sequence)" % (len(tokens), api.params.max_tokens, eng.n_ctx),
                                    code="context_length_exceeded")
-            kw = dict(snap_at=eng.prefix_boundary(history, tokens) if api.chat else (), spec=api.spec,
+            kw = dict(snap_at=eng.prefix_boundary(turns, tokens) if api.chat else (), spec=api.spec,
                       archive=api.archive, tenant=srv.tenant(owner))
             if api.best_of > 1:
                 self._conclave(api, tokens, kw)
                 return
+
             def submit(start: int, k: int) -> List[Request]:  # choices start..start+k-1 (a wave)
                 return eng.submit_n(tokens, seeded_from(api.params, start), k,
                                     cache_tag=session.tag if session else None, **kw)
@@ -7111,13 +7314,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     @staticmethod
     def _choice(chat: bool, index: int, text: Optional[str], finish: Optional[str], delta: bool = False,
-                role: bool = True, logprobs: Optional[dict] = None) -> dict:
+                role: bool = True, logprobs: Optional[dict] = None, tool_calls: Optional[list] = None) -> dict:
         """One choice in OpenAI's shape: a chat message (or a stream's delta: ``text`` None
         is an empty delta) or a completion's text."""
         if chat:
             msg = {"role": "assistant"} if role else {}
-            if text is not None:
+            if text is not None or (tool_calls and not delta):
                 msg["content"] = text
+            if tool_calls:
+                msg["tool_calls"] = tool_calls
             c = {"index": index, ("delta" if delta else "message"): msg}
         else:
             c = {"index": index, "text": text or ""}
@@ -7149,8 +7354,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._results = results
         self.server_ref.count(200, results)
         done(results)
-        choices = [self._choice(api.chat, r.index, r.text, r.finish_reason,
-                                logprobs=logprobs_json(api.chat, r.logprobs)) for r in results]
+        choices = []
+        for r in results:
+            text, calls = parse_tool_calls(r.text) if api.calls_tools else (r.text, [])
+            choices.append(self._choice(api.chat, r.index, text, "tool_calls" if calls else r.finish_reason,
+                                        logprobs=logprobs_json(api.chat, r.logprobs), tool_calls=calls or None))
         self._send_json(200, dict(self._envelope(api, rid, False), choices=choices, usage=_usage(results)))
 
     def _conclave(self, api: ApiRequest, tokens: List[int], submit_kw: dict) -> None:
@@ -7247,12 +7455,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._sse_send(dict(base, choices=[c]))
         results: List[Optional[Result]] = [None] * n
         start, failed = 0, None
+        held = [_ToolText() for _ in range(n)] if api.calls_tools else None
         try:
             if chat:
                 for i in range(n):
                     send(i, "", role=True)
             while failed is None:
-                failed = self._stream_wave(reqs, start, send, results, lp_pending)
+                failed = self._stream_wave(reqs, start, send, results, lp_pending, held, base)
                 start += len(reqs)
                 if failed is not None or start == n:
                     break
@@ -7281,10 +7490,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return []
         return results if failed is None else []
 
-    def _stream_wave(self, reqs: List[Request], start: int, send, results: list,
-                     lp_pending: dict) -> Optional[ReameError]:
+    def _stream_wave(self, reqs: List[Request], start: int, send, results: list, lp_pending: dict,
+                     held: Optional[list], base: dict) -> Optional[ReameError]:
         """Send one wave's events (its choice i is choice start + i) until every choice
-        ended; its error, if one failed (then the wave is cancelled)."""
+        ended; its error, if one failed (then the wave is cancelled). With tools
+        (``held``: a _ToolText per choice), text from a <tool_call> on is held back and
+        sent as delta.tool_calls chunks at the end, as OpenAI streams them."""
         events, left = reqs[0].events, len(reqs)
         while left:
             try:
@@ -7295,12 +7506,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 continue
             i += start
             if kind == "text":
-                send(i, payload)
+                text = held[i].feed(payload) if held else payload
+                if text:
+                    send(i, text)
             elif kind == "logprobs":
                 lp_pending.setdefault(i, []).extend(payload)
             elif kind == "done":
                 payload.index = i
-                send(i, finish=payload.finish_reason)
+                calls = parse_tool_calls(payload.text)[1] if held else []
+                if held and not calls and held[i].rest:
+                    send(i, held[i].rest)  # it looked like a call, and was not
+                for j, c in enumerate(calls):
+                    head = {"index": j, "id": c["id"], "type": "function",
+                            "function": {"name": c["function"]["name"], "arguments": ""}}
+                    for part in (head, {"index": j, "function": {"arguments": c["function"]["arguments"]}}):
+                        self._sse_send(dict(base, choices=[{"index": i, "delta": {"tool_calls": [part]},
+                                                            "finish_reason": None, "logprobs": None}]))
+                send(i, finish="tool_calls" if calls else payload.finish_reason)
                 results[i] = payload
                 left -= 1
             else:

@@ -2532,6 +2532,73 @@ def test_server_embeddings_with_openai_client(server, gemma):
     assert _http(server, "POST", "/v1/embeddings", {"input": "x"}, key=None)[0] == 401
 
 
+_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
+        "city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+_TIME = {"type": "function", "function": {"name": "get_time", "description": "The local time in a city.",
+                                          "parameters": {"type": "object", "required": ["city"],
+                                                         "properties": {"city": {"type": "string"}}}}}
+
+
+def test_server_tool_calls_with_openai_client(qwen, server):
+    """Tools on Qwen2.5 (the Hermes <tool_call> format), through the openai client:
+    required and named calls whose arguments validate against the function's schema,
+    streamed calls reassembled, a tool result answered; a model without a tool format
+    (gemma3-270m: the fixture server) refuses tools with a 400."""
+    import openai
+    srv = reame.Server(qwen, "qwen", host="127.0.0.1", port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        client = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % srv.port, api_key="x", max_retries=0)
+        ask = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+        r = client.chat.completions.create(model="qwen", messages=ask, tools=[_WEATHER, _TIME], temperature=0,
+                                           max_tokens=64, tool_choice="required")
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+        call = ch.message.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        assert call.type == "function" and call.id.startswith("call_")
+        if call.function.name == "get_weather":
+            assert set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+        assert call.function.name in ("get_weather", "get_time") and isinstance(args["city"], str)
+        named = client.chat.completions.create(
+            model="qwen", messages=ask, tools=[_WEATHER, _TIME], temperature=0, max_tokens=64,
+            tool_choice={"type": "function", "function": {"name": "get_time"}}).choices[0].message.tool_calls
+        assert [c.function.name for c in named] == ["get_time"] and set(json.loads(named[0].function.arguments)) == {
+            "city"}
+        got = {}
+        for chunk in client.chat.completions.create(model="qwen", messages=ask, tools=[_WEATHER, _TIME],
+                                                    temperature=0, max_tokens=64, tool_choice="required",
+                                                    stream=True):
+            for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                c = got.setdefault(d.index, {"name": "", "arguments": ""})
+                c["name"] += (d.function.name or "") if d.function else ""
+                c["arguments"] += (d.function.arguments or "") if d.function else ""
+        assert [(c["name"], json.loads(c["arguments"])) for c in got.values()] == \
+            [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls]
+        turn = ask + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "sunny"}'}]
+        answer = client.chat.completions.create(model="qwen", messages=turn, tools=[_WEATHER], temperature=0,
+                                                max_tokens=48, tool_choice="none").choices[0]
+        assert answer.finish_reason in ("stop", "length") and answer.message.content and not answer.message.tool_calls
+        auto = client.chat.completions.create(model="qwen", messages=ask, tools=[_WEATHER], temperature=0,
+                                              max_tokens=64).choices[0]
+        for c in auto.message.tool_calls or ():  # auto: a call, if the model makes one, is well formed
+            assert c.function.name == "get_weather" and isinstance(json.loads(c.function.arguments), dict)
+        for bad in ({"tool_choice": "required"}, {"tools": [_WEATHER], "tool_choice": "sometimes"},
+                    {"tools": [_WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                    {"tools": [{"type": "function", "function": {"name": "bad name"}}]}):
+            status, payload = _http(srv, "POST", "/v1/chat/completions", dict(messages=ask, **bad), key=None)
+            assert status == 400 and json.loads(payload)["error"]["param"] in ("tools", "tool_choice"), (bad, payload)
+    finally:
+        srv.shutdown()
+    status, payload = _http(server, "POST", "/v1/chat/completions", {"messages": ask, "tools": [_WEATHER]})
+    assert status == 400 and json.loads(payload)["error"]["code"] == "tools_not_supported", payload
+
+
 def _sse(payload: bytes) -> list:
     events = [line[6:] for line in payload.decode().split("\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]", events[-3:]
