@@ -24,9 +24,10 @@
     python3 bench.py --step-cost          only the decode step cost by tokens in the step (the
                                           row-by-row kernels that keep greedy output exact);
                                           --against LIBLLAMA compares another build side by side
-    python3 bench.py --suggest            only the Suggeritore section: a numbered list, JSON records,
-                                          a markdown table, prose, and JSON records under a json_schema,
-                                          Il Suggeritore on vs off
+    python3 bench.py --suggest [--suggest-only TEXT]
+                                          only the Suggeritore section: a numbered list, JSON records,
+                                          a markdown table, prose, JSON records under a json_schema, and
+                                          a tool call forced by name, Il Suggeritore on vs off
     python3 bench.py --soak [--soak-seconds 600] [--model gemma3-270m] [--soak-attacks A,B]
                                           only the soak: one server under load, attacks and
                                           disconnects; exit status 1 if anything failed
@@ -1941,7 +1942,15 @@ SUGGEST_WORKLOADS = [
      ["a lighthouse keeper and a lost kite", "a baker who can hear bread rise", "a map that redraws itself"]),
     ("JSON records, json_schema", SUGGEST_JSON + " They all live in %s.", SUGGEST_SCHEMA,
      ["Peru", "Kenya", "Iceland"]),
+    ("tool call, named", "Add 8 invented people who live in %s to my contacts.", "tool",
+     ["Portugal", "Ghana", "Canada"]),
 ]
+# the tool-call workload: one call of this function, forced by name (tool_choice), its
+# arguments constrained by its schema as reame.py serve does it (Qwen2.5's Hermes format)
+SUGGEST_TOOL = {"type": "function", "function": {
+    "name": "add_contacts", "description": "Add people to the address book.",
+    "parameters": {"type": "object", "required": ["people"], "properties": {
+        "people": {"type": "array", "items": SUGGEST_RECORD, "minItems": 8, "maxItems": 8}}}}}
 
 
 def _line_ends_told(ref_text: str):
@@ -1968,11 +1977,20 @@ def run_suggest(args) -> dict:
     noise = CpuNoise()
     try:
         for name, prompt, schema, topics in SUGGEST_WORKLOADS:
-            grammar = reame.json_schema_grammar(schema) if schema else None
+            if args.suggest_only and args.suggest_only not in name:
+                continue
+            tool = schema == "tool"
+            if tool:
+                grammar = reame.tools_grammar([SUGGEST_TOOL], "add_contacts", False)
+                schema = reame.tool_call_schema([SUGGEST_TOOL], "add_contacts")
+            else:
+                grammar = reame.json_schema_grammar(schema) if schema else None
             runs = {c: [] for c, _ in configs}
             acc, n_gen, equal = {}, 0, True
             for rep in range(args.repeats):
-                toks = chat_tokens(eng, prompt % topics[rep % len(topics)])
+                ask = prompt % topics[rep % len(topics)]
+                toks = eng.chat_prompt(reame.hermes_messages([{"role": "user", "content": ask}], [SUGGEST_TOOL])) \
+                    if tool else chat_tokens(eng, ask)
                 eng.submit(toks, reame.SamplingParams(temperature=0, max_tokens=1), archive=None).wait()  # warm KV
                 ref = None
                 for cname, opts in (configs if rep % 2 == 0 else configs[::-1]):
@@ -3655,8 +3673,10 @@ def parse_args(argv=None):
                         "alternating, and print the ratio of step times")
     p.add_argument("--suggest", action="store_true",
                    help="only the Suggeritore section: a 20-item numbered list, 10 JSON records, a markdown "
-                        "table, prose, and the JSON records under a json_schema, Il Suggeritore on vs off "
-                        "(repeats default 2, gen-tokens 400)")
+                        "table, prose, the JSON records under a json_schema, and a tool call forced by name "
+                        "(8 records as its arguments), Il Suggeritore on vs off (repeats default 2, gen-tokens 400)")
+    p.add_argument("--suggest-only", default=None, metavar="TEXT",
+                   help="--suggest: only the workloads whose name contains TEXT (e.g. 'tool call')")
     p.add_argument("--archive-index-tokens", type=int, default=25_000_000,
                    help="--palimpsest: tokens of the synthetic archive whose index build is timed "
                         "(default 25M: a 100 MB archive)")

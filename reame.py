@@ -103,7 +103,7 @@ __all__ = [
     "DraftPlan", "SlotTable", "EngineCounters", "ApiRequest", "request_from_body", "conclave_params",
     "SAMPLED_TEMPERATURE", "chat_template_known", "MAX_CHOICES", "seeded_from", "Embedder", "EMBED_MAX_INPUTS",
     "embeddings_from_body", "hermes_messages", "parse_tool_calls", "tools_from_body", "tools_grammar",
-    "tools_supported", "LOGPROBS_MAX", "logprob_entry", "logprobs_json",
+    "tools_supported", "tool_call_schema", "LOGPROBS_MAX", "logprob_entry", "logprobs_json",
 ]
 
 log = logging.getLogger("reame")
@@ -6285,6 +6285,16 @@ def tools_grammar(tools: Sequence[dict], name: Optional[str], parallel: bool) ->
     return "\n".join(lines + ["%s ::= %s" % (n, b) for n, b in g.rules]) + "\n" + _GBNF_BASE
 
 
+def tool_call_schema(tools: Sequence[dict], name: Optional[str]) -> dict:
+    """The json_schema of one call's JSON ({"name": ..., "arguments": {...}}) as Il
+    Suggeritore reads it: the function names, and the named function's parameters, so its
+    JSON rule drafts the keys and punctuation a forced call must write."""
+    fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    args = (fns[0].get("parameters") or {"type": "object"}) if len(fns) == 1 else {}
+    return {"type": "object", "required": ["name", "arguments"], "properties": {
+        "name": {"enum": [f["name"] for f in fns]}, "arguments": args}}
+
+
 def parse_tool_calls(text: str) -> tuple:
     """(content, tool calls) of an answer: every well-formed <tool_call> block becomes an
     OpenAI tool call (a new id; arguments as a JSON string); the rest is the content
@@ -6415,7 +6425,8 @@ def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_t
                                    code="invalid_value", param="tool_choice")
             named = None if api.tool_choice == "required" else api.tool_choice
             api.params = dataclasses.replace(api.params, grammar=tools_grammar(api.tools, named,
-                                                                               api.parallel_tool_calls))
+                                                                               api.parallel_tool_calls),
+                                             schema=tool_call_schema(api.tools, named))
         api.messages = _messages_from_body(body, tools_ok=tools_ok)
     else:
         prompt = body.get("prompt")
