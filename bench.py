@@ -1981,16 +1981,16 @@ def run_suggest(args) -> dict:
                 continue
             tool = schema == "tool"
             if tool:
-                grammar = reame.tools_grammar([SUGGEST_TOOL], "add_contacts", False)
-                schema = reame.tool_call_schema([SUGGEST_TOOL], "add_contacts")
+                grammar = reame.tools_grammar("hermes", [SUGGEST_TOOL], "add_contacts", False)
+                schema = reame.tool_call_schema("hermes", [SUGGEST_TOOL], "add_contacts")
             else:
                 grammar = reame.json_schema_grammar(schema) if schema else None
             runs = {c: [] for c, _ in configs}
             acc, n_gen, equal = {}, 0, True
             for rep in range(args.repeats):
                 ask = prompt % topics[rep % len(topics)]
-                toks = eng.chat_prompt(reame.hermes_messages([{"role": "user", "content": ask}], [SUGGEST_TOOL])) \
-                    if tool else chat_tokens(eng, ask)
+                turns = reame.tool_messages("hermes", [{"role": "user", "content": ask}], [SUGGEST_TOOL])
+                toks = eng.chat_prompt(turns) if tool else chat_tokens(eng, ask)
                 eng.submit(toks, reame.SamplingParams(temperature=0, max_tokens=1), archive=None).wait()  # warm KV
                 ref = None
                 for cname, opts in (configs if rep % 2 == 0 else configs[::-1]):

@@ -102,8 +102,8 @@ __all__ = [
     "json_schema_grammar", "grammar_sampler", "check_grammar", "gbnf_check", "structure_from_body",
     "DraftPlan", "SlotTable", "EngineCounters", "ApiRequest", "request_from_body", "conclave_params",
     "SAMPLED_TEMPERATURE", "chat_template_known", "MAX_CHOICES", "seeded_from", "Embedder", "EMBED_MAX_INPUTS",
-    "embeddings_from_body", "hermes_messages", "parse_tool_calls", "tools_from_body", "tools_grammar",
-    "tools_supported", "tool_call_schema", "LOGPROBS_MAX", "logprob_entry", "logprobs_json",
+    "embeddings_from_body", "hermes_messages", "llama3_messages", "tool_messages", "parse_tool_calls",
+    "tools_from_body", "tools_grammar", "tool_format", "tool_call_schema", "LOGPROBS_MAX", "logprob_entry", "logprobs_json",
 ]
 
 log = logging.getLogger("reame")
@@ -6168,10 +6168,13 @@ def _messages_from_body(body: dict, tools_ok: bool = False) -> List[dict]:
     return out
 
 
-# -- tool calling, in the Hermes format that Qwen2.5 was trained on: tools listed in the
-# system turn inside <tools></tools>, each call written as <tool_call>{"name": ...,
-# "arguments": {...}}</tool_call>, results sent back as a user turn of <tool_response>s.
-# A model whose chat template has no such format gets a 400 for tools, never prose.
+# -- tool calling, written the way each model family was trained (its chat template says
+# which): "hermes" (Qwen2.5): tools listed in the system turn inside <tools></tools>,
+# each call written as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results
+# sent back as a user turn of <tool_response>s; "llama3" (Llama 3.1-3.3's JSON tool
+# calling): tools as JSON in the first user turn, a call is the whole answer
+# {"name": ..., "parameters": {...}}, results come back as "ipython" turns. A model
+# with neither gets a 400 for tools, never prose.
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _TOOLS_MAX = 128
@@ -6179,9 +6182,21 @@ _HERMES_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a help
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
-def tools_supported(model) -> bool:
-    """Whether the model's chat template has the Hermes tool format (Qwen2.5 and kin)."""
-    return "<tool_call>" in (model.chat_template or "")
+_LLAMA3_TOOLS_SYSTEM = "Environment: ipython\nCutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
+_LLAMA3_TOOLS_USER = ("Given the following functions, please respond with a JSON for a function call with its proper "
+                      "arguments that best answers the given prompt.\n\nRespond in the format {\"name\": function "
+                      "name, \"parameters\": dictionary of argument name and its value}.Do not use variables.\n\n")
+
+
+def tool_format(model) -> Optional[str]:
+    """The tool-call format the model's chat template was written for: "hermes" (Qwen2.5
+    and kin), "llama3" (Llama 3.1 and later), or None (no tools)."""
+    tmpl = model.chat_template or ""
+    if "<tool_call>" in tmpl:
+        return "hermes"
+    if "<|start_header_id|>" in tmpl and "ipython" in tmpl:
+        return "llama3"
+    return None
 
 
 def _tool_calls_from_message(m: dict, i: int) -> Optional[list]:
@@ -6238,6 +6253,41 @@ def tools_from_body(body: dict) -> tuple:
     return tools, choice, _field(body, "parallel_tool_calls", bool, True, why="a boolean")
 
 
+def tool_messages(fmt: str, messages: Sequence[dict], tools: Sequence[dict]) -> List[dict]:
+    """Chat messages with tools, tool calls and tool results, as plain turns for llama.cpp's
+    built-in formatter (which knows no tools), written in the model's tool format."""
+    return hermes_messages(messages, tools) if fmt == "hermes" else llama3_messages(messages, tools)
+
+
+def llama3_messages(messages: Sequence[dict], tools: Sequence[dict]) -> List[dict]:
+    """Messages as Llama 3.1's own template writes JSON tool calling: with tools, the
+    system turn says "Environment: ipython" and the first user turn lists the tools (JSON,
+    indented by 4) before the question; a call is the assistant's whole turn; a tool's
+    result is an "ipython" turn."""
+    msgs = list(messages)
+    system = msgs.pop(0)["content"] if msgs and msgs[0]["role"] == "system" else ""
+    out: List[dict] = []
+    if tools:
+        if not msgs or msgs[0]["role"] != "user":
+            raise RequestError("with 'tools', this model's format needs a user message first", code="invalid_value",
+                               param="messages")
+        out.append({"role": "system", "content": _LLAMA3_TOOLS_SYSTEM + system})
+        first = msgs.pop(0)
+        out.append({"role": "user", "content": _LLAMA3_TOOLS_USER + "".join(
+            json.dumps(t, indent=4, ensure_ascii=False) + "\n\n" for t in tools) + first["content"].strip()})
+    elif system:
+        out.append({"role": "system", "content": system})
+    for m in msgs:
+        if m["role"] == "tool":
+            out.append({"role": "ipython", "content": m["content"]})
+        elif m.get("tool_calls"):
+            out.append({"role": "assistant", "content": "\n".join('{"name": "%s", "parameters": %s}' % (
+                c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"])})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
 def hermes_messages(messages: Sequence[dict], tools: Sequence[dict]) -> List[dict]:
     """Chat messages with tools, tool calls and tool results written as Qwen2.5's own
     template writes them, as plain system / user / assistant turns for llama.cpp's ChatML
@@ -6268,37 +6318,59 @@ def hermes_messages(messages: Sequence[dict], tools: Sequence[dict]) -> List[dic
     return [{"role": m["role"], "content": m["content"]} for m in out]
 
 
-def tools_grammar(tools: Sequence[dict], name: Optional[str], parallel: bool) -> str:
+def tools_grammar(fmt: str, tools: Sequence[dict], name: Optional[str], parallel: bool) -> str:
     """GBNF for an answer that is tool calls only (tool_choice required, or the function
-    ``name``): each call's arguments constrained by its function's parameters schema."""
+    ``name``): each call's arguments constrained by its function's parameters schema
+    (llama3: one call, the whole answer)."""
     g = _SchemaGrammar({})
     alts = []
+    key = "arguments" if fmt == "hermes" else "parameters"
     for t in tools:
         fn = t["function"]
         if name is not None and fn["name"] != name:
             continue
         args = g.expr(fn.get("parameters") or {"type": "object"}, "#/tools/%s" % fn["name"])
-        alts.append(_gbnf_literal('"%s", "arguments": ' % fn["name"]) + " " + args)
-    lines = ["root ::= call" + (' ("\\n" call)*' if parallel and name is None else ""),
-             "call ::= " + _gbnf_literal('<tool_call>\n{"name": ') + " ( " + " | ".join(alts) + " ) " +
-             _gbnf_literal("}\n</tool_call>")]
+        alts.append(_gbnf_literal('"%s", "%s": ' % (fn["name"], key)) + " " + args)
+    if fmt == "hermes":
+        lines = ["root ::= call" + (' ("\\n" call)*' if parallel and name is None else ""),
+                 "call ::= " + _gbnf_literal('<tool_call>\n{"name": ') + " ( " + " | ".join(alts) + " ) " +
+                 _gbnf_literal("}\n</tool_call>")]
+    else:
+        lines = ["root ::= " + _gbnf_literal('{"name": ') + " ( " + " | ".join(alts) + " ) " + _gbnf_literal("}")]
     return "\n".join(lines + ["%s ::= %s" % (n, b) for n, b in g.rules]) + "\n" + _GBNF_BASE
 
 
-def tool_call_schema(tools: Sequence[dict], name: Optional[str]) -> dict:
+def tool_call_schema(fmt: str, tools: Sequence[dict], name: Optional[str]) -> dict:
     """The json_schema of one call's JSON ({"name": ..., "arguments": {...}}) as Il
     Suggeritore reads it: the function names, and the named function's parameters, so its
     JSON rule drafts the keys and punctuation a forced call must write."""
     fns = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
     args = (fns[0].get("parameters") or {"type": "object"}) if len(fns) == 1 else {}
-    return {"type": "object", "required": ["name", "arguments"], "properties": {
-        "name": {"enum": [f["name"] for f in fns]}, "arguments": args}}
+    key = "arguments" if fmt == "hermes" else "parameters"
+    return {"type": "object", "required": ["name", key], "properties": {
+        "name": {"enum": [f["name"] for f in fns]}, key: args}}
 
 
-def parse_tool_calls(text: str) -> tuple:
-    """(content, tool calls) of an answer: every well-formed <tool_call> block becomes an
-    OpenAI tool call (a new id; arguments as a JSON string); the rest is the content
-    (None when nothing else was said). A malformed block stays content."""
+def _openai_call(name: str, args) -> dict:
+    return {"id": "call_" + os.urandom(12).hex(), "type": "function", "function": {
+        "name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def parse_tool_calls(fmt: str, text: str) -> tuple:
+    """(content, tool calls) of an answer: hermes: every well-formed <tool_call> block
+    becomes an OpenAI tool call (a new id; arguments as a JSON string), the rest is the
+    content (None when nothing else was said), a malformed block stays content; llama3:
+    an answer that is one JSON object {"name", "parameters"} is a call."""
+    if fmt == "llama3":
+        body = text.strip()
+        try:
+            obj = json.loads(body) if body.startswith("{") else None
+        except ValueError:
+            obj = None
+        args = obj.get("parameters", obj.get("arguments", {})) if isinstance(obj, dict) else None
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(args, dict):
+            return None, [_openai_call(obj["name"], args)]
+        return text, []
     calls, kept, at = [], [], 0
     for m in _TOOL_CALL.finditer(text):
         try:
@@ -6307,11 +6379,9 @@ def parse_tool_calls(text: str) -> tuple:
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             continue
-        args = obj.get("arguments", {})
         kept.append(text[at:m.start()])
         at = m.end()
-        calls.append({"id": "call_" + os.urandom(12).hex(), "type": "function", "function": {
-            "name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
+        calls.append(_openai_call(obj["name"], obj.get("arguments", {})))
     kept.append(text[at:])
     content = "".join(kept).strip()
     return (content or None) if calls else text, calls
@@ -6369,6 +6439,7 @@ class ApiRequest:
     tools: list = dataclasses.field(default_factory=list)  # function tools (chat)
     tool_choice: str = "none"       # none, auto, required, or the function's name
     parallel_tool_calls: bool = True
+    tool_format: Optional[str] = None  # the model's (tool_format): how tools are written and read
 
     @property
     def calls_tools(self) -> bool:
@@ -6381,12 +6452,12 @@ MAX_CHOICES = 16  # n and best_of up to this (or --parallel, if more), whatever 
 
 def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_tokens_cap: int,
                       spec_default: SpecOptions, session_header: Optional[str] = None,
-                      tools_ok: bool = False) -> ApiRequest:
+                      tool_format: Optional[str] = None) -> ApiRequest:
     """A request body -> ApiRequest, or a 400 naming the field at fault. ``owner``: the
     caller's scope (its archive); ``n_slots``: the engine's slots (choices or candidates
     past them run in waves, up to MAX_CHOICES); a session
     id comes from the X-Reame-Session header (``session_header``) or ``session_id``;
-    ``tools_ok``: the model has a tool-call format (tools_supported)."""
+    ``tool_format``: the model's tool-call format (tool_format; None: no tools)."""
     most = max(MAX_CHOICES, n_slots)  # past n_slots they run in waves
     most_why = "an integer from 1 to %d" % most
     api = ApiRequest(chat=chat, params=params_from_body(body, max_tokens_cap), max_tokens_asked=_max_tokens_asked(body),
@@ -6414,9 +6485,11 @@ def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_t
         api.params = dataclasses.replace(api.params, top_logprobs=n_top)
     if chat:
         api.tools, api.tool_choice, api.parallel_tool_calls = tools_from_body(body)
-        if api.tools and not tools_ok:
+        api.tool_format = tool_format
+        if api.tools and not tool_format:
             raise RequestError("'tools' needs a model whose chat template has a tool-call format (Qwen2.5's "
-                               "<tool_call>); this model's has none", code="tools_not_supported", param="tools")
+                               "<tool_call>, Llama 3.1's JSON calls); this model's has none",
+                               code="tools_not_supported", param="tools")
         if api.calls_tools and api.best_of > 1:
             raise RequestError("'tools' is not available with 'best_of'", code="invalid_value", param="tools")
         if api.tool_choice not in ("none", "auto"):  # required, or a named function: only calls
@@ -6424,10 +6497,10 @@ def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_t
                 raise RequestError("give either a forced 'tool_choice' or a 'response_format'/'grammar', not both",
                                    code="invalid_value", param="tool_choice")
             named = None if api.tool_choice == "required" else api.tool_choice
-            api.params = dataclasses.replace(api.params, grammar=tools_grammar(api.tools, named,
-                                                                               api.parallel_tool_calls),
-                                             schema=tool_call_schema(api.tools, named))
-        api.messages = _messages_from_body(body, tools_ok=tools_ok)
+            api.params = dataclasses.replace(
+                api.params, grammar=tools_grammar(tool_format, api.tools, named, api.parallel_tool_calls),
+                schema=tool_call_schema(tool_format, api.tools, named))
+        api.messages = _messages_from_body(body, tools_ok=tool_format is not None)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -7027,19 +7100,31 @@ def _usage(results: Sequence[Result]) -> dict:
 
 
 class _ToolText:
-    """A streamed answer's text, held back from a <tool_call> on (and while its end could
-    still become one): the content streams, the tool calls are sent whole at the end."""
+    """A streamed answer's text, held back from a call on (hermes: a <tool_call>, and
+    while the text's end could still become one; llama3: an answer that opens with "{"):
+    the content streams, the tool calls are sent whole at the end."""
 
     MARK = "<tool_call>"
 
-    def __init__(self):
+    def __init__(self, fmt: str):
+        self.fmt = fmt
         self.rest, self.calling = "", False  # text held back; a call has begun
+        self.prose = False                   # llama3: the answer is text, not a call
 
     def feed(self, text: str) -> str:
         """The part of text that can go out now as content."""
         self.rest += text
         if self.calling:
             return ""
+        if self.fmt == "llama3":
+            if self.prose:
+                out, self.rest = self.rest, ""
+                return out
+            head = self.rest.lstrip()
+            if not head:
+                return ""
+            self.calling, self.prose = head[0] == "{", head[0] != "{"
+            return self.feed("") if self.prose else ""
         k = self.rest.find(self.MARK)
         if k >= 0:
             out, self.rest, self.calling = self.rest[:k], self.rest[k:], True
@@ -7276,7 +7361,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         api = request_from_body(self._read_body(), chat=self.path.split("?", 1)[0] == "/v1/chat/completions",
                                 owner=owner, n_slots=eng.n_slots, max_tokens_cap=srv.max_tokens_cap,
                                 spec_default=eng.spec.default, session_header=self.headers.get("X-Reame-Session"),
-                                tools_ok=tools_supported(eng.model))
+                                tool_format=tool_format(eng.model))
         if api.params.grammar:
             check_grammar(eng.model, api.params.grammar)
         srv.admit()
@@ -7286,7 +7371,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             text = (session.text if session else "") + api.prompt
             turns = history
             if api.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in history):
-                turns = hermes_messages(history, api.tools if api.calls_tools else ())
+                turns = tool_messages(api.tool_format, history, api.tools if api.calls_tools else ())
             tokens = eng.chat_prompt(turns) if api.chat else eng.model.tokenize(text)
             if len(tokens) >= eng.n_ctx or (api.max_tokens_asked is not None and
                                              len(tokens) + api.params.max_tokens > eng.n_ctx):
@@ -7367,7 +7452,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         done(results)
         choices = []
         for r in results:
-            text, calls = parse_tool_calls(r.text) if api.calls_tools else (r.text, [])
+            text, calls = parse_tool_calls(api.tool_format, r.text) if api.calls_tools else (r.text, [])
             choices.append(self._choice(api.chat, r.index, text, "tool_calls" if calls else r.finish_reason,
                                         logprobs=logprobs_json(api.chat, r.logprobs), tool_calls=calls or None))
         self._send_json(200, dict(self._envelope(api, rid, False), choices=choices, usage=_usage(results)))
@@ -7466,7 +7551,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._sse_send(dict(base, choices=[c]))
         results: List[Optional[Result]] = [None] * n
         start, failed = 0, None
-        held = [_ToolText() for _ in range(n)] if api.calls_tools else None
+        held = [_ToolText(api.tool_format) for _ in range(n)] if api.calls_tools else None
         try:
             if chat:
                 for i in range(n):
@@ -7524,7 +7609,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 lp_pending.setdefault(i, []).extend(payload)
             elif kind == "done":
                 payload.index = i
-                calls = parse_tool_calls(payload.text)[1] if held else []
+                calls = parse_tool_calls(held[i].fmt, payload.text)[1] if held else []
                 if held and not calls and held[i].rest:
                     send(i, held[i].rest)  # it looked like a call, and was not
                 for j, c in enumerate(calls):

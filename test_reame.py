@@ -2541,6 +2541,47 @@ _TIME = {"type": "function", "function": {"name": "get_time", "description": "Th
                                                          "properties": {"city": {"type": "string"}}}}}
 
 
+def test_llama3_tool_format_as_its_template_writes_it(qwen, monkeypatch):
+    """Llama 3.1's JSON tool calling (no Llama GGUF here: the format itself, rendered by
+    llama.cpp's built-in llama3 formatter): tools as indented JSON in the first user turn,
+    a call as the whole answer, results as ipython turns; forced calls by a grammar; a
+    streamed answer held back only when it opens as a call."""
+    from types import SimpleNamespace
+    assert reame.tool_format(SimpleNamespace(chat_template='{{ "<|start_header_id|>" }} ipython')) == "llama3"
+    assert reame.tool_format(qwen.model) == "hermes" and reame.tool_format(SimpleNamespace(chat_template="x")) is None
+    msgs = reame._messages_from_body({"messages": [
+        {"role": "user", "content": "Weather in Paris? "},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]}, tools_ok=True)
+    monkeypatch.setattr(qwen.model, "chat_template", "llama3")
+    text = qwen.model.apply_chat_template(reame.tool_messages("llama3", msgs, [_WEATHER]))
+    tools_json = json.dumps(_WEATHER, indent=4)
+    assert text == (
+        "<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\nCutting Knowledge Date: December 2023\n"
+        "Today Date: 26 Jul 2024<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nGiven the following "
+        "functions, please respond with a JSON for a function call with its proper arguments that best answers the "
+        "given prompt.\n\nRespond in the format {\"name\": function name, \"parameters\": dictionary of argument "
+        "name and its value}.Do not use variables.\n\n" + tools_json + "\n\nWeather in Paris?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"get_weather\", \"parameters\": "
+        "{\"city\": \"Paris\", \"unit\": \"celsius\"}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n"
+        "18 C<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"), text
+    content, calls = reame.parse_tool_calls("llama3", ' {"name": "get_weather", "parameters": {"city": "Rome"}}')
+    assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    assert reame.parse_tool_calls("llama3", "It is sunny.") == ("It is sunny.", [])
+    api = reame.request_from_body({"messages": [{"role": "user", "content": "Hi"}], "tools": [_WEATHER, _TIME],
+                                   "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+                                  chat=True, owner="", n_slots=4, max_tokens_cap=64,
+                                  spec_default=reame.SpecOptions(), tool_format="llama3")
+    assert api.params.grammar.startswith('root ::= "{\\"name\\": " ( "\\"get_time\\", \\"parameters\\": "')
+    reame.gbnf_check(api.params.grammar)
+    assert set(api.params.schema["properties"]) == {"name", "parameters"}
+    held = reame._ToolText("llama3")
+    assert [held.feed(t) for t in (" ", '{"na', 'me": "x"}')] == ["", "", ""] and held.rest == ' {"name": "x"}'
+    prose = reame._ToolText("llama3")
+    assert [prose.feed(t) for t in ("\n", "It", " is")] == ["", "\nIt", " is"]
+
+
 def test_server_tool_calls_with_openai_client(qwen, server):
     """Tools on Qwen2.5 (the Hermes <tool_call> format), through the openai client:
     required and named calls whose arguments validate against the function's schema,
