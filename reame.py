@@ -35,8 +35,9 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
    21. The Conclave: best-of-N in one batch, voted
    22. Request bodies: OpenAI JSON to engine arguments
    23. Sessions: conversations the server keeps
-   24. HTTP server (OpenAI-compatible)
-   25. Command line
+   24. HTTP requests: routes and answers (OpenAI-compatible)
+   25. HTTP server: connections, tenants, limits, metrics
+   26. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -6709,387 +6710,13 @@ class Sessions:
                 self._drop(s)
 
 
-# == 24. HTTP server ===========================================================
-# OpenAI-compatible endpoints on the standard library's ThreadingHTTPServer. One
-# thread per connection: it validates, templates, submits to the Engine, and writes
-# JSON or SSE from the Request's events. It never touches the llama context.
+# == 24. HTTP requests: routes and answers =====================================
+# OpenAI-compatible endpoints on the standard library's http.server. One thread per
+# connection (section 25 binds this handler to its Server): it frames, authenticates,
+# reads the request (section 22), submits to the Engine, and writes JSON or SSE from the
+# Request's events. It never touches the llama context.
 
 _MAX_BODY_BYTES = 8 << 20
-
-
-class _Histogram:
-    """A Prometheus histogram (cumulative buckets, sum, count). The caller holds the lock."""
-
-    def __init__(self, buckets: Sequence[float]):
-        self.buckets = tuple(buckets)
-        self.counts = [0] * len(self.buckets)
-        self.sum, self.n = 0.0, 0
-
-    def observe(self, v: float) -> None:
-        for i, b in enumerate(self.buckets):
-            if v <= b:
-                self.counts[i] += 1
-        self.sum += v
-        self.n += 1
-
-    def lines(self, name: str) -> List[str]:
-        out = ['%s_bucket{le="%g"} %d' % (name, b, c) for b, c in zip(self.buckets, self.counts)]
-        return out + ['%s_bucket{le="+Inf"} %d' % (name, self.n), "%s_sum %.6f" % (name, self.sum),
-                      "%s_count %d" % (name, self.n)]
-
-
-# /metrics, one line per metric here: name (after "reame_"), type, help, and the key of
-# Server._metric_values it reads: a number, a {label value: number} dict (the label's
-# name last), a _Histogram, or None (not reported: a disk tier or archive that is off).
-_METRICS = (
-    ("requests_total", "counter", "HTTP requests answered, by status", "requests", "status"),
-    ("prompt_tokens_total", "counter", "prompt tokens of answered requests", "prompt_tokens", None),
-    ("completion_tokens_total", "counter", "tokens generated for answered requests", "completion_tokens", None),
-    ("time_to_first_token_seconds", "histogram", "submit to first token", "ttft", None),
-    ("time_per_output_token_seconds", "histogram", "time per token after the first", "per_token", None),
-    ("disk_cache_misses_total", "counter", "prompt lookups the disk tier had nothing for", "disk_misses", None),
-    ("disk_cache_written_total", "counter", "KV snapshots written to disk", "disk_written", None),
-    ("disk_cache_evictions_total", "counter", "KV snapshot files evicted (size bound)", "disk_evicted", None),
-    ("disk_cache_rejected_total", "counter", "KV snapshot files that failed their checks (deleted)", "disk_bad",
-     None),
-    ("disk_cache_files", "gauge", "KV snapshot files on disk", "disk_files", None),
-    ("disk_cache_bytes", "gauge", "bytes of KV snapshot files on disk", "disk_bytes", None),
-    ("disk_cache_enabled", "gauge", "1 while the disk tier is writable", "disk_enabled", None),
-    ("disk_cache_held_bytes", "gauge", "snapshot bytes held by queued requests", "disk_held", None),
-    ("active_sequences", "gauge", "sequences holding a slot", "active", None),
-    ("queued_requests", "gauge", "requests waiting for a slot", "waiting", None),
-    ("kv_cells_used", "gauge", "KV cells of active sequences", "kv_used", None),
-    ("kv_cells_cached", "gauge", "KV cells kept by free slots (the memory tier)", "kv_cached", None),
-    ("kv_cells_free", "gauge", "KV cells neither used nor cached", "kv_free", None),
-    ("cache_hits_total", "counter", "prompts that reused resident KV", "cache_hits", None),
-    ("cache_misses_total", "counter", "prompts that found no resident KV to reuse", "cache_misses", None),
-    ("cache_evictions_total", "counter", "resident KV entries dropped for room", "cache_evictions", None),
-    ("disk_cache_hits_total", "counter", "prompts that restored a prefix from disk", "disk_hits", None),
-    ("disk_cache_snapshots_total", "counter", "KV snapshots handed to the disk writer", "disk_snapshots", None),
-    ("sessions", "gauge", "conversations kept (all keys)", "sessions", None),
-    ("prefills_total", "counter", "prompts prefilled", "prefills", None),
-    ("twin_tokens_total", "counter", "tokens of n > 1 choices sampled from a shared row", "twin_tokens", None),
-    ("prefill_tokens_total", "counter", "prompt tokens computed", "prefill_tokens", None),
-    ("cached_prompt_tokens_total", "counter", "prompt tokens reused, not computed", "cached_tokens", None),
-    ("decode_steps_total", "counter", "scheduler steps", "steps", None),
-    ("spec_proposed_tokens_total", "counter", "draft tokens verified, by source", "spec_proposed", "source"),
-    ("spec_accepted_tokens_total", "counter", "draft tokens that came true, by source", "spec_accepted", "source"),
-    ("spec_verify_steps_total", "counter", "steps that verified drafts, by source", "spec_steps", "source"),
-    ("spec_probes_total", "counter", "probes of a source that did not pay, by source", "spec_probes", "source"),
-    ("spec_draft_tokens", "gauge", "the last draft length chosen, by source", "spec_k", "source"),
-    ("spec_on", "gauge", "1 while the last decision for the source was to use it", "spec_on", "source"),
-    ("spec_estimated_speedup", "gauge", "the expected speedup of the last decision, by source", "spec_gain",
-     "source"),
-    ("conclaves_total", "counter", "best_of requests voted", "conclaves", None),
-    ("conclave_candidates_total", "counter", "best_of candidates, by state", "conclave_candidates", "state"),
-    ("conclave_tokens_saved_total", "counter", "tokens early stops saved (estimate)", "conclave_saved", None),
-    ("archive_stored_total", "counter", "generations stored in the Palimpsest", "archive_stored", None),
-    ("archive_dropped_total", "counter", "generations not stored (too short, failed)", "archive_dropped", None),
-    ("archive_tokens", "gauge", "tokens this process has read from the archive (all scopes)", "archive_tokens",
-     None),
-)
-
-
-def _metrics_text(values: dict) -> str:
-    """The Prometheus text of _METRICS from their values (Server._metric_values)."""
-    lines = []
-    for name, kind, help_text, key, label in _METRICS:
-        v = values.get(key)
-        if v is None:
-            continue
-        full = "reame_" + name
-        lines += ["# HELP %s %s" % (full, help_text), "# TYPE %s %s" % (full, kind)]
-        if isinstance(v, _Histogram):
-            lines += v.lines(full)
-        elif isinstance(v, dict):
-            lines += ['%s{%s="%s"} %s' % (full, label, k, x) for k, x in sorted(v.items())]
-        else:
-            lines.append("%s %s" % (full, v))
-    return "\n".join(lines) + "\n"
-
-
-def _installation_secret() -> bytes:
-    """This installation's secret for keyed scope names ($REAME_HOME/secret, 32 random
-    bytes, 0600, made on first use; two servers starting at once agree on it). Without
-    a writable REAME_HOME: a secret for this process only (then sessions and archives
-    kept on disk are not found again after a restart; logged)."""
-    home = Config.from_env().home
-    path = os.path.join(home, "secret")
-    for _ in range(50):
-        try:
-            data = _read_private(path, 4096)
-            if len(data) >= 32:
-                return data
-            time.sleep(0.02)  # another process is writing it (one 32-byte write)
-            continue
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError) as e:
-            log.warning("cannot read %s (%s): key scopes are this process's only", path, e)
-            return os.urandom(32)
-        try:
-            _private_dirs(home)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        except FileExistsError:
-            continue
-        except OSError as e:
-            log.warning("cannot create %s (%s): key scopes are this process's only", path, e)
-            return os.urandom(32)
-        data = os.urandom(32)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return data
-    log.warning("%s stays shorter than 32 bytes: key scopes are this process's only", path)
-    return os.urandom(32)
-
-
-class _HTTPServer(http.server.ThreadingHTTPServer):
-    """A thread per connection, at most max_connections at once: one more gets a 503
-    with Retry-After and is closed, without a thread of its own."""
-
-    daemon_threads = True
-    max_connections = 256
-
-    def __init__(self, *a, **kw):
-        self._n_open = 0
-        self._open_lock = threading.Lock()  # guards _n_open
-        super().__init__(*a, **kw)
-
-    def process_request(self, request, client_address):
-        with self._open_lock:
-            full = self._n_open >= self.max_connections
-            if not full:
-                self._n_open += 1
-        if full:
-            body = json.dumps(_openai_error(ReameError(
-                "too many connections (%d); retry later" % self.max_connections, status=503,
-                code="too_many_connections"))).encode()
-            try:
-                request.settimeout(1.0)
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
-                                + body)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._closed()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._closed()
-
-    def handle_error(self, request, client_address):
-        """A client that resets its connection (before or between requests) is no error of
-        ours: one debug line, not socketserver's traceback; anything else is logged whole."""
-        if isinstance(sys.exc_info()[1], ConnectionError):
-            log.debug("%s reset the connection", client_address[0] if client_address else "a client")
-            return
-        log.exception("error on a connection from %s", client_address[0] if client_address else "?")
-
-    def _closed(self) -> None:
-        with self._open_lock:
-            self._n_open -= 1
-
-
-class Server:
-    """The HTTP front of one Engine. ``serve_forever`` blocks; ``shutdown`` stops it.
-
-    The engine may be attached later (``engine = ...``): until then /health says
-    "loading" and the API answers 503, so a supervisor sees the port early.
-    """
-
-    def __init__(self, engine: Optional[Engine], model_name: str, *, host: str = "127.0.0.1", port: int = 8080,
-                 api_keys: Sequence[str] = (), max_tokens_cap: Optional[int] = None, max_queue: int = 64,
-                 max_sessions: int = 256, session_idle_s: float = 3600.0, session_dir: Optional[str] = None,
-                 header_timeout_s: float = 30.0, body_timeout_s: float = 60.0, max_connections: int = 256,
-                 max_body_in_flight: int = 16 << 20, shared_cache: bool = False, secret: Optional[bytes] = None,
-                 embedding_model: Optional[str] = None):
-        self.engine, self.model_name = engine, model_name
-        self.api_keys = tuple(k.encode() for k in api_keys if k)
-        # a key's scope (directories, cache, metrics) is a keyed hash: the names on disk do
-        # not let anyone test guesses of a key offline without this installation's secret
-        self._secret = secret if secret is not None else (_installation_secret() if self.api_keys else b"")
-        self.shared_cache = shared_cache or not self.api_keys  # one tenant without keys
-        self._max_tokens_cap = max_tokens_cap
-        self.max_queue = max_queue
-        self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
-        self.max_body_in_flight = max_body_in_flight
-        self.body_in_flight = 0  # bytes of request bodies being read or served now; guarded by _lock
-        self.sessions = Sessions(lambda: self.engine, max_sessions, session_idle_s, session_dir)
-        self.embedding_model = embedding_model  # a GGUF for /v1/embeddings (None: the served model)
-        self._embedder: Optional[Embedder] = None  # made at the first /v1/embeddings; guarded by _embedder_lock
-        self._embedder_lock = threading.Lock()
-        self.created = int(time.time())
-        handler = type("_BoundHandler", (_Handler,), {"server_ref": self})
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.httpd = type("_BoundHTTPServer", (_HTTPServer,), {"address_family": family})((host, port), handler)
-        self.httpd.max_connections = max_connections
-        self.port = self.httpd.server_address[1]
-        # Counters for /metrics, guarded by _lock (many handler threads).
-        self._lock = threading.Lock()
-        self.n_requests: dict = collections.Counter()
-        self.n_prompt_tok = 0
-        self.n_completion_tok = 0
-        self.h_ttft = _Histogram((0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self.h_token = _Histogram((0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
-        self.t_request = 0.0   # mean request time, for Retry-After (EMA)
-        self.conclave: dict = collections.Counter()  # conclaves, candidates started/finished/cancelled, saved
-        # Slow-client watchdog: connection -> deadline while reading a request head or body.
-        self._reading: dict = {}
-        self._stop = threading.Event()
-        threading.Thread(target=self._watchdog, name="reame-watchdog", daemon=True).start()
-
-    @property
-    def max_tokens_cap(self) -> int:
-        return self._max_tokens_cap or self.engine.n_ctx
-
-    def count(self, status: int, results: Sequence[Result] = ()) -> None:
-        with self._lock:
-            self.n_requests[status] += 1
-            for i, r in enumerate(results):
-                if i == 0:
-                    self.n_prompt_tok += r.n_prompt_tok
-                self.n_completion_tok += r.n_gen_tok
-                if r.n_gen_tok:
-                    self.h_ttft.observe(r.ttft_s)
-                    self.t_request += 0.1 * (r.total_s - self.t_request)
-                if r.n_gen_tok > 1:
-                    self.h_token.observe((r.total_s - r.ttft_s) / (r.n_gen_tok - 1))
-
-    def authorized(self, header: Optional[str]) -> Optional[str]:
-        """The caller's scope ("" without keys; else an HMAC of its key under this
-        installation's secret, 16 hex digits), or None: refused."""
-        if not self.api_keys:
-            return ""
-        h = header or ""
-        given = h[7:].strip().encode("utf-8", "replace") if h[:7].lower() == "bearer " else b""
-        ok = False
-        for key in self.api_keys:  # compare with every key: time does not depend on which matched
-            ok |= hmac.compare_digest(given, key)
-        return hmac.new(self._secret, given, hashlib.sha256).hexdigest()[:16] if ok else None
-
-    def tenant(self, owner: str) -> str:
-        """The prefix cache a caller reuses and feeds: its own, unless --shared-cache."""
-        return "" if self.shared_cache else owner
-
-    def reserve_body(self, n: int) -> bool:
-        """Take n bytes of the in-flight body budget (False: over it, answer 503)."""
-        with self._lock:
-            if n and self.body_in_flight + n > self.max_body_in_flight:
-                return False
-            self.body_in_flight += n
-            return True
-
-    def release_body(self, n: int) -> None:
-        with self._lock:
-            self.body_in_flight -= n
-
-    def count_conclave(self, n: int, res: "ConclaveResult") -> None:
-        with self._lock:
-            c = self.conclave
-            c["runs"] += 1
-            c["started"] += n
-            c["finished"] += res.n_finished
-            c["cancelled"] += res.n_cancelled
-            c["saved_tokens"] += res.n_saved_tok
-
-    def admit(self) -> None:
-        """A 429 with Retry-After when max_queue requests are waiting already."""
-        if self.engine.stats()["waiting"] >= self.max_queue:
-            err = ReameError("the server is busy (%d requests queued); retry later" % self.max_queue,
-                             status=429, code="queue_full")
-            err.headers = [("Retry-After", str(self.retry_after()))]
-            raise err
-
-    def _metric_values(self) -> dict:
-        """A snapshot of everything /metrics reports (section 24's _METRICS)."""
-        eng = self.engine
-        st = eng.stats()
-        with self._lock:
-            v = {"requests": dict(self.n_requests), "prompt_tokens": self.n_prompt_tok,
-                 "completion_tokens": self.n_completion_tok, "ttft": copy.deepcopy(self.h_ttft),
-                 "per_token": copy.deepcopy(self.h_token), "conclaves": self.conclave.get("runs", 0),
-                 "conclave_candidates": {k: self.conclave.get(k, 0) for k in ("started", "finished", "cancelled")},
-                 "conclave_saved": self.conclave.get("saved_tokens", 0)}
-        if eng.disk is not None:
-            d = eng.disk
-            files, size = d.usage()
-            v.update(disk_misses=d.n_missed, disk_written=d.n_saved, disk_evicted=d.n_evicted, disk_bad=d.n_bad,
-                     disk_files=files, disk_bytes=size, disk_enabled=int(d.enabled), disk_held=st["disk_held_bytes"])
-        v.update(active=st["active"], waiting=st["waiting"], kv_used=st["kv_cells_active"],
-                 kv_cached=st["kv_cells_cached"],
-                 kv_free=st["kv_cells_total"] - st["kv_cells_active"] - st["kv_cells_cached"],
-                 cache_hits=st["cache_hits"], cache_misses=st["cache_misses"], cache_evictions=st["cache_evictions"],
-                 disk_hits=st["disk_hits"], disk_snapshots=st["disk_snapshots"], sessions=len(self.sessions),
-                 prefills=st["prefills"], twin_tokens=st["twin_tokens"], prefill_tokens=st["prefill_tokens"],
-                 cached_tokens=st["cached_tokens"], steps=st["steps"])
-        for key, field in (("spec_proposed", "proposed"), ("spec_accepted", "accepted"), ("spec_steps", "steps"),
-                           ("spec_probes", "probes"), ("spec_k", "k"), ("spec_on", "on"), ("spec_gain", "gain")):
-            v[key] = {name: c[field] for name, c in st["spec"].items()}
-        arc = st["archive"]
-        if arc is not None:  # all scopes together: a scope per key would list the other tenants to every caller
-            v.update(archive_stored=arc["stored"], archive_dropped=arc["dropped"],
-                     archive_tokens=sum(sc["tokens"] for sc in arc["scopes"].values()))
-        return v
-
-    def metrics_text(self) -> str:
-        return _metrics_text(self._metric_values())
-
-    def embedder(self) -> Embedder:
-        """The Embedder for /v1/embeddings, made on first use (a context of its own)."""
-        with self._embedder_lock:
-            if self._embedder is None:
-                model = self.embedding_model or self.engine.model
-                self._embedder = Embedder(model, n_threads=self.engine.ctx.n_threads)
-            return self._embedder
-
-    def retry_after(self) -> int:
-        st = self.engine.stats()
-        return max(1, min(60, int(round(self.t_request * (1 + st["waiting"]) / max(self.engine.n_slots, 1)))))
-
-    def watch(self, conn, seconds: Optional[float]) -> None:
-        """Close ``conn`` unless unwatched (seconds=None) within ``seconds``."""
-        with self._lock:
-            if seconds is None:
-                self._reading.pop(conn, None)
-            else:
-                self._reading[conn] = time.monotonic() + seconds
-
-    def _watchdog(self) -> None:
-        while not self._stop.wait(0.25):
-            now = time.monotonic()
-            with self._lock:
-                late = [c for c, t in self._reading.items() if t < now]
-                for c in late:
-                    del self._reading[c]
-            for c in late:
-                log.info("closing a connection that sent its request too slowly")
-                try:
-                    c.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def serve_forever(self) -> None:
-        self.httpd.serve_forever(poll_interval=0.2)
-
-    def shutdown(self) -> None:
-        self._stop.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        with self._embedder_lock:
-            if self._embedder is not None:
-                self._embedder.close()
-                self._embedder = None
 
 
 def _usage(results: Sequence[Result]) -> dict:
@@ -7628,7 +7255,392 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return None
 
 
-# == 25. Command line ==========================================================
+# == 25. HTTP server: connections, tenants, limits, metrics ====================
+# The Server owns what is shared by the handler threads: the listening socket and its
+# connection cap, API keys and their keyed scope names, the body and queue budgets, the
+# sessions, the embedder, and the counters /metrics reports (one table, _METRICS).
+
+
+class _Histogram:
+    """A Prometheus histogram (cumulative buckets, sum, count). The caller holds the lock."""
+
+    def __init__(self, buckets: Sequence[float]):
+        self.buckets = tuple(buckets)
+        self.counts = [0] * len(self.buckets)
+        self.sum, self.n = 0.0, 0
+
+    def observe(self, v: float) -> None:
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+        self.sum += v
+        self.n += 1
+
+    def lines(self, name: str) -> List[str]:
+        out = ['%s_bucket{le="%g"} %d' % (name, b, c) for b, c in zip(self.buckets, self.counts)]
+        return out + ['%s_bucket{le="+Inf"} %d' % (name, self.n), "%s_sum %.6f" % (name, self.sum),
+                      "%s_count %d" % (name, self.n)]
+
+
+# /metrics, one line per metric here: name (after "reame_"), type, help, and the key of
+# Server._metric_values it reads: a number, a {label value: number} dict (the label's
+# name last), a _Histogram, or None (not reported: a disk tier or archive that is off).
+_METRICS = (
+    ("requests_total", "counter", "HTTP requests answered, by status", "requests", "status"),
+    ("prompt_tokens_total", "counter", "prompt tokens of answered requests", "prompt_tokens", None),
+    ("completion_tokens_total", "counter", "tokens generated for answered requests", "completion_tokens", None),
+    ("time_to_first_token_seconds", "histogram", "submit to first token", "ttft", None),
+    ("time_per_output_token_seconds", "histogram", "time per token after the first", "per_token", None),
+    ("disk_cache_misses_total", "counter", "prompt lookups the disk tier had nothing for", "disk_misses", None),
+    ("disk_cache_written_total", "counter", "KV snapshots written to disk", "disk_written", None),
+    ("disk_cache_evictions_total", "counter", "KV snapshot files evicted (size bound)", "disk_evicted", None),
+    ("disk_cache_rejected_total", "counter", "KV snapshot files that failed their checks (deleted)", "disk_bad",
+     None),
+    ("disk_cache_files", "gauge", "KV snapshot files on disk", "disk_files", None),
+    ("disk_cache_bytes", "gauge", "bytes of KV snapshot files on disk", "disk_bytes", None),
+    ("disk_cache_enabled", "gauge", "1 while the disk tier is writable", "disk_enabled", None),
+    ("disk_cache_held_bytes", "gauge", "snapshot bytes held by queued requests", "disk_held", None),
+    ("active_sequences", "gauge", "sequences holding a slot", "active", None),
+    ("queued_requests", "gauge", "requests waiting for a slot", "waiting", None),
+    ("kv_cells_used", "gauge", "KV cells of active sequences", "kv_used", None),
+    ("kv_cells_cached", "gauge", "KV cells kept by free slots (the memory tier)", "kv_cached", None),
+    ("kv_cells_free", "gauge", "KV cells neither used nor cached", "kv_free", None),
+    ("cache_hits_total", "counter", "prompts that reused resident KV", "cache_hits", None),
+    ("cache_misses_total", "counter", "prompts that found no resident KV to reuse", "cache_misses", None),
+    ("cache_evictions_total", "counter", "resident KV entries dropped for room", "cache_evictions", None),
+    ("disk_cache_hits_total", "counter", "prompts that restored a prefix from disk", "disk_hits", None),
+    ("disk_cache_snapshots_total", "counter", "KV snapshots handed to the disk writer", "disk_snapshots", None),
+    ("sessions", "gauge", "conversations kept (all keys)", "sessions", None),
+    ("prefills_total", "counter", "prompts prefilled", "prefills", None),
+    ("twin_tokens_total", "counter", "tokens of n > 1 choices sampled from a shared row", "twin_tokens", None),
+    ("prefill_tokens_total", "counter", "prompt tokens computed", "prefill_tokens", None),
+    ("cached_prompt_tokens_total", "counter", "prompt tokens reused, not computed", "cached_tokens", None),
+    ("decode_steps_total", "counter", "scheduler steps", "steps", None),
+    ("spec_proposed_tokens_total", "counter", "draft tokens verified, by source", "spec_proposed", "source"),
+    ("spec_accepted_tokens_total", "counter", "draft tokens that came true, by source", "spec_accepted", "source"),
+    ("spec_verify_steps_total", "counter", "steps that verified drafts, by source", "spec_steps", "source"),
+    ("spec_probes_total", "counter", "probes of a source that did not pay, by source", "spec_probes", "source"),
+    ("spec_draft_tokens", "gauge", "the last draft length chosen, by source", "spec_k", "source"),
+    ("spec_on", "gauge", "1 while the last decision for the source was to use it", "spec_on", "source"),
+    ("spec_estimated_speedup", "gauge", "the expected speedup of the last decision, by source", "spec_gain",
+     "source"),
+    ("conclaves_total", "counter", "best_of requests voted", "conclaves", None),
+    ("conclave_candidates_total", "counter", "best_of candidates, by state", "conclave_candidates", "state"),
+    ("conclave_tokens_saved_total", "counter", "tokens early stops saved (estimate)", "conclave_saved", None),
+    ("archive_stored_total", "counter", "generations stored in the Palimpsest", "archive_stored", None),
+    ("archive_dropped_total", "counter", "generations not stored (too short, failed)", "archive_dropped", None),
+    ("archive_tokens", "gauge", "tokens this process has read from the archive (all scopes)", "archive_tokens",
+     None),
+)
+
+
+def _metrics_text(values: dict) -> str:
+    """The Prometheus text of _METRICS from their values (Server._metric_values)."""
+    lines = []
+    for name, kind, help_text, key, label in _METRICS:
+        v = values.get(key)
+        if v is None:
+            continue
+        full = "reame_" + name
+        lines += ["# HELP %s %s" % (full, help_text), "# TYPE %s %s" % (full, kind)]
+        if isinstance(v, _Histogram):
+            lines += v.lines(full)
+        elif isinstance(v, dict):
+            lines += ['%s{%s="%s"} %s' % (full, label, k, x) for k, x in sorted(v.items())]
+        else:
+            lines.append("%s %s" % (full, v))
+    return "\n".join(lines) + "\n"
+
+
+def _installation_secret() -> bytes:
+    """This installation's secret for keyed scope names ($REAME_HOME/secret, 32 random
+    bytes, 0600, made on first use; two servers starting at once agree on it). Without
+    a writable REAME_HOME: a secret for this process only (then sessions and archives
+    kept on disk are not found again after a restart; logged)."""
+    home = Config.from_env().home
+    path = os.path.join(home, "secret")
+    for _ in range(50):
+        try:
+            data = _read_private(path, 4096)
+            if len(data) >= 32:
+                return data
+            time.sleep(0.02)  # another process is writing it (one 32-byte write)
+            continue
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as e:
+            log.warning("cannot read %s (%s): key scopes are this process's only", path, e)
+            return os.urandom(32)
+        try:
+            _private_dirs(home)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            log.warning("cannot create %s (%s): key scopes are this process's only", path, e)
+            return os.urandom(32)
+        data = os.urandom(32)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return data
+    log.warning("%s stays shorter than 32 bytes: key scopes are this process's only", path)
+    return os.urandom(32)
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    """A thread per connection, at most max_connections at once: one more gets a 503
+    with Retry-After and is closed, without a thread of its own."""
+
+    daemon_threads = True
+    max_connections = 256
+    # The listen backlog: socketserver's 5 overflowed when a burst of clients connected at
+    # once, and a client whose SYN was dropped waited for the kernel's 1 s retransmit
+    # (/health probes of 1.02 s in the soak while 8 clients and 2 attackers connected)
+    request_queue_size = 1024
+
+    def __init__(self, *a, **kw):
+        self._n_open = 0
+        self._open_lock = threading.Lock()  # guards _n_open
+        super().__init__(*a, **kw)
+
+    def process_request(self, request, client_address):
+        with self._open_lock:
+            full = self._n_open >= self.max_connections
+            if not full:
+                self._n_open += 1
+        if full:
+            body = json.dumps(_openai_error(ReameError(
+                "too many connections (%d); retry later" % self.max_connections, status=503,
+                code="too_many_connections"))).encode()
+            try:
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+                                + body)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._closed()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._closed()
+
+    def handle_error(self, request, client_address):
+        """A client that resets its connection (before or between requests) is no error of
+        ours: one debug line, not socketserver's traceback; anything else is logged whole."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            log.debug("%s reset the connection", client_address[0] if client_address else "a client")
+            return
+        log.exception("error on a connection from %s", client_address[0] if client_address else "?")
+
+    def _closed(self) -> None:
+        with self._open_lock:
+            self._n_open -= 1
+
+
+class Server:
+    """The HTTP front of one Engine. ``serve_forever`` blocks; ``shutdown`` stops it.
+
+    The engine may be attached later (``engine = ...``): until then /health says
+    "loading" and the API answers 503, so a supervisor sees the port early.
+    """
+
+    def __init__(self, engine: Optional[Engine], model_name: str, *, host: str = "127.0.0.1", port: int = 8080,
+                 api_keys: Sequence[str] = (), max_tokens_cap: Optional[int] = None, max_queue: int = 64,
+                 max_sessions: int = 256, session_idle_s: float = 3600.0, session_dir: Optional[str] = None,
+                 header_timeout_s: float = 30.0, body_timeout_s: float = 60.0, max_connections: int = 256,
+                 max_body_in_flight: int = 16 << 20, shared_cache: bool = False, secret: Optional[bytes] = None,
+                 embedding_model: Optional[str] = None):
+        self.engine, self.model_name = engine, model_name
+        self.api_keys = tuple(k.encode() for k in api_keys if k)
+        # a key's scope (directories, cache, metrics) is a keyed hash: the names on disk do
+        # not let anyone test guesses of a key offline without this installation's secret
+        self._secret = secret if secret is not None else (_installation_secret() if self.api_keys else b"")
+        self.shared_cache = shared_cache or not self.api_keys  # one tenant without keys
+        self._max_tokens_cap = max_tokens_cap
+        self.max_queue = max_queue
+        self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
+        self.max_body_in_flight = max_body_in_flight
+        self.body_in_flight = 0  # bytes of request bodies being read or served now; guarded by _lock
+        self.sessions = Sessions(lambda: self.engine, max_sessions, session_idle_s, session_dir)
+        self.embedding_model = embedding_model  # a GGUF for /v1/embeddings (None: the served model)
+        self._embedder: Optional[Embedder] = None  # made at the first /v1/embeddings; guarded by _embedder_lock
+        self._embedder_lock = threading.Lock()
+        self.created = int(time.time())
+        handler = type("_BoundHandler", (_Handler,), {"server_ref": self})
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.httpd = type("_BoundHTTPServer", (_HTTPServer,), {"address_family": family})((host, port), handler)
+        self.httpd.max_connections = max_connections
+        self.port = self.httpd.server_address[1]
+        # Counters for /metrics, guarded by _lock (many handler threads).
+        self._lock = threading.Lock()
+        self.n_requests: dict = collections.Counter()
+        self.n_prompt_tok = 0
+        self.n_completion_tok = 0
+        self.h_ttft = _Histogram((0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.h_token = _Histogram((0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self.t_request = 0.0   # mean request time, for Retry-After (EMA)
+        self.conclave: dict = collections.Counter()  # conclaves, candidates started/finished/cancelled, saved
+        # Slow-client watchdog: connection -> deadline while reading a request head or body.
+        self._reading: dict = {}
+        self._stop = threading.Event()
+        threading.Thread(target=self._watchdog, name="reame-watchdog", daemon=True).start()
+
+    @property
+    def max_tokens_cap(self) -> int:
+        return self._max_tokens_cap or self.engine.n_ctx
+
+    def count(self, status: int, results: Sequence[Result] = ()) -> None:
+        with self._lock:
+            self.n_requests[status] += 1
+            for i, r in enumerate(results):
+                if i == 0:
+                    self.n_prompt_tok += r.n_prompt_tok
+                self.n_completion_tok += r.n_gen_tok
+                if r.n_gen_tok:
+                    self.h_ttft.observe(r.ttft_s)
+                    self.t_request += 0.1 * (r.total_s - self.t_request)
+                if r.n_gen_tok > 1:
+                    self.h_token.observe((r.total_s - r.ttft_s) / (r.n_gen_tok - 1))
+
+    def authorized(self, header: Optional[str]) -> Optional[str]:
+        """The caller's scope ("" without keys; else an HMAC of its key under this
+        installation's secret, 16 hex digits), or None: refused."""
+        if not self.api_keys:
+            return ""
+        h = header or ""
+        given = h[7:].strip().encode("utf-8", "replace") if h[:7].lower() == "bearer " else b""
+        ok = False
+        for key in self.api_keys:  # compare with every key: time does not depend on which matched
+            ok |= hmac.compare_digest(given, key)
+        return hmac.new(self._secret, given, hashlib.sha256).hexdigest()[:16] if ok else None
+
+    def tenant(self, owner: str) -> str:
+        """The prefix cache a caller reuses and feeds: its own, unless --shared-cache."""
+        return "" if self.shared_cache else owner
+
+    def reserve_body(self, n: int) -> bool:
+        """Take n bytes of the in-flight body budget (False: over it, answer 503)."""
+        with self._lock:
+            if n and self.body_in_flight + n > self.max_body_in_flight:
+                return False
+            self.body_in_flight += n
+            return True
+
+    def release_body(self, n: int) -> None:
+        with self._lock:
+            self.body_in_flight -= n
+
+    def count_conclave(self, n: int, res: "ConclaveResult") -> None:
+        with self._lock:
+            c = self.conclave
+            c["runs"] += 1
+            c["started"] += n
+            c["finished"] += res.n_finished
+            c["cancelled"] += res.n_cancelled
+            c["saved_tokens"] += res.n_saved_tok
+
+    def admit(self) -> None:
+        """A 429 with Retry-After when max_queue requests are waiting already."""
+        if self.engine.stats()["waiting"] >= self.max_queue:
+            err = ReameError("the server is busy (%d requests queued); retry later" % self.max_queue,
+                             status=429, code="queue_full")
+            err.headers = [("Retry-After", str(self.retry_after()))]
+            raise err
+
+    def _metric_values(self) -> dict:
+        """A snapshot of everything /metrics reports (section 25's _METRICS)."""
+        eng = self.engine
+        st = eng.stats()
+        with self._lock:
+            v = {"requests": dict(self.n_requests), "prompt_tokens": self.n_prompt_tok,
+                 "completion_tokens": self.n_completion_tok, "ttft": copy.deepcopy(self.h_ttft),
+                 "per_token": copy.deepcopy(self.h_token), "conclaves": self.conclave.get("runs", 0),
+                 "conclave_candidates": {k: self.conclave.get(k, 0) for k in ("started", "finished", "cancelled")},
+                 "conclave_saved": self.conclave.get("saved_tokens", 0)}
+        if eng.disk is not None:
+            d = eng.disk
+            files, size = d.usage()
+            v.update(disk_misses=d.n_missed, disk_written=d.n_saved, disk_evicted=d.n_evicted, disk_bad=d.n_bad,
+                     disk_files=files, disk_bytes=size, disk_enabled=int(d.enabled), disk_held=st["disk_held_bytes"])
+        v.update(active=st["active"], waiting=st["waiting"], kv_used=st["kv_cells_active"],
+                 kv_cached=st["kv_cells_cached"],
+                 kv_free=st["kv_cells_total"] - st["kv_cells_active"] - st["kv_cells_cached"],
+                 cache_hits=st["cache_hits"], cache_misses=st["cache_misses"], cache_evictions=st["cache_evictions"],
+                 disk_hits=st["disk_hits"], disk_snapshots=st["disk_snapshots"], sessions=len(self.sessions),
+                 prefills=st["prefills"], twin_tokens=st["twin_tokens"], prefill_tokens=st["prefill_tokens"],
+                 cached_tokens=st["cached_tokens"], steps=st["steps"])
+        for key, field in (("spec_proposed", "proposed"), ("spec_accepted", "accepted"), ("spec_steps", "steps"),
+                           ("spec_probes", "probes"), ("spec_k", "k"), ("spec_on", "on"), ("spec_gain", "gain")):
+            v[key] = {name: c[field] for name, c in st["spec"].items()}
+        arc = st["archive"]
+        if arc is not None:  # all scopes together: a scope per key would list the other tenants to every caller
+            v.update(archive_stored=arc["stored"], archive_dropped=arc["dropped"],
+                     archive_tokens=sum(sc["tokens"] for sc in arc["scopes"].values()))
+        return v
+
+    def metrics_text(self) -> str:
+        return _metrics_text(self._metric_values())
+
+    def embedder(self) -> Embedder:
+        """The Embedder for /v1/embeddings, made on first use (a context of its own)."""
+        with self._embedder_lock:
+            if self._embedder is None:
+                model = self.embedding_model or self.engine.model
+                self._embedder = Embedder(model, n_threads=self.engine.ctx.n_threads)
+            return self._embedder
+
+    def retry_after(self) -> int:
+        st = self.engine.stats()
+        return max(1, min(60, int(round(self.t_request * (1 + st["waiting"]) / max(self.engine.n_slots, 1)))))
+
+    def watch(self, conn, seconds: Optional[float]) -> None:
+        """Close ``conn`` unless unwatched (seconds=None) within ``seconds``."""
+        with self._lock:
+            if seconds is None:
+                self._reading.pop(conn, None)
+            else:
+                self._reading[conn] = time.monotonic() + seconds
+
+    def _watchdog(self) -> None:
+        while not self._stop.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c, t in self._reading.items() if t < now]
+                for c in late:
+                    del self._reading[c]
+            for c in late:
+                log.info("closing a connection that sent its request too slowly")
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def serve_forever(self) -> None:
+        self.httpd.serve_forever(poll_interval=0.2)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        with self._embedder_lock:
+            if self._embedder is not None:
+                self._embedder.close()
+                self._embedder = None
+
+
+# == 26. Command line ==========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or

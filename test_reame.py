@@ -335,7 +335,7 @@ def test_open_with_deadline_gives_up(monkeypatch):
     assert time.monotonic() - t0 < 3
 
 
-# == 25. Command line (no model needed) ========================================
+# == 26. Command line (no model needed) ========================================
 
 
 def test_cli_help_explains_every_command():
@@ -1042,7 +1042,7 @@ def test_greedy_same_without_numpy(gemma):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == want
 
 
-# == 25. Command line ==========================================================
+# == 26. Command line ==========================================================
 
 
 def test_cli_run_answers_and_exits():
@@ -2249,7 +2249,7 @@ def test_conclave_one_prefill_shared_steps_early_stop(qwen5):
         reame.run_conclave(eng, prompt, reame.SamplingParams(temperature=0), 3)
 
 
-# == 24. HTTP server (real socket on port 0, real model) =======================
+# == 25. HTTP server (real socket on port 0, real model) =======================
 
 
 @pytest.fixture(scope="module")
@@ -3118,7 +3118,7 @@ def test_server_n_and_best_of_beyond_parallel(server, gemma):
     assert _http(server, "POST", "/v1/chat/completions", dict(body, n=17))[0] == 400
 
 
-# == 24. HTTP server, attacked: one request can neither crash it nor reach another tenant
+# == 25. HTTP server, attacked: one request can neither crash it nor reach another tenant
 # Each attack runs against a real server on port 0 (gemma3-270m) while a victim stream of
 # another key decodes: the attacker gets a clear 4xx (or 413/429/503), /health answers
 # within a second, and the victim gets exactly the greedy text it gets alone.
