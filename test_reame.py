@@ -973,6 +973,9 @@ def test_cancel_frees_the_slot():
         # the only slot is free again: the next request runs to completion
         r2 = eng.complete("Hello", temperature=0, max_tokens=4)
         assert r2.finish_reason in ("length", "stop")
+        deadline = time.monotonic() + 5  # (the counts are the scheduler's after its step: a moment after the answer)
+        while (eng.stats()["active"] or eng.stats()["kv_cells_active"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
         st = eng.stats()
         assert st["active"] == 0 and st["kv_cells_active"] == 0
         # the slot's KV is kept only as the memory tier's cache of the last prompt
@@ -3196,7 +3199,8 @@ def _assert_clean_error(status, payload, *codes):
 
 def _idle(eng, timeout_s=60):
     deadline = time.monotonic() + timeout_s
-    while (eng.stats()["active"] or eng.stats()["waiting"]) and time.monotonic() < deadline:
+    # (kv_cells_active is the scheduler's count after its step: it reads 0 a moment after active does)
+    while any(eng.stats()[k] for k in ("active", "waiting", "kv_cells_active")) and time.monotonic() < deadline:
         time.sleep(0.05)
     st = eng.stats()
     assert st["active"] == 0 and st["waiting"] == 0 and st["kv_cells_active"] == 0, st
