@@ -7396,10 +7396,6 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
 
     daemon_threads = True
     max_connections = 256
-    # The listen backlog: socketserver's 5 overflowed when a burst of clients connected at
-    # once, and a client whose SYN was dropped waited for the kernel's 1 s retransmit
-    # (/health probes of 1.02 s in the soak while 8 clients and 2 attackers connected)
-    request_queue_size = 1024
 
     def __init__(self, *a, **kw):
         self._n_open = 0
