@@ -22,22 +22,23 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
     8. Sampling
     9. Model registry and download
    10. Prefix KV cache: disk tier
-   11. Palimpsest: the archive of generations
-   12. Speculation: draft sources and the controller
-   13. The draft model
-   14. Structured output: json_schema to GBNF
-   15. Reading JSON as it is written: JsonScan
-   16. Il Suggeritore: structure as drafts
-   17. Requests: what the engine takes and gives back
-   18. Slots: the memory tier, and consecutive sequence ids
-   19. Engine: the scheduler thread and continuous batching
-   20. Embeddings: pooled hidden states
-   21. The Conclave: best-of-N in one batch, voted
-   22. Request bodies: OpenAI JSON to engine arguments
-   23. Sessions: conversations the server keeps
-   24. HTTP requests: routes and answers (OpenAI-compatible)
-   25. HTTP server: connections, tenants, limits, metrics
-   26. Command line
+   11. Replay: finished answers, answered again
+   12. Palimpsest: the archive of generations
+   13. Speculation: draft sources and the controller
+   14. The draft model
+   15. Structured output: json_schema to GBNF
+   16. Reading JSON as it is written: JsonScan
+   17. Il Suggeritore: structure as drafts
+   18. Requests: what the engine takes and gives back
+   19. Slots: the memory tier, and consecutive sequence ids
+   20. Engine: the scheduler thread and continuous batching
+   21. Embeddings: pooled hidden states
+   22. The Conclave: best-of-N in one batch, voted
+   23. Request bodies: OpenAI JSON to engine arguments
+   24. Sessions: conversations the server keeps
+   25. HTTP requests: routes and answers (OpenAI-compatible)
+   26. HTTP server: connections, tenants, limits, metrics
+   27. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -105,6 +106,7 @@ __all__ = [
     "SAMPLED_TEMPERATURE", "chat_template_known", "MAX_CHOICES", "seeded_from", "Embedder", "EMBED_MAX_INPUTS",
     "embeddings_from_body", "hermes_messages", "llama3_messages", "tool_messages", "parse_tool_calls",
     "tools_from_body", "tools_grammar", "tool_format", "tool_call_schema", "LOGPROBS_MAX", "logprob_entry", "logprobs_json",
+    "ReplayStore", "ReplayRecord", "replay_key", "replay_text", "library_build_id",
 ]
 
 log = logging.getLogger("reame")
@@ -692,9 +694,11 @@ _SIGNATURES = [
 class _Library:
     """The loaded libllama: functions as attributes, plus the log bridge."""
 
-    def __init__(self, path: str, cdlls: list):
+    def __init__(self, path: str, cdlls: list, files: Sequence[str] = ()):
         self.path = path
         self._cdlls = cdlls  # keep every dependency loaded
+        self._files = list(files) or [path]
+        self._build_id: Optional[str] = None  # (build_id: computed once, on first use)
         lib = cdlls[-1]
         for name, restype, argtypes in _SIGNATURES:
             try:
@@ -730,6 +734,17 @@ class _Library:
         if n != self.tiled_rows and self._tiled_min_rows is not None:
             self._tiled_min_rows(n)
             self.tiled_rows = n
+
+    def build_id(self) -> str:
+        """A hash of the loaded libraries' bytes (replay keys: section 11)."""
+        if self._build_id is None:
+            h = hashlib.sha256()
+            for p in self._files:
+                with open(p, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 20), b""):
+                        h.update(block)
+            self._build_id = h.hexdigest()[:32]
+        return self._build_id
 
     def _on_log(self, level: int, text: bytes, _user) -> None:
         msg = (text or b"").decode("utf-8", "replace").rstrip()
@@ -801,13 +816,9 @@ def _load_library(cfg: Config) -> _Library:
     _check_manifest(libdir, cfg)
     # Load ggml first with RTLD_GLOBAL, from the same folder, so libllama binds to these
     # copies and not to whatever the build tree's RUNPATH or the system has.
-    cdlls = []
-    for dep in ("libggml-base", "libggml-cpu", "libggml"):
-        p = os.path.join(libdir, dep + _LIB_EXT)
-        if os.path.exists(p):
-            cdlls.append(_dlopen(p))
-    cdlls.append(_dlopen(path))
-    handle = _Library(path, cdlls)
+    files = [p for p in (os.path.join(libdir, dep + _LIB_EXT) for dep in ("libggml-base", "libggml-cpu", "libggml"))
+             if os.path.exists(p)] + [path]
+    handle = _Library(path, [_dlopen(p) for p in files], files)
     version = handle.llama_version().decode()
     if not version.startswith(_LLAMA_VERSION) and not cfg.skip_abi_check:
         raise LibraryError("%s reports llama.cpp version %s; this reame.py binds %sx. Rebuild with "
@@ -1129,7 +1140,7 @@ class Context:
         p.flash_attn_type = flash_attn  # -1 auto (on for CPU): its kernel skips masked cells, so a
         # sequence's attention does not depend on its neighbours in the unified KV
         p.no_perf = True
-        if embeddings:  # pooled per sequence: llama_get_embeddings_seq (section 20)
+        if embeddings:  # pooled per sequence: llama_get_embeddings_seq (section 21)
             p.embeddings, p.pooling_type = True, LLAMA_POOLING_TYPE_MEAN
         L.take_errors()
         ptr = L.llama_init_from_model(model.ptr, p)
@@ -1202,7 +1213,7 @@ class Context:
 
 
 # == 7. Grammars: GBNF checked before llama.cpp parses it ======================
-# A grammar (a raw ``grammar``, or the GBNF a json_schema becomes, section 14) is read in
+# A grammar (a raw ``grammar``, or the GBNF a json_schema becomes, section 15) is read in
 # Python first, because llama.cpp's grammar code has no bounds of its own: gbnf_check, then
 # llama.cpp's parser (grammar_sampler, check_grammar). Sampling (section 8) never puts the
 # grammar in llama.cpp's chain.
@@ -2081,7 +2092,7 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
 # prefix under $REAME_HOME/kv/<model fingerprint>/, named by a hash of the fingerprint,
 # the KV parameters and the prefix's tokens: another process, or this one after a
 # restart, finds a prefix without an index. The engine snapshots only whole prefill
-# chunks on an exact prefix (section 18), so a restored prefix is what a cold prefill
+# chunks on an exact prefix (section 19), so a restored prefix is what a cold prefill
 # computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
 # tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
 # the least recently used files go first when the directory is over its size bound.
@@ -2410,7 +2421,287 @@ def kv_cache_prune(root: str, max_bytes: int) -> tuple:
     return tuple(freed)
 
 
-# == 11. Palimpsest: the archive of generations ================================
+# == 11. Replay: finished answers, answered again ==============================
+# Greedy output is the contract: the same model, kernels, prompt tokens and sampling
+# parameters give the same tokens alone, batched, speculated or after a cache hit (and
+# seed for seed when sampling). So a finished answer can be given again without
+# computing it. A record holds its tokens, keyed by a hash of everything that decides
+# them (model, libraries, prompt, every sampling field but max_tokens), one folder per
+# tenant: $REAME_HOME/replay/<model fingerprint>/<scope>/. max_tokens is not in the key:
+# a record answers any max_tokens up to its own, and a longer one continues from its
+# tokens, which the engine verifies as drafts (section 20): nothing is taken on trust.
+# Unseeded sampling is random and never replayed. Records are small JSON files,
+# checksummed and written whole (0600) by a writer thread; a bad one is deleted and
+# recomputed; the least recently used go first past the size bound.
+
+_REPLAY_MAGIC = b"REAMERP\x00"
+_REPLAY_VERSION = 1
+_REPLAY_MAX_FILE = 8 << 20   # a record's bytes at most (its tokens and text)
+_REPLAY_RECENT = 512         # records kept in memory too (a repeat in this process reads no file)
+_REPLAY_SOURCE = "replay"    # the draft source name of a record's tokens being continued
+_REPLAY_DRAFT_MAX = 16       # of those, verified per step at most
+
+
+def library_build_id() -> str:
+    """The identity of the kernels that compute the logits: a hash of the loaded
+    libraries' bytes (other flags, patches, compiler or CPU target: another id)."""
+    return lib().build_id()
+
+
+def replay_key(fingerprint: str, build_id: str, prompt: Sequence[int], params: "SamplingParams") -> str:
+    """The key of a request's answer: every input that decides its tokens. max_tokens is
+    left out (ReplayRecord.plan), and the seed when greedy (it picks nothing then)."""
+    fields = dataclasses.asdict(params)
+    for name in ("max_tokens", "top_logprobs"):
+        fields.pop(name)
+    if params.temperature <= 0:
+        fields["seed"] = None
+    fields["stop"] = list(params.stop)
+    h = hashlib.sha256(json.dumps([_REPLAY_VERSION, fingerprint, build_id, fields], sort_keys=True).encode())
+    h.update(array.array("i", prompt).tobytes())
+    return h.hexdigest()
+
+
+@dataclasses.dataclass
+class ReplayRecord:
+    """A finished answer: its tokens (without the end-of-text token), its text, why it ended."""
+
+    tokens: list
+    text: str
+    finish: str     # stop or length
+    eog: bool       # stopped by an end-of-text token (else by a stop string, or length)
+
+    def plan(self, max_tokens: int) -> tuple:
+        """What a request for up to max_tokens gets: (tokens, finish) when the record
+        answers it whole, or (tokens, None) when they are only its first tokens (the
+        record ran out of max_tokens where this request goes on)."""
+        n = len(self.tokens)
+        if self.finish == "stop":  # (an end-of-text token needs one more step to be sampled)
+            return (self.tokens, "stop") if max_tokens >= n + self.eog else (self.tokens[:max_tokens], "length")
+        if max_tokens <= n:
+            return self.tokens[:max_tokens], "length"
+        return self.tokens, None
+
+
+def replay_text(model, stop: Sequence[str], tokens: Sequence[int], finish: str) -> Optional[List[str]]:
+    """The text pieces a live run emits for these tokens and this end (as Engine._accept
+    and _finish do: stop strings held back, the tail flushed unless a stop string ended
+    it); None if the tokens do not end that way (a record that does not fit its key)."""
+    stream, pieces = TextStream(stop), []
+    for i, tok in enumerate(tokens):
+        text, stopped = stream.push(model.piece(tok))
+        if text:
+            pieces.append(text)
+        if stopped:
+            return pieces if (finish == "stop" and i == len(tokens) - 1) else None
+    tail = stream.flush()
+    if tail:
+        pieces.append(tail)
+    return pieces
+
+
+def _replay_record(data: bytes, key: str, n_vocab: int) -> ReplayRecord:
+    """A record file's bytes -> the record; ValueError for anything else (a damaged,
+    truncated or crafted file, or one of another key)."""
+    if len(data) < 48 or data[:8] != _REPLAY_MAGIC:
+        raise ValueError("not a Reame replay record")
+    if int.from_bytes(data[8:12], "little") != _REPLAY_VERSION:
+        raise ValueError("format version %d, not %d" % (int.from_bytes(data[8:12], "little"), _REPLAY_VERSION))
+    body = data[48:]
+    if int.from_bytes(data[12:16], "little") != len(body) or hashlib.sha256(body).digest() != data[16:48]:
+        raise ValueError("checksum mismatch (truncated or corrupted)")
+    try:
+        rec = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise ValueError("unreadable: %s" % type(e).__name__) from None
+    if not isinstance(rec, dict) or rec.get("key") != key:
+        raise ValueError("made for another key")
+    tokens, text, finish, eog = rec.get("tokens"), rec.get("text"), rec.get("finish"), rec.get("eog")
+    if (not isinstance(tokens, list) or not isinstance(text, str) or finish not in ("stop", "length")
+            or not isinstance(eog, bool) or not all(type(t) is int and 0 <= t < n_vocab for t in tokens)):
+        raise ValueError("malformed record")
+    return ReplayRecord(tokens, text, finish, eog)
+
+
+class ReplayStore:
+    """One model's replay records on disk, and the latest in memory. ``find`` runs on any
+    thread (a submitting one); ``put`` queues a record for the writer thread."""
+
+    def __init__(self, root: str, fingerprint: str, build_id: str, n_vocab: int, max_bytes: int):
+        self.dir = os.path.join(root, fingerprint)
+        self.fingerprint, self.build_id, self.n_vocab, self.max_bytes = fingerprint, build_id, n_vocab, max_bytes
+        self.enabled = True
+        self._lock = threading.Lock()   # guards _recent and the counters below
+        self._recent: "collections.OrderedDict" = collections.OrderedDict()  # (scope, key) -> ReplayRecord
+        self.n_replays = 0        # requests answered whole from a record
+        self.n_replay_tok = 0     # their tokens (none computed)
+        self.n_continued = 0      # requests that went on past a record's tokens (verified as drafts)
+        self.n_saved = self.n_bad = self.n_evicted = 0
+        self._used: Optional[int] = None  # bytes of records on disk (the writer's estimate)
+        self._pending: "queue.Queue" = queue.Queue(maxsize=256)
+        try:
+            _private_dirs(root, self.dir)
+        except OSError as e:
+            self._disable(e)
+        self._thread = threading.Thread(target=self._writer, name="reame-replay-writer", daemon=True)
+        self._thread.start()
+
+    def key(self, prompt: Sequence[int], params: "SamplingParams") -> str:
+        return replay_key(self.fingerprint, self.build_id, prompt, params)
+
+    def path(self, key: str, scope: str) -> str:
+        return os.path.join(self.dir, scope or "shared", key[:40] + ".rp")
+
+    def find(self, key: str, scope: str) -> Optional[ReplayRecord]:
+        """The record of key in scope (memory, then disk), or None."""
+        with self._lock:
+            rec = self._recent.get((scope, key))
+            if rec is not None:
+                self._recent.move_to_end((scope, key))
+                return rec
+        if not self.enabled:
+            return None
+        path = self.path(key, scope)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(_REPLAY_MAX_FILE + 1)
+        except OSError:
+            return None
+        try:
+            rec = _replay_record(data, key, self.n_vocab)
+        except ValueError as e:
+            self.reject(path, str(e))
+            return None
+        try:
+            os.utime(path)  # LRU across processes: last use is the mtime
+        except OSError:
+            pass
+        self._remember(scope, key, rec)
+        return rec
+
+    def reject(self, path: str, why: str) -> None:
+        """A record that must not be used: deleted (it is recomputed, and written again)."""
+        with self._lock:
+            self.n_bad += 1
+        log.warning("replay record %s deleted, will be recomputed: %s", os.path.basename(path), why)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+    def forget(self, key: str, scope: str) -> None:
+        """Drop a record from memory (one that did not hold: see Engine._replay)."""
+        with self._lock:
+            self._recent.pop((scope, key), None)
+
+    def put(self, key: str, scope: str, rec: ReplayRecord) -> None:
+        """Keep a finished answer: in memory now, on disk by the writer thread."""
+        with self._lock:
+            known = self._recent.get((scope, key))
+        if known is not None and known.tokens == rec.tokens and known.finish == rec.finish:
+            return
+        self._remember(scope, key, rec)
+        if self.enabled:
+            try:
+                self._pending.put_nowait((key, scope, rec))
+            except queue.Full:
+                pass  # the writer is behind: this one stays in memory only
+
+    def counted(self, n_tokens: int) -> None:
+        """A request was answered whole from a record of n_tokens tokens."""
+        with self._lock:
+            self.n_replays += 1
+            self.n_replay_tok += n_tokens
+
+    def continued(self) -> None:
+        with self._lock:
+            self.n_continued += 1
+
+    def _remember(self, scope: str, key: str, rec: ReplayRecord) -> None:
+        with self._lock:
+            self._recent[(scope, key)] = rec
+            self._recent.move_to_end((scope, key))
+            while len(self._recent) > _REPLAY_RECENT:
+                self._recent.popitem(last=False)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish queued writes (the engine calls this on close)."""
+        self._pending.put(None)
+        self._thread.join(timeout)
+
+    def _writer(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            try:
+                self._write(*item)
+            except OSError as e:
+                self._disable(e)
+            except Exception:  # noqa: BLE001 - a writer that dies would leave the queue full for good
+                log.exception("replay writer: this record is skipped")
+
+    def _write(self, key: str, scope: str, rec: ReplayRecord) -> None:
+        body = json.dumps({"key": key, "tokens": rec.tokens, "text": rec.text, "finish": rec.finish,
+                           "eog": rec.eog}).encode()
+        head = _REPLAY_MAGIC + _REPLAY_VERSION.to_bytes(4, "little") + len(body).to_bytes(4, "little")
+        size = len(head) + 32 + len(body)
+        if size > min(self.max_bytes, _REPLAY_MAX_FILE):
+            return
+        path = self.path(key, scope)
+        _private_dirs(os.path.dirname(path))
+        if self._used is None:
+            self._used = self.usage()[1]
+        if self._used + size > self.max_bytes:
+            self._make_room(size)
+        _write_private(path, (head, hashlib.sha256(body).digest(), body))
+        self._used += size
+        with self._lock:
+            self.n_saved += 1
+
+    def _files(self) -> List[tuple]:
+        """(mtime, bytes, path) of every record on disk, every scope."""
+        out = []
+        for scope in os.listdir(self.dir) if os.path.isdir(self.dir) else ():
+            d = os.path.join(self.dir, scope)
+            for name in os.listdir(d) if os.path.isdir(d) else ():
+                if name.endswith(".rp"):
+                    p = os.path.join(d, name)
+                    try:
+                        st = os.stat(p)
+                    except OSError:
+                        continue
+                    out.append((st.st_mtime, st.st_size, p))
+        return out
+
+    def _make_room(self, need: int) -> None:
+        """Delete the least recently used records until need more bytes fit (to 90% of the bound)."""
+        files = self._files()
+        used = sum(f[1] for f in files)
+        for _, size, p in sorted(files):
+            if used + need <= self.max_bytes * 0.9:
+                break
+            try:
+                os.remove(p)
+                used -= size
+                with self._lock:
+                    self.n_evicted += 1
+            except OSError:
+                pass
+        self._used = used
+
+    def usage(self) -> tuple:
+        """(records, bytes) on disk now."""
+        files = self._files()
+        return len(files), sum(f[1] for f in files)
+
+    def _disable(self, e: Exception) -> None:
+        if self.enabled:
+            log.warning("replay records at %s are not writable (%s): memory only from now on", self.dir, e)
+        self.enabled = False
+
+
+# == 12. Palimpsest: the archive of generations ================================
 # Every completed generation (with its prompt's tail, for context) is appended to an
 # on-disk archive per vocabulary and scope (one per API key), so a later request, in
 # this process, another one or after a restart, can draft from what was written
@@ -2868,9 +3159,9 @@ class Palimpsest:
         self._thread.join(timeout)
 
 
-# == 12. Speculation: draft sources and the controller =========================
+# == 13. Speculation: draft sources and the controller =========================
 # Draft sources propose tokens; the target verifies them in the scheduler's batch
-# step (section 19) and keeps the longest run it would have produced itself. The
+# step (section 20) and keeps the longest run it would have produced itself. The
 # controller measures, live, what a verify step of k+1 tokens costs against one
 # token, and how often each source is right by draft position, and speculates only
 # where that pays. Everything that decides is a pure function, tested without a model.
@@ -3194,7 +3485,7 @@ class PromptLookup(DraftSource):
 
 
 class ArchiveSource(DraftSource):
-    """Palimpsest (section 11) as a draft source: what followed the sequence's end in
+    """Palimpsest (section 12) as a draft source: what followed the sequence's end in
     earlier generations of its scope, in this process, another one or a past run."""
 
     name = "archive"
@@ -3566,9 +3857,9 @@ class SpecController:
         return {name: dict(c) for name, c in self.counters.items()}
 
 
-# == 13. The draft model =======================================================
+# == 14. The draft model =======================================================
 # A small model of the target's vocabulary drafting greedily in a context of its own:
-# a draft source (section 12) that costs to ask. --draft MODEL, or paired automatically
+# a draft source (section 13) that costs to ask. --draft MODEL, or paired automatically
 # (DRAFT_PAIRS); its KV follows each sequence lazily, rolled back where drafts failed.
 
 
@@ -3703,12 +3994,12 @@ class DraftModel(DraftSource):
         self.ctx.close()
 
 
-# == 14. Structured output: json_schema to GBNF ================================
+# == 15. Structured output: json_schema to GBNF ================================
 # response_format's json_object and json_schema, and a raw grammar, constrain decoding
 # through llama.cpp's grammar sampler (section 7); here a json_schema becomes GBNF:
 # objects with required properties, arrays with item bounds, strings with length
 # bounds, numbers, booleans, enum and const, anyOf/oneOf, $ref (_SCHEMA_KNOWN); anything
-# else is a 400 naming it. Il Suggeritore (section 16) drafts where a constraint leaves
+# else is a 400 naming it. Il Suggeritore (section 17) drafts where a constraint leaves
 # one way on.
 
 _GBNF_BASE = r'''
@@ -3913,11 +4204,11 @@ def json_schema_grammar(schema: dict) -> str:
     return "\n".join(lines) + "\n" + _GBNF_BASE
 
 
-# == 15. Reading JSON as it is written: JsonScan ===============================
+# == 16. Reading JSON as it is written: JsonScan ===============================
 # Il Suggeritore's JSON reader: it follows the JSON a model is writing, token by token,
 # and says what must or probably comes next: the punctuation and keys a json_schema
 # forces (schema_gaps), and what the previous objects of the same array agreed on.
-# Pure: text in, proposal out; the draft source in section 16 calls it.
+# Pure: text in, proposal out; the draft source in section 17 calls it.
 
 
 def _schema_type(node: dict) -> Optional[str]:
@@ -4208,16 +4499,16 @@ class JsonScan:
             i, cur, n = i + 1, "", n + 1
 
 
-# == 16. Il Suggeritore: structure as drafts ===================================
+# == 17. Il Suggeritore: structure as drafts ===================================
 # The prompter of the opera house: it whispers what structure comes next, and the
 # model, verifying in the batch, takes it or not. Rules are pure functions of the text
 # generated so far (a numbered list's next number, a table's separator row, a record's
 # next field, the punctuation and keys the previous JSON object had); a request's
 # json_schema adds its keys and punctuation. Each rule is its own free draft source,
-# shadow-scored by the controller (section 12), so a rule that keeps missing on a
+# shadow-scored by the controller (section 13), so a rule that keeps missing on a
 # request stops costing verify rows. Proposed text becomes tokens only where they line
-# up with what the model would emit (align_proposal). JSON is read by section 15;
-# section 14 turns a json_schema into a GBNF grammar (real constraints).
+# up with what the model would emit (align_proposal). JSON is read by section 16;
+# section 15 turns a json_schema into a GBNF grammar (real constraints).
 
 _LIST_ITEM = re.compile(r"^([ \t]*)(\d{1,4})([.)])[ \t]+\S")
 _BULLET = re.compile(r"^([ \t]*)([-*+\u2022])[ \t]+\S")
@@ -4466,7 +4757,7 @@ class Suggestion(DraftSource):
         return out
 
 
-# == 17. Requests: what the engine takes and gives back ========================
+# == 18. Requests: what the engine takes and gives back ========================
 # A Request is one generation as its submitter sees it (events to read, cancel, wait);
 # a _Seq is the scheduler's private state of it while it holds a slot; a Result is
 # what it produced.
@@ -4486,6 +4777,7 @@ class Result:
     n_cached_tok: int = 0       # prompt tokens whose KV was reused, not computed
     index: int = 0              # the choice's index in an n-choice group
     logprobs: Optional[list] = None  # with params.top_logprobs: each token's logprob_entry
+    replayed: bool = False      # answered whole from a replay record (section 11), nothing computed
 
 
 class Request:
@@ -4511,6 +4803,8 @@ class Request:
         self.disk = None   # (length, state or None: load it at admission) found on the disk tier by submit()
         self.spec: Optional[SpecOptions] = None  # None: the engine's default
         self.archive: Optional[str] = None       # archive scope (None: not stored, not drafted from)
+        self.replay_key: Optional[str] = None    # its answer is kept under this key (section 11)
+        self.forced: Optional[list] = None       # a replay record's tokens: its first tokens, verified as drafts
         self.events = events if events is not None else queue.SimpleQueue()
         self.t_submit = time.monotonic()
         self._cancel = threading.Event()
@@ -4583,7 +4877,7 @@ class _Seq:
     """Scheduler-private state of one active sequence (one slot)."""
 
     __slots__ = ("req", "seq_id", "n_prompt", "n_done", "n_past", "n_cached", "n_exact", "cuts", "sampler",
-                 "stream", "last", "tokens", "max_tokens", "t_first", "twins", "spec", "ended")
+                 "stream", "last", "tokens", "max_tokens", "t_first", "twins", "spec", "ended", "forced")
 
     def __init__(self, req: Request, seq_id: int, sampler: Sampler, max_tokens: int, n_cached: int = 0,
                  n_exact: int = 0):
@@ -4602,6 +4896,7 @@ class _Seq:
         self.twins: List["_Seq"] = []  # choices whose tokens are this one's so far (no KV, no rows of their own)
         self.spec: Optional[SpecState] = None  # speculation state (None: this sequence does not speculate)
         self.ended = False       # finished: its slot is free (Engine._finish ran)
+        self.forced = req.forced  # a replay record's tokens it verifies as drafts (None: none left)
 
 
 # The scheduler's inbox (Engine._incoming) carries these, nothing else.
@@ -4621,7 +4916,7 @@ class _Stop(NamedTuple):
     """Shut the scheduler down: what is queued or running ends with an error."""
 
 
-# == 18. Slots: the memory tier, and consecutive sequence ids ==================
+# == 19. Slots: the memory tier, and consecutive sequence ids ==================
 # Each slot is one sequence of the llama context (one KV stream). A free slot keeps its
 # last KV (a finished request's, or a session's): the memory tier a new request's
 # prompt is matched against. The sequences that decode are kept on consecutive slots,
@@ -4822,7 +5117,7 @@ class SlotTable:
         self.n_moves += 1
 
 
-# == 19. Engine: the scheduler thread and continuous batching ==================
+# == 20. Engine: the scheduler thread and continuous batching ==================
 # HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
 # thread owns the llama context: each step it admits waiting requests into free
 # slots, runs ONE llama_decode with the next token of every generating sequence,
@@ -4879,7 +5174,7 @@ class Engine:
                  n_batch: int = 512, prefill_chunk: int = 128, cache_reuse: str = "exact", repack: bool = False,
                  disk_cache: int = 0, disk_dir: Optional[str] = None, spec: str = "auto", spec_max: int = 16,
                  draft=None, spec_verify: str = "exact", archive: int = 0, archive_dir: Optional[str] = None,
-                 suggest: bool = True, **context_kw):
+                 suggest: bool = True, replay: int = 0, replay_dir: Optional[str] = None, **context_kw):
         if cache_reuse not in ("exact", "all"):
             raise RequestError("cache_reuse must be 'exact' or 'all'")
         if spec_verify not in ("exact", "fast"):
@@ -4902,12 +5197,17 @@ class Engine:
         self.chunk = max(1, min(prefill_chunk, self.ctx.n_batch))  # prompt tokens per prefill decode
         self._heads: dict = {}  # system message -> its prompt head (prefix_boundary); any thread
         self.disk: Optional[DiskCache] = None
+        fingerprint = model_fingerprint(self.model) if disk_cache or replay else ""
         if disk_cache:  # what changes the snapshot bytes or their exactness is in the file name and header
             params = "kv=f16 swa_full=%s fa=%s chunk=%d ctx_train=%d llama_h=%s" % (
                 context_kw.get("swa_full", True), context_kw.get("flash_attn", -1), self.chunk,
                 self.model.n_ctx_train, _LLAMA_H_SHA256[:16])
             root = disk_dir or os.path.join(Config.from_env().home, "kv")
-            self.disk = DiskCache(root, model_fingerprint(self.model), params, disk_cache, self.chunk)
+            self.disk = DiskCache(root, fingerprint, params, disk_cache, self.chunk)
+        self.replay: Optional[ReplayStore] = None
+        if replay:  # replay: its bound in bytes (0: answers are not kept)
+            root = replay_dir or os.path.join(Config.from_env().home, "replay")
+            self.replay = ReplayStore(root, fingerprint, library_build_id(), self.model.n_vocab, replay)
         sources: List[DraftSource] = [PromptLookup()]
         if suggest:  # Il Suggeritore: one free source per rule
             sources += [Suggestion(self.model, rule) for rule in SUGGEST_RULES]
@@ -4953,7 +5253,7 @@ class Engine:
     def submit_n(self, prompt, params: Optional[SamplingParams] = None, n: int = 1, *,
                  cache_tag: Optional[str] = None, snap_at: Sequence[int] = (),
                  spec: Optional[SpecOptions] = None, archive: Optional[str] = "shared", tenant: str = "",
-                 **kw) -> List[Request]:
+                 replay: bool = True, **kw) -> List[Request]:
         """Queue n choices of one prompt: one prefill, KV copied to n-1 more slots.
 
         They share one events queue (events carry the choice index). With a seed,
@@ -4964,6 +5264,7 @@ class Engine:
         archive scope the output is stored in and drafted from (None: neither).
         ``tenant``: the prefix cache (memory and disk) these choices reuse and feed: one
         tenant's prompts are never reused for another's ("": the shared cache).
+        ``replay``: answer from, and keep, replay records (with an engine that keeps them).
         """
         if self._closing:
             raise EngineError("engine is shut down")
@@ -4996,10 +5297,53 @@ class Engine:
             raise RequestError("archive scope %r: letters, digits, _ and - only" % archive)
         for req in group:
             req.archive, req.tenant = archive, tenant
+        if self.replay is not None and replay and self._replay(group):
+            return group  # answered: its events are all there
         if self.disk is not None:
             self._disk_plan(group[0])
         self._incoming.put(_Admit(group))
         return group
+
+    def _replay(self, group: List[Request]) -> bool:
+        """On the caller's thread: answer a group from replay records (section 11) when
+        each choice has one that answers it whole; True then, and its events are all sent
+        (the scheduler never sees it). Otherwise each choice keeps its key (its answer is
+        kept when it ends), and a lone choice whose record stopped at a shorter max_tokens
+        starts with the record's tokens to verify as drafts (Engine._forced_plans)."""
+        if self.spec_verify != "exact" or self.slots.cache_reuse != "exact":
+            return False  # their tokens may differ from a cold run's at near-ties: not replayable
+        if any(r.params.top_logprobs is not None or (r.params.temperature > 0 and r.params.seed is None)
+               for r in group):
+            return False  # (logprobs are not kept; unseeded sampling is random)
+        found = []
+        for req in group:
+            req.replay_key = self.replay.key(req.prompt, req.params)
+            rec = self.replay.find(req.replay_key, req.tenant)
+            room = self.n_ctx - len(req.prompt)
+            found.append((rec, rec and rec.plan(min(req.params.max_tokens or room, room))))
+        if any(rec is None for rec, _ in found):
+            return False
+        if any(plan[1] is None for _, plan in found):
+            if len(group) == 1:
+                group[0].forced = list(found[0][1][0])
+            return False
+        answers = []
+        for req, (rec, (tokens, finish)) in zip(group, found):
+            pieces = replay_text(self.model, req.params.stop, tokens, finish)
+            whole = len(tokens) == len(rec.tokens) and finish == rec.finish
+            if pieces is None or (whole and "".join(pieces) != rec.text):
+                self.replay.forget(req.replay_key, req.tenant)
+                self.replay.reject(self.replay.path(req.replay_key, req.tenant), "its text does not match its tokens")
+                return False
+            answers.append(pieces)
+        for req, (_, (tokens, finish)), pieces in zip(group, found, answers):
+            for text in pieces:  # (the scheduler never holds this request: this thread is its only writer)
+                req._emit(text)
+            now = time.monotonic()
+            req._finish(Result("".join(pieces), list(tokens), finish, len(req.prompt), len(tokens),
+                               now - req.t_submit, now - req.t_submit, len(req.prompt), replayed=True))
+            self.replay.counted(len(tokens))
+        return True
 
     def _disk_plan(self, req: Request) -> None:
         """On the caller's thread: find the longest prefix on disk (read, checked and
@@ -5073,7 +5417,7 @@ class Engine:
 
     @property
     def cache_reuse(self) -> str:
-        """"exact" or "all" (section 18); may change between requests."""
+        """"exact" or "all" (section 19); may change between requests."""
         return self.slots.cache_reuse
 
     @cache_reuse.setter
@@ -5095,6 +5439,9 @@ class Engine:
                 "kv_cells_active": c.kv_active, "kv_cells_cached": c.kv_cached,
                 "kv_cells_total": self.n_ctx * self.n_slots, "spec": self.spec.stats(),
                 "fast_verify_steps": c.n_fast_verify_steps,
+                "replays": self.replay.n_replays if self.replay else 0,
+                "replay_tokens": self.replay.n_replay_tok if self.replay else 0,
+                "replay_continued": self.replay.n_continued if self.replay else 0,
                 "archive": None if self.archive is None else {
                     "stored": self.archive.n_stored, "dropped": self.archive.n_skipped + self.archive.n_failed,
                     "scopes": self.archive.stats()}}
@@ -5114,6 +5461,8 @@ class Engine:
             self.draft_model.close()
         if self.disk is not None:
             self.disk.close()
+        if self.replay is not None:
+            self.replay.close()
         if self.archive is not None:
             self.archive.close()
         self.ctx.close()
@@ -5241,12 +5590,14 @@ class Engine:
             # (a sequence with twins does not speculate: they would have to follow every draft)
             ids = [s.seq_id for s in decoding]
             try:
-                plans = self.spec.plan([(None if s.twins else s.spec,
+                plans = self.spec.plan([(None if s.twins or s.forced else s.spec,
                                          min(s.max_tokens - len(s.tokens) - 1, self.n_ctx - s.n_past - 2))
                                         for s in decoding], len(decoding), b.capacity, ids)
             except Exception:  # noqa: BLE001 - drafts are optional: this step goes without (same output)
                 log.exception("speculation controller failed; this step has no drafts")
                 plans = [None] * len(decoding)
+            if any(s.forced for s in decoding):
+                self._forced_plans(decoding, plans, b.capacity)
             b.clear()
             for s, plan in zip(decoding, plans):
                 b.add(s.last, s.n_past, s.seq_id, True)
@@ -5285,6 +5636,27 @@ class Engine:
                 budget -= n
         self.counters.n_steps += 1
         self.counters.t_step_s += time.perf_counter() - t0
+
+    def _forced_plans(self, decoding: List[_Seq], plans: list, capacity: int) -> None:
+        """A sequence continuing a replay record (Request.forced) verifies the record's next
+        tokens as drafts, as many as the batch holds (up to _REPLAY_DRAFT_MAX a step). Once
+        they run out, or it samples another token (they are checked, never trusted), it
+        goes on like any other: the tokens it samples are the output either way."""
+        rows = sum(1 + (len(p.tokens) if p else 0) for p in plans)
+        for j, s in enumerate(decoding):
+            done = len(s.tokens)
+            if not s.forced or not done:
+                continue
+            if done >= len(s.forced) or s.tokens[-1] != s.forced[done - 1]:
+                if done >= len(s.forced) and self.replay is not None:
+                    self.replay.continued()
+                s.forced = None
+                continue
+            k = min(_REPLAY_DRAFT_MAX, len(s.forced) - done, s.max_tokens - done - 1, self.n_ctx - s.n_past - 2,
+                    capacity - rows)
+            if k > 0:
+                plans[j] = DraftPlan(_REPLAY_SOURCE, s.forced[done:done + k])
+                rows += k
 
     def _prefill_chunk(self, s: _Seq) -> int:
         """Prefill s's next prompt chunk in its own llama_decode; -1 if the sequence failed."""
@@ -5372,7 +5744,7 @@ class Engine:
         s.n_past += 1 + n_ok
         if n_ok < len(drafts):
             self.ctx.seq_rm(s.seq_id, s.n_past, -1)
-        if plan:  # a draft after the end of text or max_tokens was not wrong, only unused
+        if plan and plan.source != _REPLAY_SOURCE:  # a draft after the end of text or max_tokens was not wrong, only unused
             self.spec.verified(s.spec, plan.source, len(drafts), n_ok, rejected=n_ok < len(drafts) and
                                out[-1] != drafts[n_ok])
         for tok, lp in zip(out, lps):
@@ -5453,6 +5825,10 @@ class Engine:
             return
         if self.archive is not None and req.archive is not None and reason in ("stop", "length") and s.tokens:
             self.archive.store(req.archive, req.prompt, s.tokens)
+        if (req.replay_key is not None and reason in ("stop", "length") and self.replay is not None
+                and self.slots.cache_reuse == "exact"):  # (cache_reuse may have changed since it was submitted)
+            self.replay.put(req.replay_key, req.tenant, ReplayRecord(
+                list(s.tokens), "".join(req._text), reason, reason == "stop" and self.model.is_eog(s.last)))
         now = time.monotonic()
         req._finish(Result("".join(req._text), list(s.tokens), reason, s.n_prompt, len(s.tokens),
                            (s.t_first or now) - req.t_submit, now - req.t_submit, s.n_cached))
@@ -5475,7 +5851,7 @@ class Engine:
                     req._finish(None, error)
 
 
-# == 20. Embeddings: pooled hidden states ======================================
+# == 21. Embeddings: pooled hidden states ======================================
 # /v1/embeddings: a model's hidden states, mean-pooled per input and L2-normalized, from
 # a llama context of their own in embedding mode: the served model's weights (shared, no
 # second copy), or an embedding GGUF given with --embedding-model. A generative model's
@@ -5547,7 +5923,7 @@ class Embedder:
                 self.model.close()
 
 
-# == 21. The Conclave: best-of-N in one batch, voted ===========================
+# == 22. The Conclave: best-of-N in one batch, voted ===========================
 # N candidates of one prompt: one prefill, its KV copied to N-1 more slots
 # (Engine.submit_n), all decoded in the same steps with different seeds. As each
 # finishes, its answer is extracted and tallied; once the rest cannot change the
@@ -6002,7 +6378,7 @@ def _conclave_wave(reqs: List[Request], start: int, results: list, order: list, 
     return decided
 
 
-# == 22. Request bodies: OpenAI JSON to engine arguments =======================
+# == 23. Request bodies: OpenAI JSON to engine arguments =======================
 # What a request body asks for, checked field by field (a 400 with the field's name
 # and the reason, never a traceback): request_from_body turns a body into one
 # ApiRequest (sampling, structure, choices, streaming, session, speculation, archive,
@@ -6088,7 +6464,7 @@ def structure_from_body(body: dict) -> tuple:
     raise RequestError("'response_format.type' must be 'text', 'json_object' or 'json_schema'", code="invalid_value")
 
 
-_EXTENSION_FIELDS = ("spec", "spec_max", "spec_sources", "archive", "vote", "early_stop", "candidates")
+_EXTENSION_FIELDS = ("spec", "spec_max", "spec_sources", "archive", "replay", "vote", "early_stop", "candidates")
 _SPEC_SOURCES = ("lookup", "archive", "draft", "suggest") + tuple("suggest." + r for r in SUGGEST_RULES)
 
 
@@ -6432,6 +6808,7 @@ class ApiRequest:
     session_id: Optional[str] = None  # continue this conversation (checked by Sessions)
     spec: Optional[SpecOptions] = None  # None: the engine's default
     archive: Optional[str] = None   # the archive scope (None: not stored, not drafted from)
+    replay: bool = True             # answer from, and keep, replay records ("reame": {"replay": false})
     vote: str = "last_number"       # best_of: the answer extractor
     early_stop: bool = True         # best_of: stop the losers once the vote is decided
     candidates: bool = False        # best_of: return (and stream) every candidate
@@ -6471,6 +6848,7 @@ def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_t
     if api.session_id is not None and api.n != 1:
         raise RequestError("a session continues one answer: 'n' must be 1 with 'session_id'", code="invalid_value")
     ext = _extension(body)
+    api.replay = _field(ext, "replay", bool, True, why="a boolean")
     if api.best_of > 1:
         if api.n != 1 or api.session_id is not None:
             raise RequestError("'best_of' answers with one voted choice: not with 'n' > 1 or a session",
@@ -6538,7 +6916,7 @@ def embeddings_from_body(body: dict) -> tuple:
     return inputs, fmt == "base64"
 
 
-# == 23. Sessions: conversations the server keeps ==============================
+# == 24. Sessions: conversations the server keeps ==============================
 # A session id names a conversation whose history the server keeps, so a client
 # sends only its new message, and whose KV stays resident in the engine (its cache
 # tag) between turns. Sessions belong to the API key that made them.
@@ -6710,10 +7088,10 @@ class Sessions:
                 self._drop(s)
 
 
-# == 24. HTTP requests: routes and answers =====================================
+# == 25. HTTP requests: routes and answers =====================================
 # OpenAI-compatible endpoints on the standard library's http.server. One thread per
-# connection (section 25 binds this handler to its Server): it frames, authenticates,
-# reads the request (section 22), submits to the Engine, and writes JSON or SSE from the
+# connection (section 26 binds this handler to its Server): it frames, authenticates,
+# reads the request (section 23), submits to the Engine, and writes JSON or SSE from the
 # Request's events. It never touches the llama context.
 
 _MAX_BODY_BYTES = 8 << 20
@@ -6961,7 +7339,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send_json(200, {"id": sid, "object": "session", "deleted": True})
 
     def _embeddings(self):
-        """POST /v1/embeddings (section 20): unit vectors, floats or base64 of float32."""
+        """POST /v1/embeddings (section 21): unit vectors, floats or base64 of float32."""
         self._owner()
         srv = self.server_ref
         inputs, as_base64 = embeddings_from_body(self._read_body())
@@ -6982,7 +7360,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                               "usage": {"prompt_tokens": n, "total_tokens": n}})
 
     def _completion(self):
-        """Who is calling -> the request (section 22) -> admission -> submit -> the answer."""
+        """Who is calling -> the request (section 23) -> admission -> submit -> the answer."""
         owner = self._owner()
         srv, eng = self.server_ref, self.server_ref.engine
         api = request_from_body(self._read_body(), chat=self.path.split("?", 1)[0] == "/v1/chat/completions",
@@ -7006,7 +7384,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                    "per sequence)" % (len(tokens), api.params.max_tokens, eng.n_ctx),
                                    code="context_length_exceeded")
             kw = dict(snap_at=eng.prefix_boundary(turns, tokens) if api.chat else (), spec=api.spec,
-                      archive=api.archive, tenant=srv.tenant(owner))
+                      archive=api.archive, tenant=srv.tenant(owner), replay=api.replay)
             if api.best_of > 1:
                 self._conclave(api, tokens, kw)
                 return
@@ -7082,10 +7460,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             text, calls = parse_tool_calls(api.tool_format, r.text) if api.calls_tools else (r.text, [])
             choices.append(self._choice(api.chat, r.index, text, "tool_calls" if calls else r.finish_reason,
                                         logprobs=logprobs_json(api.chat, r.logprobs), tool_calls=calls or None))
-        self._send_json(200, dict(self._envelope(api, rid, False), choices=choices, usage=_usage(results)))
+        extra = {"reame": {"replayed": True}} if all(r.replayed for r in results) else {}
+        self._send_json(200, dict(self._envelope(api, rid, False), choices=choices, usage=_usage(results), **extra))
 
     def _conclave(self, api: ApiRequest, tokens: List[int], submit_kw: dict) -> None:
-        """best_of: candidates voted (section 21). The response has one choice, the
+        """best_of: candidates voted (section 22). The response has one choice, the
         winner, and a "conclave" object: the answer, the votes, candidates finished and
         cancelled (and each candidate with "reame": {"candidates": true}). Streaming
         sends the winner once decided, or, with candidates, every candidate's text as
@@ -7170,12 +7549,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         lp_pending: dict = {}  # choice -> logprob entries of the text to come
         lp_offset = [0] * n    # choice -> characters sent (completions' text_offset)
 
-        def send(i, text=None, finish=None, role=False):
+        def send(i, text=None, finish=None, role=False, replayed=False):
             lp = lp_pending.pop(i, None)
             c = self._choice(chat, i, text, finish, delta=True, role=role,
                              logprobs=logprobs_json(chat, lp, lp_offset[i]))
             lp_offset[i] += sum(len(e["token"]) for e in lp or ())
-            self._sse_send(dict(base, choices=[c]))
+            self._sse_send(dict(base, choices=[c], **({"reame": {"replayed": True}} if replayed else {})))
         results: List[Optional[Result]] = [None] * n
         start, failed = 0, None
         held = [_ToolText(api.tool_format) for _ in range(n)] if api.calls_tools else None
@@ -7245,7 +7624,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     for part in (head, {"index": j, "function": {"arguments": c["function"]["arguments"]}}):
                         self._sse_send(dict(base, choices=[{"index": i, "delta": {"tool_calls": [part]},
                                                             "finish_reason": None, "logprobs": None}]))
-                send(i, finish="tool_calls" if calls else payload.finish_reason)
+                send(i, finish="tool_calls" if calls else payload.finish_reason, replayed=payload.replayed)
                 results[i] = payload
                 left -= 1
             else:
@@ -7255,7 +7634,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return None
 
 
-# == 25. HTTP server: connections, tenants, limits, metrics ====================
+# == 26. HTTP server: connections, tenants, limits, metrics ====================
 # The Server owns what is shared by the handler threads: the listening socket and its
 # connection cap, API keys and their keyed scope names, the body and queue budgets, the
 # sessions, the embedder, and the counters /metrics reports (one table, _METRICS).
@@ -7324,6 +7703,15 @@ _METRICS = (
     ("spec_on", "gauge", "1 while the last decision for the source was to use it", "spec_on", "source"),
     ("spec_estimated_speedup", "gauge", "the expected speedup of the last decision, by source", "spec_gain",
      "source"),
+    ("replays_total", "counter", "requests answered whole from a replay record (nothing computed)", "replays",
+     None),
+    ("replay_tokens_saved_total", "counter", "tokens of those answers: not computed", "replay_tokens", None),
+    ("replay_continued_total", "counter", "requests that went on past a record's tokens (verified as drafts)",
+     "replay_continued", None),
+    ("replay_records_written_total", "counter", "replay records written to disk", "replay_written", None),
+    ("replay_records_rejected_total", "counter", "replay records that failed their checks (deleted)", "replay_bad",
+     None),
+    ("replay_records_evicted_total", "counter", "replay records evicted (size bound)", "replay_evicted", None),
     ("conclaves_total", "counter", "best_of requests voted", "conclaves", None),
     ("conclave_candidates_total", "counter", "best_of candidates, by state", "conclave_candidates", "state"),
     ("conclave_tokens_saved_total", "counter", "tokens early stops saved (estimate)", "conclave_saved", None),
@@ -7556,7 +7944,7 @@ class Server:
             raise err
 
     def _metric_values(self) -> dict:
-        """A snapshot of everything /metrics reports (section 25's _METRICS)."""
+        """A snapshot of everything /metrics reports (section 26's _METRICS)."""
         eng = self.engine
         st = eng.stats()
         with self._lock:
@@ -7577,6 +7965,10 @@ class Server:
                  disk_hits=st["disk_hits"], disk_snapshots=st["disk_snapshots"], sessions=len(self.sessions),
                  prefills=st["prefills"], twin_tokens=st["twin_tokens"], prefill_tokens=st["prefill_tokens"],
                  cached_tokens=st["cached_tokens"], steps=st["steps"])
+        if eng.replay is not None:
+            r = eng.replay
+            v.update(replays=r.n_replays, replay_tokens=r.n_replay_tok, replay_continued=r.n_continued,
+                     replay_written=r.n_saved, replay_bad=r.n_bad, replay_evicted=r.n_evicted)
         for key, field in (("spec_proposed", "proposed"), ("spec_accepted", "accepted"), ("spec_steps", "steps"),
                            ("spec_probes", "probes"), ("spec_k", "k"), ("spec_on", "on"), ("spec_gain", "gain")):
             v[key] = {name: c[field] for name, c in st["spec"].items()}
@@ -7636,7 +8028,7 @@ class Server:
                 self._embedder = None
 
 
-# == 26. Command line ==========================================================
+# == 27. Command line ==========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
@@ -7663,6 +8055,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "of generations in $REAME_HOME/palimpsest that later requests draft from (default 256M); "
                    "the oldest segments go first")
     p.add_argument("--no-archive", action="store_true", help="do not store generations nor draft from them")
+    p.add_argument("--replay-size", default="64M", metavar="SIZE", help="bound on the replay records in "
+                   "$REAME_HOME/replay (default 64M): a greedy (or seeded) request asked again is answered "
+                   "from the record of its first answer, the same tokens, nothing computed")
+    p.add_argument("--no-replay", action="store_true", help="compute every answer, also one already given "
+                   "(implied by --no-disk-cache)")
     p.add_argument("--no-suggest", action="store_true", help="turn off Il Suggeritore, the draft source that "
                    "proposes structure (list numbers, table rows, JSON keys and punctuation, a json_schema's keys)")
     p.add_argument("--spec", choices=SPEC_MODES, default="auto", help="speculative decoding: auto (default) "
@@ -7703,9 +8100,12 @@ def _engine_kwargs(args) -> dict:
     archive = 0 if args.no_archive else parse_size(args.archive_size)
     if not args.no_archive and archive < 1 << 20:
         raise RequestError("--archive-size must be at least 1M (or use --no-archive)")
+    replay = 0 if args.no_replay or args.no_disk_cache else parse_size(args.replay_size)
+    if replay and replay < 1 << 20:
+        raise RequestError("--replay-size must be at least 1M (or use --no-replay)")
     return dict(n_ctx=args.ctx, n_threads=args.threads, disk_cache=_disk_cache_bytes(args), spec=args.spec,
                 spec_max=args.spec_max, spec_verify=args.spec_verify, draft=_draft_path(args), archive=archive,
-                suggest=not args.no_suggest)
+                suggest=not args.no_suggest, replay=replay)
 
 
 def _disk_cache_bytes(args) -> int:

@@ -335,7 +335,7 @@ def test_open_with_deadline_gives_up(monkeypatch):
     assert time.monotonic() - t0 < 3
 
 
-# == 26. Command line (no model needed) ========================================
+# == 27. Command line (no model needed) ========================================
 
 
 def test_cli_help_explains_every_command():
@@ -805,7 +805,7 @@ def test_parse_size():
         reame.parse_size("lots")
 
 
-# == 18. Slots: the memory tier, and consecutive sequence ids ==================
+# == 19. Slots: the memory tier, and consecutive sequence ids ==================
 
 
 @pytest.mark.parametrize("fixture", ["qwen", "gemma"])
@@ -874,7 +874,7 @@ def test_a_gap_in_the_decode_batch_is_closed(name):
         assert eng.stats()["slot_moves"] >= 1
 
 
-# == 19. Engine: the scheduler thread and continuous batching ==================
+# == 20. Engine: the scheduler thread and continuous batching ==================
 
 
 def test_greedy_is_deterministic(qwen):
@@ -1045,7 +1045,7 @@ def test_greedy_same_without_numpy(gemma):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == want
 
 
-# == 26. Command line ==========================================================
+# == 27. Command line ==========================================================
 
 
 def test_cli_run_answers_and_exits():
@@ -1119,7 +1119,7 @@ def test_interactive_chat_on_a_tty():
         os.close(fd)
 
 
-# == 12. Speculation: draft sources and the controller =========================
+# == 13. Speculation: draft sources and the controller =========================
 # Pure: draft lookup and the controller's decisions, with synthetic costs and acceptance.
 
 
@@ -1740,7 +1740,7 @@ def test_draft_model_of_another_vocabulary_is_refused(gemma):
         reame.check_draft_pair(gemma.model, reame.Model(_model_path("qwen2.5-coder-0.5b"), vocab_only=True))
 
 
-# == 11. Palimpsest: the archive of generations ================================
+# == 12. Palimpsest: the archive of generations ================================
 # Pure: records, the index's drafts; files: torn records, concurrent appends, the bound.
 
 
@@ -1958,7 +1958,7 @@ def test_archive_scopes_never_cross_and_opt_out(qwen_archive):
         eng.submit(prompt, archive="../etc")
 
 
-# == 14. Structured output: json_schema to GBNF ================================
+# == 15. Structured output: json_schema to GBNF ================================
 
 
 def test_json_schema_grammar_converts_and_rejects(qwen):
@@ -2038,7 +2038,7 @@ def test_json_schema_output_always_validates(qwen):
     assert qwen.stats()["spec"]["suggest.json"]["accepted"] - before > 20
 
 
-# == 15. Reading JSON as it is written: JsonScan ===============================
+# == 16. Reading JSON as it is written: JsonScan ===============================
 
 
 def test_json_scan_repeats_the_previous_records_layout():
@@ -2097,7 +2097,7 @@ def test_json_scan_schema_hints_and_enums():
     assert reame.schema_gaps({"type": "string"}) is None
 
 
-# == 16. Il Suggeritore: structure as drafts ===================================
+# == 17. Il Suggeritore: structure as drafts ===================================
 
 
 def test_suggest_rules_lists_markdown_fields():
@@ -2187,7 +2187,7 @@ def test_suggeritore_values_equal_plain_greedy_and_get_accepted(qwen):
     assert qwen.stats()["spec"]["suggest.values"]["accepted"] - before >= 10
 
 
-# == 21. The Conclave: best-of-N in one batch, voted ===========================
+# == 22. The Conclave: best-of-N in one batch, voted ===========================
 
 
 def test_conclave_extractors():
@@ -2252,7 +2252,7 @@ def test_conclave_one_prefill_shared_steps_early_stop(qwen5):
         reame.run_conclave(eng, prompt, reame.SamplingParams(temperature=0), 3)
 
 
-# == 25. HTTP server (real socket on port 0, real model) =======================
+# == 26. HTTP server (real socket on port 0, real model) =======================
 
 
 @pytest.fixture(scope="module")
@@ -3121,7 +3121,7 @@ def test_server_n_and_best_of_beyond_parallel(server, gemma):
     assert _http(server, "POST", "/v1/chat/completions", dict(body, n=17))[0] == 400
 
 
-# == 25. HTTP server, attacked: one request can neither crash it nor reach another tenant
+# == 26. HTTP server, attacked: one request can neither crash it nor reach another tenant
 # Each attack runs against a real server on port 0 (gemma3-270m) while a victim stream of
 # another key decodes: the attacker gets a clear 4xx (or 413/429/503), /health answers
 # within a second, and the victim gets exactly the greedy text it gets alone.
