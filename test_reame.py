@@ -4,6 +4,7 @@ Tier 0 needs no libllama (pure logic, registry, downloads against a loopback ser
 Tier 1 uses the real models (gemma3-270m, qwen2.5-coder-0.5b) pulled by `reame.py pull`;
 a missing model or library is a failure, never a skip.
 """
+import dataclasses
 import hashlib
 import http.server
 import io
@@ -803,6 +804,180 @@ def test_parse_size():
     assert reame.parse_size("1048576") == 1 << 20 and reame.parse_size("1.5k") == 1536
     with pytest.raises(reame.RequestError):
         reame.parse_size("lots")
+
+
+# == 11. Replay: finished answers, answered again ==============================
+
+
+def _replay_engine(model, tmp_path, **kw):
+    return reame.Engine(model, n_ctx=512, n_slots=2, replay=1 << 20, replay_dir=str(tmp_path / "replay"), **kw)
+
+
+def test_replay_record_plan_by_max_tokens():
+    """What a record answers for each max_tokens: whole, a prefix cut by length, or only
+    its first tokens (then the rest is computed)."""
+    eog = reame.ReplayRecord([1, 2, 3], "abc", "stop", True)       # 3 tokens, then the end of text
+    assert eog.plan(4) == ([1, 2, 3], "stop") and eog.plan(3) == ([1, 2, 3], "length")
+    assert eog.plan(2) == ([1, 2], "length")
+    by_stop = reame.ReplayRecord([1, 2, 3], "ab", "stop", False)   # a stop string in the 3rd token
+    assert by_stop.plan(3) == ([1, 2, 3], "stop") and by_stop.plan(2) == ([1, 2], "length")
+    cut = reame.ReplayRecord([1, 2, 3], "abc", "length", False)
+    assert cut.plan(3) == ([1, 2, 3], "length") and cut.plan(1) == ([1], "length")
+    assert cut.plan(10) == ([1, 2, 3], None)
+    # the key: every sampling field but max_tokens (and the seed only when sampling)
+    p = reame.SamplingParams(temperature=0, max_tokens=5)
+    k = reame.replay_key("fp", "build", [1, 2], p)
+    assert k == reame.replay_key("fp", "build", [1, 2], dataclasses.replace(p, max_tokens=50, seed=9))
+    for other in (reame.replay_key("fp2", "build", [1, 2], p), reame.replay_key("fp", "build2", [1, 2], p),
+                  reame.replay_key("fp", "build", [1, 3], p),
+                  reame.replay_key("fp", "build", [1, 2], dataclasses.replace(p, stop=("x",))),
+                  reame.replay_key("fp", "build", [1, 2], dataclasses.replace(p, grammar='root ::= "a"')),
+                  reame.replay_key("fp", "build", [1, 2], dataclasses.replace(p, temperature=0.5, seed=1))):
+        assert other != k
+
+
+def test_replay_answers_a_repeat_without_computing(qwen_model, tmp_path):
+    """A greedy request asked again is answered from its record: the same tokens, text,
+    pieces and usage, not one scheduler step; any change of what decides the tokens misses."""
+    prompt = "def fibonacci(n):"
+    with reame.Engine(qwen_model, n_ctx=512, n_slots=2) as plain:
+        cold = plain.complete(prompt, temperature=0, max_tokens=24)
+    with _replay_engine(qwen_model, tmp_path) as eng:
+        first = eng.complete(prompt, temperature=0, max_tokens=24)
+        assert not first.replayed and first.tokens == cold.tokens
+        steps = eng.stats()["steps"]
+        req = eng.submit(prompt, temperature=0, max_tokens=24)
+        pieces = list(req)
+        again = req.wait()
+        assert again.replayed and eng.stats()["steps"] == steps  # nothing computed
+        assert (again.tokens, again.text, again.finish_reason) == (cold.tokens, cold.text, cold.finish_reason)
+        assert (again.n_prompt_tok, again.n_gen_tok) == (cold.n_prompt_tok, cold.n_gen_tok)
+        assert "".join(pieces) == cold.text
+        st = eng.stats()
+        assert st["replays"] == 1 and st["replay_tokens"] == len(cold.tokens)
+        # a shorter max_tokens is a prefix of the record, cut by length
+        short = eng.complete(prompt, temperature=0, max_tokens=5)
+        assert short.replayed and short.tokens == cold.tokens[:5] and short.finish_reason == "length"
+        # speculation does not change greedy tokens: not part of the key
+        spec_off = eng.submit_n(prompt, reame.SamplingParams(temperature=0, max_tokens=24),
+                                spec=reame.SpecOptions("off"))[0].wait()
+        assert spec_off.replayed
+        # anything that changes the tokens misses (and is computed: steps run)
+        for kw in (dict(stop=("\n\n",)), dict(repeat_penalty=1.2), dict(top_k=1),
+                   dict(temperature=0.8, seed=3), dict(grammar='root ::= "x" [a-z]*')):
+            steps = eng.stats()["steps"]
+            res = eng.complete(prompt, temperature=kw.pop("temperature", 0), max_tokens=24, **kw)
+            assert not res.replayed and eng.stats()["steps"] > steps, kw
+        assert not eng.complete(prompt + " ", temperature=0, max_tokens=24).replayed
+        # logprobs are not kept: computed; unseeded sampling is random: never replayed
+        assert not eng.complete(prompt, temperature=0, max_tokens=24, top_logprobs=2).replayed
+        for _ in range(2):
+            assert not eng.complete(prompt, temperature=0.8, max_tokens=8).replayed
+        # the request's own opt-out
+        assert not eng.submit_n(prompt, reame.SamplingParams(temperature=0, max_tokens=24),
+                                replay=False)[0].wait().replayed
+
+
+def test_replay_seeded_sampling_and_longer_max_tokens(qwen_model, tmp_path):
+    """A seeded sampled answer replays seed for seed; a longer max_tokens than the record's
+    verifies its tokens as drafts and goes on: the tokens of a cold run of that length."""
+    prompt = "Write a haiku about the sea."
+    with reame.Engine(qwen_model, n_ctx=512, n_slots=2) as plain:
+        sampled = plain.complete(prompt, temperature=0.9, seed=11, max_tokens=20)
+        long_cold = plain.complete(prompt, temperature=0, max_tokens=48)
+    with _replay_engine(qwen_model, tmp_path) as eng:
+        assert eng.complete(prompt, temperature=0.9, seed=11, max_tokens=20).tokens == sampled.tokens
+        again = eng.complete(prompt, temperature=0.9, seed=11, max_tokens=20)
+        assert again.replayed and again.tokens == sampled.tokens and again.text == sampled.text
+        assert not eng.complete(prompt, temperature=0.9, seed=12, max_tokens=20).replayed
+        short = eng.complete(prompt, temperature=0, max_tokens=16)
+        assert short.tokens == long_cold.tokens[:16] and short.finish_reason == "length"
+        longer = eng.complete(prompt, temperature=0, max_tokens=48)
+        assert not longer.replayed and longer.tokens == long_cold.tokens and longer.text == long_cold.text
+        st = eng.stats()
+        assert st["replay_continued"] == 1 and st["spec"].get("replay") is None  # not a speculation source
+        assert eng.complete(prompt, temperature=0, max_tokens=48).replayed  # the longer record replaces it
+
+
+def test_replay_survives_restart_and_is_shared_by_processes(qwen_model, tmp_path):
+    """A record written by one engine is found by the next one (a restart) and by another
+    process on the same directory. Files 0600 in 0700 directories."""
+    prompt = "SELECT name FROM users WHERE"
+    with _replay_engine(qwen_model, tmp_path) as eng:
+        first = eng.complete(prompt, temperature=0, max_tokens=16)
+    files = list((tmp_path / "replay").rglob("*.rp"))
+    assert len(files) == 1 and files[0].stat().st_mode & 0o777 == 0o600
+    assert all(d.stat().st_mode & 0o777 == 0o700 for d in (tmp_path / "replay", files[0].parent))
+    with _replay_engine(qwen_model, tmp_path) as eng:
+        again = eng.complete(prompt, temperature=0, max_tokens=16)
+        assert again.replayed and again.tokens == first.tokens and eng.stats()["steps"] == 0
+    code = ("import json, reame\n"
+            "e = reame.Engine(reame.resolve_model('qwen2.5-coder-0.5b', pull=False), n_ctx=512, n_slots=2, "
+            "replay=1 << 20, replay_dir=%r)\n"
+            "r = e.complete(%r, temperature=0, max_tokens=16)\n"
+            "print(json.dumps([r.replayed, r.tokens, e.stats()['steps']]))\ne.close()\n"
+            % (str(tmp_path / "replay"), prompt))
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, first.tokens, 0]
+
+
+def test_replay_rejects_a_bad_record_and_recomputes(qwen_model, tmp_path):
+    """A record that fails its checks (flipped byte, cut short, another key's record, tokens
+    outside the vocabulary) is deleted and the answer computed again, the same tokens."""
+    prompt, other = "import numpy as np\n", "import pandas as pd\n"
+    with _replay_engine(qwen_model, tmp_path) as eng:
+        want = eng.complete(prompt, temperature=0, max_tokens=12)
+        eng.complete(other, temperature=0, max_tokens=12)
+        path = pathlib.Path(eng.replay.path(eng.replay.key(eng.model.tokenize(prompt),
+                                                            reame.SamplingParams(temperature=0)), ""))
+        other_path = pathlib.Path(eng.replay.path(eng.replay.key(eng.model.tokenize(other),
+                                                                  reame.SamplingParams(temperature=0)), ""))
+    good = path.read_bytes()
+    body = json.loads(good[48:])
+    forged = json.dumps(dict(body, tokens=[10 ** 9])).encode()
+    forged = good[:12] + len(forged).to_bytes(4, "little") + hashlib.sha256(forged).digest() + forged
+    for bad in (good[:-1] + bytes([good[-1] ^ 1]), good[:40], other_path.read_bytes(), forged):
+        path.write_bytes(bad)
+        with _replay_engine(qwen_model, tmp_path) as eng:
+            res = eng.complete(prompt, temperature=0, max_tokens=12)
+            assert not res.replayed and res.tokens == want.tokens and eng.replay.n_bad == 1
+        assert path.read_bytes() == good  # written again by the recomputed answer
+
+
+def test_server_replay_per_key_streamed_and_opt_out(gemma, tmp_path):
+    """Over HTTP: a repeat is marked "reame": {"replayed": true} (JSON and the stream's last
+    chunk) with the same choices and usage; another API key never gets the first one's
+    record; "reame": {"replay": false} computes; /metrics counts replays."""
+    eng = reame.Engine(gemma.model, n_ctx=1024, n_slots=2, replay=1 << 20, replay_dir=str(tmp_path))
+    srv = reame.Server(eng, "gemma3-270m", host="127.0.0.1", port=0, api_keys=["k1", "k2"])
+    threading.Thread(target=srv.serve_forever, name="test-replay-server", daemon=True).start()
+    try:
+        body = {"messages": [{"role": "user", "content": "Name three rivers."}], "temperature": 0, "max_tokens": 16}
+        outs = []
+        for key in ("k1", "k1", "k2"):
+            status, payload = _http(srv, "POST", "/v1/chat/completions", body, key=key)
+            assert status == 200, payload
+            outs.append(json.loads(payload))
+        assert "reame" not in outs[0] and outs[1]["reame"] == {"replayed": True} and "reame" not in outs[2]
+        assert outs[1]["choices"] == outs[0]["choices"] == outs[2]["choices"]
+        assert all(outs[1]["usage"][k] == outs[0]["usage"][k] for k in ("prompt_tokens", "completion_tokens"))
+        assert len(os.listdir(eng.replay.dir)) == 2  # a folder per key
+        status, payload = _http(srv, "POST", "/v1/chat/completions", dict(body, stream=True), key="k2")
+        chunks = _sse(payload)
+        assert chunks[-1]["reame"] == {"replayed": True} and chunks[-1]["choices"][0]["finish_reason"]
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == \
+            outs[0]["choices"][0]["message"]["content"]
+        status, payload = _http(srv, "POST", "/v1/chat/completions", dict(body, reame={"replay": False}))
+        assert status == 200 and "reame" not in json.loads(payload)
+        status, payload = _http(srv, "POST", "/v1/chat/completions", dict(body, reame={"replay": "no"}))
+        assert status == 400 and "replay" in json.loads(payload)["error"]["message"]
+        status, payload = _http(srv, "GET", "/metrics")
+        assert b"reame_replays_total 2" in payload
+        assert b"reame_replay_tokens_saved_total %d" % (2 * outs[0]["usage"]["completion_tokens"]) in payload
+    finally:
+        srv.shutdown()
+        eng.close()
 
 
 # == 19. Slots: the memory tier, and consecutive sequence ids ==================
