@@ -28,6 +28,10 @@
                                           only the Suggeritore section: a numbered list, JSON records,
                                           a markdown table, prose, JSON records under a json_schema, and
                                           a tool call forced by name, Il Suggeritore on vs off
+    python3 bench.py --workload [--plot trace.png]
+                                          only the workload trace: 32 support-desk requests against
+                                          llama-server as a user starts it, and reame.py serve cold,
+                                          warm and after a restart, 1 and 4 clients
     python3 bench.py --soak [--soak-seconds 600] [--model gemma3-270m] [--soak-attacks A,B]
                                           only the soak: one server under load, attacks and
                                           disconnects; exit status 1 if anything failed
@@ -1641,6 +1645,268 @@ def run_prefix_only(args) -> dict:
                        "server_sampling": None if args.no_server else args.server_sampling,
                        "reame_version": getattr(reame, "__version__", "?")},
             "prefix_cache": pc, "noise": noise.report()}
+
+
+# -- the workload trace (--workload) -------------------------------------------------------
+
+WORKLOAD_FAQ = [
+    "How many vacation days do I get in my first year?",
+    "Can I expense a taxi home after working late?",
+    "How long may I work remotely from another country?",
+    "Who approves overtime?",
+    "What is the notice period when I resign?",
+    "Is there a budget for training courses?",
+    "How do I report a safety incident in the warehouse?",
+    "Can I bring my dog to the office?",
+]
+WORKLOAD_HOWTO = [
+    "List, as numbered steps, how I request parental leave.",
+    "List, as numbered steps, how I claim travel expenses.",
+    "List, as numbered steps, what I do on my last working day.",
+]
+WORKLOAD_TICKETS = [
+    "Ticket 4411 from Jana Novak (Gdansk): my laptop screen flickers since Monday, I need it fixed before the "
+    "audit on Friday.",
+    "Ticket 4412 from Luca Bianchi (Milan): payroll paid me 200 euros too little in March, please correct it.",
+    "Ticket 4413 from Emma Weber (Vienna): the badge reader at gate 3 rejects my card every morning.",
+]
+WORKLOAD_TICKET_SCHEMA = {
+    "type": "object",
+    "properties": {"ticket": {"type": "integer"}, "name": {"type": "string"}, "site": {"type": "string"},
+                   "department": {"enum": ["HR", "Finance", "IT", "Facilities", "Payroll"]},
+                   "urgent": {"type": "boolean"}, "summary": {"type": "string"}},
+    "required": ["ticket", "name", "site", "department", "urgent", "summary"],
+}
+WORKLOAD_CODE = [
+    ("Rename the variable `total` to `subtotal` everywhere and return the whole function.",
+     "def invoice_total(lines, vat_rate):\n    total = 0\n    for qty, price in lines:\n        total += qty * price\n"
+     "    vat = total * vat_rate\n    return round(total + vat, 2)\n"),
+    ("Add a `discount` parameter (default 0) subtracted from the total before VAT; return the whole function.",
+     "def invoice_total(lines, vat_rate):\n    total = 0\n    for qty, price in lines:\n        total += qty * price\n"
+     "    vat = total * vat_rate\n    return round(total + vat, 2)\n"),
+]
+WORKLOAD_CODE_SYSTEM = "You are a careful Python assistant. Answer with code only, in one ```python block."
+# The trace: 32 requests a support desk might get in an hour, in this order. A request
+# names (kind, index); 15 are new, 17 repeat an earlier one word for word (FAQs get asked
+# again), and the repeats lean to the end: the shape of a narrow, repetitive workload.
+WORKLOAD_ORDER = [
+    ("faq", 0), ("howto", 0), ("faq", 1), ("ticket", 0), ("faq", 2), ("code", 0), ("howto", 1), ("faq", 3),
+    ("faq", 0), ("ticket", 1), ("faq", 4), ("howto", 0), ("faq", 1), ("code", 1), ("faq", 5), ("ticket", 2),
+    ("howto", 2), ("faq", 2), ("faq", 6), ("ticket", 0), ("faq", 3), ("howto", 1), ("faq", 7), ("code", 0),
+    ("faq", 0), ("faq", 4), ("howto", 2), ("faq", 1), ("ticket", 1), ("faq", 5), ("howto", 0), ("faq", 2),
+]
+WORKLOAD_MAX_TOKENS = {"faq": 64, "howto": 128, "ticket": 96, "code": 160}
+
+
+def workload_bodies(system: str) -> list:
+    """The trace's request bodies (streamed chat, temperature 0, usage), the same for both servers."""
+    out = []
+    for kind, i in WORKLOAD_ORDER:
+        body = {"max_tokens": WORKLOAD_MAX_TOKENS[kind], "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if kind == "code":
+            ask, code = WORKLOAD_CODE[i]
+            body["messages"] = [{"role": "system", "content": WORKLOAD_CODE_SYSTEM},
+                                {"role": "user", "content": "```python\n%s```\n%s" % (code, ask)}]
+        else:
+            q = {"faq": WORKLOAD_FAQ, "howto": WORKLOAD_HOWTO}.get(kind, WORKLOAD_TICKETS)[i]
+            if kind == "ticket":
+                q = "Extract the ticket as JSON: " + q
+                body["response_format"] = {"type": "json_schema",
+                                           "json_schema": {"name": "ticket", "schema": WORKLOAD_TICKET_SCHEMA}}
+            body["messages"] = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        out.append(("%s %d" % (kind, i + 1), json.dumps(body).encode()))
+    return out
+
+
+def workload_call(port: int, body: bytes, timeout_s: float = 900) -> dict:
+    """One streamed chat request: wall time, TTFT, the text, usage, and Reame's replay mark."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    t0 = time.perf_counter()
+    t_first, usage, text, replayed = None, {}, [], False
+    try:
+        for chunk in sse_chunks(conn, "/v1/chat/completions", body, port, deadline=t0 + timeout_s):
+            usage = chunk.get("usage") or usage
+            replayed = replayed or bool((chunk.get("reame") or {}).get("replayed"))
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    t_first = t_first or time.perf_counter()
+                    text.append(piece)
+    finally:
+        conn.close()
+    t_end = time.perf_counter()
+    return {"wall_s": t_end - t0, "ttft_s": (t_first or t_end) - t0, "text": "".join(text),
+            "completion_tokens": usage.get("completion_tokens"), "replayed": replayed,
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
+
+
+def workload_pass(srv: ServerProcess, bodies: list, clients: int) -> dict:
+    """The trace through srv by `clients` threads taking the next request in order."""
+    results, cursor, lock = [None] * len(bodies), [0], threading.Lock()
+
+    def client():
+        while True:
+            with lock:
+                i = cursor[0]
+                cursor[0] += 1
+            if i >= len(bodies):
+                return
+            results[i] = dict(workload_call(srv.port, bodies[i][1]), name=bodies[i][0])
+
+    def run_all():
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client, name="bench-workload-%d" % k, daemon=True) for k in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
+    total = srv.guarded(run_all)
+    if any(r is None for r in results):
+        raise RuntimeError("%s: a workload request got no answer" % srv.name)
+    walls = [r["wall_s"] for r in results]
+    return {"total_s": total, "requests": results, "first8_s": sum(walls[:8]) / 8, "last8_s": sum(walls[-8:]) / 8,
+            "replayed": sum(r["replayed"] for r in results)}
+
+
+class LlamaServerDefaults(ServerProcess):
+    """llama-server as a user starts it: the model, host and port, nothing else (its own
+    threads, context, slots, KV layout, repacking and prompt cache)."""
+
+    name = "llama-server (defaults)"
+
+    def __init__(self, binary: str, model_path: str, log_path: str):
+        if not os.access(binary, os.X_OK):
+            raise SystemExit("llama-server not found at %s: build it with ./build_llama.sh --with-server" % binary)
+        self.log_path = log_path
+        self.port = free_port()
+        self.base = "http://127.0.0.1:%d" % self.port
+        self.args = [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(self.port)]
+        env = dict(os.environ)
+        libdir = os.path.dirname(os.path.abspath(binary))
+        env["LD_LIBRARY_PATH"] = libdir + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+        self._start(env)
+
+
+def run_workload(args) -> dict:
+    """--workload: the trace against llama-server's defaults (cold, then the trace again in the
+    same process) and against `reame.py serve` with its defaults: cold (an empty REAME_HOME),
+    warm (the trace again) and after a restart (a new process on the same REAME_HOME), with 1
+    and 4 clients."""
+    model_path = reame.resolve_model(args.model, pull=False)
+    with reame.Model(model_path) as m:
+        system, n_sys = fit_handbook(m, args.handbook_tokens)
+    bodies = workload_bodies(system)
+    log_dir = tempfile.mkdtemp(prefix="bench-workload-logs-")
+    serve_help = ServerProcess.help_text([sys.executable, REAME_SCRIPT, "serve", "--help"])
+    noise = CpuNoise()
+    out = {"config": {"model": os.path.basename(model_path), "handbook_tokens": n_sys, "requests": len(bodies),
+                      "repeats_in_trace": len(WORKLOAD_ORDER) - len(set(WORKLOAD_ORDER)),
+                      "clients": args.workload_clients, "threads": args.threads},
+           "runs": {}, "cmds": {}}
+    warmup = json.dumps({"messages": [{"role": "user", "content": "Reply with one word: ready?"}], "max_tokens": 2,
+                         "temperature": 0, "stream": True}).encode()
+
+    def ready(srv):
+        srv.wait_ready()
+        srv.guarded(workload_call, srv.port, warmup)  # untimed: pages the weights in
+
+    for clients in args.workload_clients:
+        runs = out["runs"][str(clients)] = {}
+        if not args.no_server:
+            srv = LlamaServerDefaults(args.server, model_path, os.path.join(log_dir, "server-%d.log" % clients))
+            out["cmds"]["server"] = " ".join(srv.args)
+            try:
+                ready(srv)
+                for phase in ("cold", "warm"):
+                    log("workload: llama-server, %d client(s), %s" % (clients, phase))
+                    runs["server_" + phase] = workload_pass(srv, bodies, clients)
+            finally:
+                srv.close()
+        home = tempfile.mkdtemp(prefix="bench-workload-home-")
+        env = dict(os.environ, REAME_HOME=home)
+        for start in ("first", "restart"):
+            srv = ReameServer(model_path, threads=args.threads, n_parallel=4, ctx_per_slot=4096, n_batch=512,
+                              log_path=os.path.join(log_dir, "reame-%d-%s.log" % (clients, start)),
+                              help_text=serve_help, env=env)
+            out["cmds"]["reame"] = "REAME_HOME=%s %s" % (home, " ".join(srv.args))
+            try:
+                ready(srv)
+                for phase in (("cold", "warm") if start == "first" else ("restart",)):
+                    log("workload: reame, %d client(s), %s" % (clients, phase))
+                    runs["reame_" + phase] = workload_pass(srv, bodies, clients)
+            finally:
+                srv.close()
+        shutil.rmtree(home, ignore_errors=True)
+        texts = [[r["text"] for r in runs["reame_" + p]["requests"]] for p in ("cold", "warm", "restart")]
+        runs["reame_phases_equal"] = texts[0] == texts[1] == texts[2]
+        if "server_cold" in runs:
+            runs["same_text_as_server"] = sum(a == b["text"] for a, b in zip(texts[0], runs["server_cold"]["requests"]))
+    out["noise"] = noise.report()
+    if args.plot:
+        out["plot"] = plot_workload(out, args.plot)
+    return out
+
+
+def plot_workload(out: dict, path: str) -> str:
+    """Per-request bars of every phase (one panel per client count) as a PNG; matplotlib
+    is optional (bench.py only): without it, say so and skip."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("workload: no matplotlib (python3 -m pip install matplotlib): no plot")
+        return ""
+    panels = list(out["runs"].items())
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 4.2 * len(panels)), squeeze=False)
+    for ax, (clients, runs) in zip(axes[:, 0], panels):
+        phases = [p for p in ("server_cold", "server_warm", "reame_cold", "reame_warm", "reame_restart") if p in runs]
+        width = 0.8 / len(phases)
+        for k, p in enumerate(phases):
+            walls = [r["wall_s"] for r in runs[p]["requests"]]
+            ax.bar([i + k * width for i in range(len(walls))], walls, width, label="%s (%.0f s in all)"
+                   % (p.replace("_", " ").replace("server", "llama-server"), runs[p]["total_s"]))
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(WORKLOAD_ORDER))])
+        ax.set_xticklabels([r["name"] for r in runs[phases[0]]["requests"]], rotation=70, fontsize=7)
+        ax.set_ylabel("seconds per request")
+        ax.set_title("%s, %s client(s): the support-desk trace, request by request" % (out["config"]["model"], clients))
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def print_workload(wl: dict, w) -> None:
+    c = wl["config"]
+    w("workload: %s, %d requests (%d repeat an earlier one word for word), a %d-token handbook system prompt\n"
+      % (c["model"], c["requests"], c["repeats_in_trace"], c["handbook_tokens"]))
+    w("per phase: seconds for the whole trace; ratio = llama-server cold / this (> 1: faster than llama-server "
+      "as a user starts it); mean seconds per request of the first 8 and the last 8; answers replayed\n\n")
+    for clients, runs in wl["runs"].items():
+        base = runs.get("server_cold", {}).get("total_s")
+        w("%s client(s)\n%-22s %9s %8s %9s %9s %9s\n" % (clients, "phase", "total s", "ratio", "first 8", "last 8",
+                                                         "replayed"))
+        for p in ("server_cold", "server_warm", "reame_cold", "reame_warm", "reame_restart"):
+            if p not in runs:
+                continue
+            r = runs[p]
+            w("%-22s %9.1f %8s %9.2f %9.2f %9d\n" % (p.replace("server", "llama-server").replace("_", " "),
+                                                     r["total_s"], "%.2fx" % (base / r["total_s"]) if base else "-",
+                                                     r["first8_s"], r["last8_s"], r["replayed"]))
+        w("Reame's answers equal in its three phases: %s" % ("yes" if runs["reame_phases_equal"] else "NO"))
+        if "same_text_as_server" in runs:
+            w("; the same text as llama-server's: %d of %d" % (runs["same_text_as_server"], c["requests"]))
+        w("\n\n")
+    for side, cmd in wl["cmds"].items():
+        w("%s: %s\n" % (side, cmd))
+    if wl.get("plot"):
+        w("plot: %s\n" % wl["plot"])
+
+
+def run_workload_only(args) -> dict:
+    return {"config": {"model": args.model, "threads": args.threads}, "workload": run_workload(args)}
 
 
 # -- speculation (--spec) ----------------------------------------------------------------
@@ -3539,6 +3805,9 @@ def print_table(out: dict, stream=sys.stdout) -> None:
     if "soak" in out:
         print_soak(out["soak"], w)
         return
+    if "workload" in out:
+        print_workload(out["workload"], w)
+        return
     if "spec" in out:  # Reame against itself; the burner's CPU time is the point, not noise
         print_spec(out["spec"], w)
         return
@@ -3692,6 +3961,14 @@ def parse_args(argv=None):
     p.add_argument("--soak-attacks", default=None, metavar="NAMES",
                    help="--soak: only these attacks, comma-separated (default all; 'none': load and "
                         "disconnects only). Names: " + ", ".join(a[0] for a in soak_attacks()))
+    p.add_argument("--workload", action="store_true",
+                   help="only the workload trace: 32 support-desk requests (a ~2,400-token handbook system prompt, "
+                        "FAQs asked again, numbered how-tos, JSON extraction under a json_schema, a code edit) "
+                        "against llama-server with its defaults (cold, then again) and reame.py serve (cold, "
+                        "again, after a restart), 1 and 4 clients (default model qwen2.5-coder-0.5b)")
+    p.add_argument("--workload-clients", default="1,4", help="--workload: client counts (default 1,4)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="--workload: per-request bars as a PNG "
+                   "(needs matplotlib)")
     p.add_argument("--server-log", default=None, help="llama-server log file (default: a temp file)")
     p.add_argument("--no-server", action="store_true", help="Reame only")
     p.add_argument("--quick", action="store_true", help="smoke test: gemma3-270m, few tokens, under a minute")
@@ -3700,7 +3977,11 @@ def parse_args(argv=None):
     p.add_argument("--save-json", default=None, metavar="PATH", help="also write the JSON to PATH")
     args = p.parse_args(argv)
     q = args.quick
-    args.model = args.model or ("gemma3-270m" if q or args.soak else "qwen2.5-coder-1.5b")
+    args.model = args.model or ("gemma3-270m" if q or args.soak else "qwen2.5-coder-0.5b" if args.workload
+                                else "qwen2.5-coder-1.5b")
+    args.workload_clients = [int(x) for x in args.workload_clients.split(",") if x.strip()]
+    if not args.workload_clients or min(args.workload_clients) < 1:
+        p.error("--workload-clients needs positive integers")
     args.threads = args.threads or reame.pick_threads()
     if args.prefix_cache:  # cold runs of a 1.5B model take ~40 s each
         args.repeats = args.repeats or 1
@@ -3765,7 +4046,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
     try:
-        out = (run_soak_only(args) if args.soak else
+        out = (run_workload_only(args) if args.workload else run_soak_only(args) if args.soak else
                run_prefix_only(args) if args.prefix_cache else run_http_only(args) if args.http else
                run_spec_only(args) if args.spec else run_palimpsest_only(args) if args.palimpsest else
                run_conclave_only(args) if args.conclave else run_suggest_only(args) if args.suggest else

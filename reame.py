@@ -7,7 +7,7 @@ On a CPU, never compute the same thing twice. One file, standard library only
     python3 reame.py run MODEL ["PROMPT"]     chat or answer one prompt
     python3 reame.py serve MODEL             OpenAI-compatible HTTP server
     python3 reame.py pull | list | rm MODEL   manage models
-    python3 reame.py cache ls|stats|prune|clear   prompt-prefix KV snapshots on disk
+    python3 reame.py cache ls|stats|prune|clear   prompt-prefix KV snapshots, replay records
     python3 reame.py archive stats|clear      Palimpsest, the archive of generations
 
 Sections (``grep -n '^# == ' reame.py`` prints the map):
@@ -2101,6 +2101,8 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
 _KV_MAGIC = b"REAMEKV\x00"
 _KV_VERSION = 1
 _KV_MAX_HEADER = 32 << 20  # a snapshot header's bytes (its token list: ~8 bytes a token)
+_HEADS_MAX = 64                 # prompt heads a HeadHistory counts
+_HEADS_MAX_FILE = 16 << 20      # its file's bytes at most
 
 
 def _kv_header(raw: bytes, hlen: int) -> dict:
@@ -2369,6 +2371,65 @@ class DiskCache:
         self.enabled = False
 
 
+class HeadHistory:
+    """The prompt heads (a chat's part up to the end of its system message) requests
+    came with, counted, per tenant scope: what the engine prefills ahead when it is idle
+    (Engine warm-ahead). Kept in <kv dir>/heads.json (0600), so a restarted server knows
+    what its users ask with; at most _HEADS_MAX heads, the least used dropped. Any thread
+    calls ``seen``; the lock guards ``_heads``."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock = threading.Lock()
+        self._heads: dict = {}   # (scope, tokens tuple) -> [count, last seen (time.time())]
+        self._dirty = False
+        self._t_saved = 0.0
+        if path:
+            self._load()
+
+    def _load(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                rows = json.loads(f.read(_HEADS_MAX_FILE + 1).decode("utf-8"))
+            for scope, tokens, count, last in rows[:_HEADS_MAX]:
+                if (isinstance(scope, str) and isinstance(tokens, list) and all(type(t) is int for t in tokens)
+                        and type(count) is int and isinstance(last, (int, float))):
+                    self._heads[(scope, tuple(tokens))] = [count, float(last)]
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, TypeError, RecursionError) as e:
+            log.warning("ignoring %s (%s): warm-ahead starts with no history", self.path, e)
+
+    def seen(self, scope: str, tokens: Sequence[int]) -> None:
+        key = (scope, tuple(tokens))
+        with self._lock:
+            entry = self._heads.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] = time.time()
+            if len(self._heads) > _HEADS_MAX:
+                del self._heads[min(self._heads, key=lambda k: tuple(self._heads[k]))]
+            self._dirty = True
+
+    def top(self, n: int, min_count: int = 2) -> List[tuple]:
+        """The n heads seen most often (at least min_count times): (scope, tokens)."""
+        with self._lock:
+            ranked = sorted(self._heads.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))
+        return [(scope, list(tokens)) for (scope, tokens), (count, _) in ranked[:n] if count >= min_count]
+
+    def save(self, force: bool = False) -> None:
+        """Write the history if it changed (at most every 30 s unless forced)."""
+        if not self.path or not self._dirty or (not force and time.monotonic() - self._t_saved < 30):
+            return
+        with self._lock:
+            rows = [[s, list(t), c, last] for (s, t), (c, last) in self._heads.items()]
+            self._dirty = False
+        self._t_saved = time.monotonic()
+        try:
+            _write_private(self.path, (json.dumps(rows).encode(),))
+        except OSError as e:
+            log.warning("cannot write %s (%s)", self.path, e)
+
+
 def kv_cache_entries(root: str) -> List[dict]:
     """Every snapshot under root (headers only; 'bad' says why a file is unusable)."""
     out = []
@@ -2624,6 +2685,10 @@ class ReplayStore:
             while len(self._recent) > _REPLAY_RECENT:
                 self._recent.popitem(last=False)
 
+    def flush(self) -> None:
+        """Wait until the records queued so far are on disk."""
+        self._pending.join()
+
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued writes (the engine calls this on close)."""
         self._pending.put(None)
@@ -2632,14 +2697,16 @@ class ReplayStore:
     def _writer(self) -> None:
         while True:
             item = self._pending.get()
-            if item is None:
-                return
             try:
+                if item is None:
+                    return
                 self._write(*item)
             except OSError as e:
                 self._disable(e)
             except Exception:  # noqa: BLE001 - a writer that dies would leave the queue full for good
                 log.exception("replay writer: this record is skipped")
+            finally:
+                self._pending.task_done()
 
     def _write(self, key: str, scope: str, rec: ReplayRecord) -> None:
         body = json.dumps({"key": key, "tokens": rec.tokens, "text": rec.text, "finish": rec.finish,
@@ -4805,6 +4872,7 @@ class Request:
         self.archive: Optional[str] = None       # archive scope (None: not stored, not drafted from)
         self.replay_key: Optional[str] = None    # its answer is kept under this key (section 11)
         self.forced: Optional[list] = None       # a replay record's tokens: its first tokens, verified as drafts
+        self.warm = False  # warm-ahead: prefill only (no token), the KV stays resident for requests to come
         self.events = events if events is not None else queue.SimpleQueue()
         self.t_submit = time.monotonic()
         self._cancel = threading.Event()
@@ -4910,6 +4978,12 @@ class _Forget(NamedTuple):
     """Drop the resident KV kept for a session (its cache_tag)."""
 
     tag: str
+
+
+class _Warm(NamedTuple):
+    """Prefill a prompt ahead (Engine.warm), when no request needs the scheduler."""
+
+    req: "Request"
 
 
 class _Stop(NamedTuple):
@@ -5147,6 +5221,8 @@ class EngineCounters:
     t_decode_s: float = 0.0        # inside llama_decode
     t_step_s: float = 0.0          # whole steps
     n_decode_only_steps: int = 0
+    n_warm: int = 0                # warm-ahead prompts prefilled (Engine.warm, idle warm-ahead)
+    n_warm_tok: int = 0            # their prompt tokens computed
     n_fast_verify_steps: int = 0   # decode steps with drafts that took the tiled kernel (spec_verify="fast")
     t_decode_only_py_s: float = 0.0  # Python time of steps with no prefill (build batch, sample, emit)
 
@@ -5195,7 +5271,7 @@ class Engine:
                            n_threads=n_threads, **context_kw)
         self._batch = Batch(self.ctx.n_batch)
         self.chunk = max(1, min(prefill_chunk, self.ctx.n_batch))  # prompt tokens per prefill decode
-        self._heads: dict = {}  # system message -> its prompt head (prefix_boundary); any thread
+        self._system_heads: dict = {}  # system message -> its prompt head (chat_head); any thread
         self.disk: Optional[DiskCache] = None
         fingerprint = model_fingerprint(self.model) if disk_cache or replay else ""
         if disk_cache:  # what changes the snapshot bytes or their exactness is in the file name and header
@@ -5224,12 +5300,17 @@ class Engine:
             sources.append(DraftModel(self.draft_model, self.model, self.n_ctx, n_slots, n_threads))
         self.spec = SpecController(sources, default=spec_default, n_vocab=self.model.n_vocab)
         self._own_draft = draft is not None and not isinstance(draft, Model)
-        self._incoming: "queue.Queue" = queue.Queue()  # _Admit, _Forget, _Stop (any thread puts)
+        self._incoming: "queue.Queue" = queue.Queue()  # _Admit, _Warm, _Forget, _Stop (any thread puts)
         self._ids = iter(range(1, 1 << 62))
         self._ids_lock = threading.Lock()          # guards _ids
         # Scheduler-owned (no lock: only the scheduler thread touches them).
         self.slots = SlotTable(self.ctx, self.model, n_slots, self.chunk, cache_reuse, self.disk)
         self._waiting: collections.deque = collections.deque()  # groups (lists of Requests)
+        self._warming: collections.deque = collections.deque()  # warm-ahead Requests, after every group
+        self._warm_tried: dict = {}       # (scope, head) -> when idle warm-ahead last queued it
+        self.warm_idle_s = 1.0            # idle this long: warm the heads requests come with most
+        # the prompt heads requests came with (warm-ahead's history), on disk beside the snapshots
+        self.heads = HeadHistory(os.path.join(self.disk.dir, "heads.json")) if self.disk is not None else None
         self._active: List[_Seq] = []
         self.disk_hold_bytes = 256 << 20  # snapshot bytes queued requests may hold (read by submitters)
         self._disk_held = 0               # guarded by _disk_lock
@@ -5297,6 +5378,9 @@ class Engine:
             raise RequestError("archive scope %r: letters, digits, _ and - only" % archive)
         for req in group:
             req.archive, req.tenant = archive, tenant
+        head = max((p for p in snap_at if 0 < p < len(tokens)), default=0)
+        if head and self.heads is not None:  # (a chat's system message: what idle warm-ahead prefills)
+            self.heads.seen(tenant, tokens[:head])
         if self.replay is not None and replay and self._replay(group):
             return group  # answered: its events are all there
         if self.disk is not None:
@@ -5345,6 +5429,29 @@ class Engine:
             self.replay.counted(len(tokens))
         return True
 
+    def warm(self, prompt, *, tenant: str = "") -> Request:
+        """Prefill a prompt ahead, so a request that starts with it finds its KV resident
+        (the memory tier; and on the disk tier, like any prefill). It runs when no request
+        needs the scheduler, a chunk a step, and gives its slot back to a request that
+        needs it (what it prefilled so far stays). Returns a Request that finishes with
+        finish_reason "warm" (or "cancelled")."""
+        tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not 0 < len(tokens) < self.n_ctx:
+            raise RequestError("a warm-ahead prompt must have 1 to %d tokens, not %d" % (self.n_ctx - 1, len(tokens)))
+        req = self._warm_request(tokens, tenant)
+        self._incoming.put(_Warm(req))
+        return req
+
+    def _warm_request(self, tokens: List[int], tenant: str) -> Request:
+        with self._ids_lock:
+            rid = "warm-%d" % next(self._ids)
+        req = Request(rid, tokens, SamplingParams(temperature=0, max_tokens=1))
+        req.warm, req.tenant, req.archive = True, tenant, None
+        req.cuts = (len(tokens),) if len(tokens) % self.chunk else ()  # its end is a chunk end, as a chat head's is
+        if self.disk is not None:
+            self._disk_plan(req)
+        return req
+
     def _disk_plan(self, req: Request) -> None:
         """On the caller's thread: find the longest prefix on disk (read, checked and
         decompressed here, not on the scheduler), and choose where to snapshot: at
@@ -5391,17 +5498,20 @@ class Engine:
         message (gemma folds it into the first user turn)."""
         if not messages or messages[0].get("role") != "system" or not self.model.chat_template:
             return []
-        system = messages[0]
+        n = common_prefix(self.chat_head(messages[0]), tokens)
+        return [n] if n > 1 else []
+
+    def chat_head(self, system: dict) -> List[int]:
+        """The tokens every chat prompt that opens with this system message starts with."""
         key = (system.get("content"),)
-        head = self._heads.get(key)
+        head = self._system_heads.get(key)
         if head is None:
             a, b = (self.model.chat_tokens([system, {"role": "user", "content": q}]) for q in ("A", "B"))
             head = a[:common_prefix(a, b)]
-            if len(self._heads) > 64:
-                self._heads.clear()
-            self._heads[key] = head
-        n = common_prefix(head, tokens)
-        return [n] if n > 1 else []
+            if len(self._system_heads) > 64:
+                self._system_heads.clear()
+            self._system_heads[key] = head
+        return head
 
     def forget(self, cache_tag: str) -> None:
         """Drop the resident KV kept for ``cache_tag`` (a deleted session)."""
@@ -5438,7 +5548,7 @@ class Engine:
                 "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
                 "kv_cells_active": c.kv_active, "kv_cells_cached": c.kv_cached,
                 "kv_cells_total": self.n_ctx * self.n_slots, "spec": self.spec.stats(),
-                "fast_verify_steps": c.n_fast_verify_steps,
+                "fast_verify_steps": c.n_fast_verify_steps, "warm_prefills": c.n_warm, "warm_tokens": c.n_warm_tok,
                 "replays": self.replay.n_replays if self.replay else 0,
                 "replay_tokens": self.replay.n_replay_tok if self.replay else 0,
                 "replay_continued": self.replay.n_continued if self.replay else 0,
@@ -5463,6 +5573,8 @@ class Engine:
             self.disk.close()
         if self.replay is not None:
             self.replay.close()
+        if self.heads is not None:
+            self.heads.save(force=True)
         if self.archive is not None:
             self.archive.close()
         self.ctx.close()
@@ -5493,17 +5605,21 @@ class Engine:
 
     def _admit(self) -> bool:
         """Move new requests in; start as many as there are free slots. False: shut down."""
-        block = not self._active and not self._waiting
+        block = not self._active and not self._waiting and not self._warming
         while True:
             try:
-                item = self._incoming.get(block=block)
+                item = self._incoming.get(block=block, timeout=self.warm_idle_s if block else None)
             except queue.Empty:
+                if block and self.heads is not None:  # idle for a while: prefill what requests are likely to need
+                    self._warm_idle()
                 break
             block = False
             if isinstance(item, _Stop):
                 return False
             if isinstance(item, _Forget):
                 self.slots.forget(item.tag)
+            elif isinstance(item, _Warm):
+                self._warming.append(item.req)
             else:
                 self._waiting.append(item.group)
         for group in [g for g in self._waiting if all(r.cancelled for r in g)]:
@@ -5511,9 +5627,48 @@ class Engine:
             for req in group:
                 self._take_disk(req)
                 req._finish(Result("", [], "cancelled", len(req.prompt), 0))
+        while self._waiting and len(self.slots.free) < len(self._waiting[0]):
+            warm = next((s for s in self._active if s.req.warm), None)
+            if warm is None:
+                break
+            self._finish(warm, "cancelled")  # a request needs its slot (what it prefilled stays resident)
         while self._waiting and len(self.slots.free) >= len(self._waiting[0]):
             self._start(self._waiting.popleft())
+        if self._warming and not self._active and not self._waiting:
+            self._start_warm(self._warming.popleft())
         return True
+
+    def _start_warm(self, req: Request) -> None:
+        """Start a warm-ahead prefill (the engine is idle), unless its prompt is resident
+        already or every free slot keeps a session's KV."""
+        res = self.slots.resident
+        if req.cancelled or self._is_resident(req.tenant, req.prompt) or not any(
+                k not in res or res[k].tag is None for k in self.slots.free):
+            self._take_disk(req)
+            req._finish(Result("", [], "cancelled", len(req.prompt), 0))
+            return
+        self._start([req])
+
+    def _is_resident(self, tenant: str, tokens: Sequence[int]) -> bool:
+        """Does a free slot's KV hold tokens (all but the last: computed for its logits), exactly?"""
+        n = len(tokens) - 1
+        return any(r.tenant == tenant and r.n_exact >= n and common_prefix(r.tokens, tokens) >= n
+                   for r in self.slots.resident.values())
+
+    def _warm_idle(self) -> None:
+        """Idle: queue a warm-ahead of the prompt heads requests came with most often
+        (HeadHistory: this process's and, from the disk, earlier ones'), as many as there
+        are slots, those not resident; each at most once in 5 minutes."""
+        self.heads.save()
+        now = time.monotonic()
+        for scope, head in self.heads.top(self.n_slots):
+            key = (scope, tuple(head))
+            if now - self._warm_tried.get(key, -1e9) < 300 or self._is_resident(scope, head):
+                continue
+            self._warm_tried[key] = now
+            if len(self._warm_tried) > 4 * _HEADS_MAX:
+                self._warm_tried.clear()
+            self._warming.append(self._warm_request(head, scope))
 
     def _start(self, group: List[Request]) -> None:
         """Give a group its slots. The first choice prefills; the rest are its twins.
@@ -5534,7 +5689,8 @@ class Engine:
                 scope = req.archive if self.archive is not None else None
                 if scope is not None and i == 0:
                     self.archive.refresh(scope)  # what any process appended since
-                s.spec = self.spec.begin(s.seq_id, list(req.prompt), req.spec, scope, p.schema)
+                if not req.warm:
+                    s.spec = self.spec.begin(s.seq_id, list(req.prompt), req.spec, scope, p.schema)
         except Exception as e:  # noqa: BLE001 - this group's failure, not the engine's
             if slot is not None:  # taken, not yet owned by a sequence
                 self.ctx.seq_rm(slot)
@@ -5629,6 +5785,10 @@ class Engine:
                 self.counters.t_decode_only_py_s += (time.perf_counter() - t0) - (t2 - t1)
         budget = self.ctx.n_batch
         for s in prefilling:
+            if s.req.warm:  # a chunk a step, and only while no request runs: it never delays one by more
+                if len(self._active) == 1:
+                    self._prefill_chunk(s)
+                continue
             while budget > 0 and s.n_done < s.n_prompt:
                 n = self._prefill_chunk(s)
                 if n < 0:
@@ -5678,6 +5838,12 @@ class Engine:
                 self.counters.n_disk_snaps += 1
         s.n_done = s.n_past = end
         self.counters.n_prefill_tok += end - start
+        if s.req.warm:
+            self.counters.n_warm_tok += end - start
+            if end == s.n_prompt:
+                self.counters.n_warm += 1
+                self._finish(s, "warm")  # no token: its KV stays resident (the memory tier)
+            return end - start
         if end == s.n_prompt:
             self.counters.n_prefills += 1
             twins, s.twins = s.twins, []
@@ -5840,13 +6006,17 @@ class Engine:
             for req in self._waiting.popleft():
                 self._take_disk(req)
                 req._finish(None, error)
+        while self._warming:
+            req = self._warming.popleft()
+            self._take_disk(req)
+            req._finish(None, error)
         while True:
             try:
                 item = self._incoming.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, _Admit):
-                for req in item.group:
+            if isinstance(item, (_Admit, _Warm)):
+                for req in item.group if isinstance(item, _Admit) else [item.req]:
                     self._take_disk(req)
                     req._finish(None, error)
 
@@ -8167,6 +8337,10 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--embedding-model", default=None, metavar="MODEL", help="the model for /v1/embeddings (an "
                     "alias, path or hf:// ref; loaded at its first request). Default: the served model's own "
                     "hidden states, mean-pooled")
+    sv.add_argument("--warm", metavar="FILE", help="prefill these prompts at start, in the background (a "
+                    "request always goes first), so the first requests find their KV ready: one per line, plain "
+                    "text (a completion prompt's start) or JSON: {\"system\": TEXT} or {\"messages\": [...]} for "
+                    "a chat's head (its system message), with \"key\": an API key to warm only that key's cache")
     sv.add_argument("--shared-cache", action="store_true", help="with API keys, let every key reuse every "
                     "other's prompt-prefix KV (memory and disk). Default: each key has its own, so a key cannot "
                     "learn another's prompts from cached_tokens or timing")
@@ -8184,7 +8358,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     ca = sub.add_parser("cache", help="the prompt-prefix KV snapshots on disk ($REAME_HOME/kv)",
                         description="ls: every snapshot; stats: totals per model; prune: delete unusable files, "
-                                    "then the least recently used down to --max-size; clear: delete them all.")
+                                    "then the least recently used down to --max-size; clear: delete them all, and "
+                                    "the replay records ($REAME_HOME/replay) too.")
     ca.add_argument("action", choices=("ls", "stats", "prune", "clear"))
     ca.add_argument("--max-size", default=None, metavar="SIZE", help="prune down to this (default: the "
                     "serving default, 2G or 10%% of free disk)")
@@ -8347,6 +8522,8 @@ def _cmd_serve(args) -> int:
         server.shutdown()
         raise
     server.engine = engine
+    if args.warm:
+        _warm_ahead(engine, server, keys, args.warm, shared=args.shared_cache)
     sys.stderr.write("reame: serving %s on http://%s:%d (%d slots x %d ctx, %d threads, speculation %s: %s)\n"
                      % (name, args.host, server.port, args.parallel, engine.n_ctx, engine.ctx.n_threads, args.spec,
                         ", ".join(engine.spec.sources)))
@@ -8366,6 +8543,72 @@ def _cmd_serve(args) -> int:
         time.sleep(0.2)  # let handler threads write their last bytes
         engine.close()
     return 0
+
+
+def warm_prompts(path: str, engine: Engine) -> List[tuple]:
+    """serve --warm FILE: (tokens, API key or None) per line. A line is plain text (a
+    completion prompt's start), a JSON string, or a JSON object with "system" (a chat's
+    system message) or "messages" (a chat opening with one), or "prompt", and an optional
+    "key". Blank lines and lines opening with # are skipped; a bad line is an error naming it."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for no, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            where = "%s line %d" % (path, no)
+            try:
+                item = json.loads(line) if line[0] in "{\"" else line
+            except ValueError as e:
+                raise RequestError("%s: not JSON (%s)" % (where, e)) from None
+            if isinstance(item, str):
+                item = {"prompt": item}
+            if not isinstance(item, dict) or not set(item) <= {"system", "messages", "prompt", "key"}:
+                raise RequestError("%s: give text, or an object with system, messages or prompt (and key)" % where)
+            msgs = item.get("messages") or ([{"role": "system", "content": item["system"]}] if "system" in item else None)
+            if msgs is not None:
+                if not (isinstance(msgs, list) and msgs and isinstance(msgs[0], dict) and msgs[0].get("role") == "system"
+                        and isinstance(msgs[0].get("content"), str) and engine.model.chat_template):
+                    raise RequestError("%s: a chat head is a system message (and the model needs a chat template)" % where)
+                tokens = engine.chat_head(msgs[0])
+            elif isinstance(item.get("prompt"), str) and item["prompt"]:
+                tokens = engine.model.tokenize(item["prompt"])
+            else:
+                raise RequestError("%s: empty prompt" % where)
+            if not 1 < len(tokens) < engine.n_ctx:
+                raise RequestError("%s: %d tokens; a warm prompt has 2 to %d" % (where, len(tokens), engine.n_ctx - 1))
+            key = item.get("key")
+            if key is not None and not isinstance(key, str):
+                raise RequestError("%s: 'key' must be a string" % where)
+            out.append((tokens, key))
+    return out
+
+
+def _warm_ahead(engine: Engine, server: "Server", keys: List[str], path: str, shared: bool) -> None:
+    """serve --warm: queue every prompt of FILE for each API key's cache (or the shared
+    one), and log progress from a thread as they finish."""
+    jobs = []
+    for tokens, key in warm_prompts(path, engine):
+        if key is not None and key not in keys:
+            raise RequestError("%s names a key that is not one of --api-key's" % path)
+        scopes = {""} if not keys or shared else {server.tenant(server.authorized("Bearer " + k))
+                                                   for k in ([key] if key else keys)}
+        jobs += [engine.warm(tokens, tenant=scope) for scope in sorted(scopes)]
+    if len(jobs) > engine.n_slots:
+        log.info("warm-ahead: %d prompts for %d slots: the last stay resident, the others on the disk tier",
+                 len(jobs), engine.n_slots)
+
+    def report():
+        t0, n_tok = time.monotonic(), 0
+        for i, req in enumerate(jobs, 1):
+            try:
+                how = req.wait().finish_reason
+            except ReameError as e:
+                how = str(e)
+            n_tok += len(req.prompt)
+            log.info("warm-ahead: %d/%d prompts ready (%d tokens, %.1f s)%s", i, len(jobs), n_tok,
+                     time.monotonic() - t0, "" if how == "warm" else " (%s)" % how)
+    threading.Thread(target=report, name="reame-warm-progress", daemon=True).start()
 
 
 def _cmd_pull(args) -> int:
@@ -8390,10 +8633,13 @@ def _cmd_list(args) -> int:
 
 def _cmd_cache(args) -> int:
     root = os.path.join(Config.from_env().home, "kv")
-    if args.action == "clear":
+    replays = os.path.join(Config.from_env().home, "replay")
+    n_replays = sum(name.endswith(".rp") for _, _, names in os.walk(replays) for name in names)
+    if args.action == "clear":  # every file derived from prompts: snapshots, prompt heads, replay records
         n = len(kv_cache_entries(root))
         shutil.rmtree(root, ignore_errors=True)
-        print("deleted %d snapshot(s) in %s" % (n, root))
+        shutil.rmtree(replays, ignore_errors=True)
+        print("deleted %d snapshot(s) in %s and %d replay record(s) in %s" % (n, root, n_replays, replays))
         return 0
     if args.action == "prune":
         limit = parse_size(args.max_size) if args.max_size else default_cache_bytes(root)
@@ -8416,7 +8662,8 @@ def _cmd_cache(args) -> int:
         m[2] += e["raw_bytes"]
         m[3] += e["tokens"]
         m[4] += bool(e["bad"])
-    print("%s: %d snapshot(s), %.1f MB" % (root, len(entries), sum(e["bytes"] for e in entries) / 1e6))
+    print("%s: %d snapshot(s), %.1f MB; %s: %d replay record(s)" % (
+        root, len(entries), sum(e["bytes"] for e in entries) / 1e6, replays, n_replays))
     for fp, (n, size, raw, toks, bad) in sorted(models.items()):
         print("  model %s: %d file(s), %.1f MB on disk (%.1f MB raw, %.0f%%), %.2f MB per 1k tokens%s" % (
             fp[:12], n, size / 1e6, raw / 1e6, 100.0 * size / max(raw, 1), size / 1e3 / max(toks, 1),

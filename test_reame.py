@@ -962,6 +962,7 @@ def test_server_replay_per_key_streamed_and_opt_out(gemma, tmp_path):
         assert "reame" not in outs[0] and outs[1]["reame"] == {"replayed": True} and "reame" not in outs[2]
         assert outs[1]["choices"] == outs[0]["choices"] == outs[2]["choices"]
         assert all(outs[1]["usage"][k] == outs[0]["usage"][k] for k in ("prompt_tokens", "completion_tokens"))
+        eng.replay.flush()
         assert len(os.listdir(eng.replay.dir)) == 2  # a folder per key
         status, payload = _http(srv, "POST", "/v1/chat/completions", dict(body, stream=True), key="k2")
         chunks = _sse(payload)
@@ -978,6 +979,119 @@ def test_server_replay_per_key_streamed_and_opt_out(gemma, tmp_path):
     finally:
         srv.shutdown()
         eng.close()
+
+
+# == 20. Engine: warm-ahead prefill ============================================
+_WARM_SYSTEM = "You answer questions about a library's opening hours and loans. " + "Keep answers short. " * 90
+
+
+def test_warm_ahead_makes_the_head_resident_before_the_first_request(qwen_model):
+    """Engine.warm prefills a chat head while idle: the first request with it reuses all of
+    it (no prefill of the head), and its tokens are a cold run's."""
+    msgs = [{"role": "system", "content": _WARM_SYSTEM}, {"role": "user", "content": "When do you open?"}]
+    with reame.Engine(qwen_model, n_ctx=1024, n_slots=2) as cold_eng:
+        tokens = cold_eng.chat_prompt(msgs)
+        cold = cold_eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=12),
+                                 snap_at=cold_eng.prefix_boundary(msgs, tokens))[0].wait()
+    with reame.Engine(qwen_model, n_ctx=1024, n_slots=2) as eng:
+        head = eng.chat_head(msgs[0])
+        assert len(head) > 256 and len(head) % eng.chunk  # several chunks, and a cut at its end
+        warm = eng.warm(head).wait(300)
+        assert warm.finish_reason == "warm" and eng.stats()["warm_prefills"] == 1
+        before = eng.stats()["prefill_tokens"]
+        res = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=12),
+                           snap_at=eng.prefix_boundary(msgs, tokens))[0].wait()
+        assert res.n_cached_tok == len(head) and eng.stats()["prefill_tokens"] - before == len(tokens) - len(head)
+        assert res.tokens == cold.tokens
+        # warming what is resident already does nothing
+        assert eng.warm(head).wait(60).finish_reason == "cancelled" and eng.stats()["warm_prefills"] == 1
+
+
+def test_warm_ahead_yields_to_a_request_within_one_chunk(qwen_model):
+    """A request arriving while warm-ahead prefills waits at most the chunk being computed:
+    with one slot, the warm-ahead gives its slot back (what it prefilled stays resident)."""
+    long_prompt = "\n".join("Line %d of a long handbook about returns and refunds." % i for i in range(70))
+    with reame.Engine(qwen_model, n_ctx=1024, n_slots=1) as eng:
+        cold = eng.complete("Say hello.", temperature=0, max_tokens=8)
+        warm = eng.warm(long_prompt)
+        assert len(warm.prompt) > 4 * eng.chunk
+        deadline = time.monotonic() + 120
+        while eng.counters.n_warm_tok == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        w0 = eng.counters.n_warm_tok
+        assert 0 < w0 < len(warm.prompt) - eng.chunk
+        req = eng.submit("Say hello.", temperature=0, max_tokens=8)
+        next(iter(req))  # its first token: the warm-ahead has computed at most one more chunk since
+        w1 = eng.counters.n_warm_tok
+        assert w1 - w0 <= eng.chunk, (w0, w1)
+        assert req.wait().tokens == cold.tokens
+        assert warm.wait(60).finish_reason == "cancelled"
+        assert eng.stats()["warm_prefills"] == 0
+
+
+def test_idle_warm_ahead_from_the_head_history_and_after_a_restart(qwen_model, tmp_path):
+    """Idle, the engine prefills the chat heads requests came with most (not resident any
+    more); after a restart it restores them from the disk tier before any request."""
+    kv = str(tmp_path / "kv")
+    other = _WARM_SYSTEM.replace("library", "swimming pool")
+
+    def ask(eng, system, q):
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        tokens = eng.chat_prompt(msgs)
+        return eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=4),
+                            snap_at=eng.prefix_boundary(msgs, tokens))[0].wait()
+
+    def wait_for(cond):
+        deadline = time.monotonic() + 120
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert cond()
+
+    with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv) as eng:
+        eng.warm_idle_s = 0.2
+        head = eng.chat_head({"role": "system", "content": _WARM_SYSTEM})
+        ask(eng, _WARM_SYSTEM, "When do you open?")
+        ask(eng, _WARM_SYSTEM, "Can I renew a loan?")
+        ask(eng, other, "Is there a kids pool?")  # its head takes the only slot
+        wait_for(lambda: eng.stats()["warm_prefills"] == 1)
+        assert ask(eng, _WARM_SYSTEM, "Where is the entrance?").n_cached_tok == len(head)
+    assert os.path.exists(os.path.join(kv, os.listdir(kv)[0], "heads.json"))
+    with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv) as eng:
+        eng.warm_idle_s = 0.2
+        wait_for(lambda: eng.stats()["warm_prefills"] == 1)
+        assert eng.stats()["disk_hits"] == 1  # restored, not computed (but its last chunk)
+        res = ask(eng, _WARM_SYSTEM, "Do you open on Sundays?")
+        assert res.n_cached_tok == len(head)
+
+
+def test_serve_warm_file(tmp_path):
+    """serve --warm FILE: the heads are prefilled at start (progress in the log), and the
+    first request finds its head cached; a bad file is refused at start, naming its line."""
+    import re
+    warm = tmp_path / "warm.jsonl"
+    warm.write_text("# heads to warm\n" + json.dumps({"system": _WARM_SYSTEM}) + "\nThe quarterly report says\n")
+    env = dict(os.environ, REAME_HOME=str(tmp_path / "home"))
+    p = subprocess.Popen([sys.executable, "reame.py", "serve", _model_path("gemma3-270m"), "--port", "0", "--parallel", "2",
+                          "--warm", str(warm)], cwd=HERE, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line, log_lines = "", []
+        while "2/2 prompts ready" not in line:
+            line = p.stderr.readline()
+            assert line, "server exited: " + "".join(log_lines[-20:])
+            log_lines.append(line)
+        port = int(re.search(r":(\d+) ", next(x for x in log_lines if "serving" in x)).group(1))
+        body = {"messages": [{"role": "system", "content": _WARM_SYSTEM}, {"role": "user", "content": "Hi"}],
+                "temperature": 0, "max_tokens": 4}
+        status, payload = _http(types.SimpleNamespace(port=port), "POST", "/v1/chat/completions", body, key=None)
+        assert status == 200, payload
+        assert json.loads(payload)["usage"]["prompt_tokens_details"]["cached_tokens"] > 256
+    finally:
+        p.terminate()
+        p.wait(60)
+    warm.write_text('{"system": 3}\n')
+    out = subprocess.run([sys.executable, "reame.py", "serve", _model_path("gemma3-270m"), "--port", "0", "--warm", str(warm)],
+                         cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "line 1" in out.stderr
 
 
 # == 19. Slots: the memory tier, and consecutive sequence ids ==================
