@@ -1687,8 +1687,8 @@ WORKLOAD_CODE = [
 ]
 WORKLOAD_CODE_SYSTEM = "You are a careful Python assistant. Answer with code only, in one ```python block."
 # The trace: 32 requests a support desk might get in an hour, in this order. A request
-# names (kind, index); 15 are new, 17 repeat an earlier one word for word (FAQs get asked
-# again), and the repeats lean to the end: the shape of a narrow, repetitive workload.
+# names (kind, index); 16 are new and 16 repeat an earlier one word for word (FAQs get
+# asked again), the repeats leaning to the end: the shape of a narrow, repetitive workload.
 WORKLOAD_ORDER = [
     ("faq", 0), ("howto", 0), ("faq", 1), ("ticket", 0), ("faq", 2), ("code", 0), ("howto", 1), ("faq", 3),
     ("faq", 0), ("ticket", 1), ("faq", 4), ("howto", 0), ("faq", 1), ("code", 1), ("faq", 5), ("ticket", 2),
@@ -1696,14 +1696,18 @@ WORKLOAD_ORDER = [
     ("faq", 0), ("faq", 4), ("howto", 2), ("faq", 1), ("ticket", 1), ("faq", 5), ("howto", 0), ("faq", 2),
 ]
 WORKLOAD_MAX_TOKENS = {"faq": 64, "howto": 128, "ticket": 96, "code": 160}
+WORKLOAD_PHASES = ("server_cold", "server_warm", "reame_cold", "reame_warm", "reame_restart", "reame_restart_noreplay")
 
 
-def workload_bodies(system: str) -> list:
-    """The trace's request bodies (streamed chat, temperature 0, usage), the same for both servers."""
+def workload_bodies(system: str, replay: bool = True) -> list:
+    """The trace's request bodies (streamed chat, temperature 0, usage), the same for both servers
+    (llama-server ignores Reame's extension object; replay=False sets "reame": {"replay": false})."""
     out = []
     for kind, i in WORKLOAD_ORDER:
         body = {"max_tokens": WORKLOAD_MAX_TOKENS[kind], "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
+        if not replay:
+            body["reame"] = {"replay": False}
         if kind == "code":
             ask, code = WORKLOAD_CODE[i]
             body["messages"] = [{"role": "system", "content": WORKLOAD_CODE_SYSTEM},
@@ -1792,12 +1796,14 @@ class LlamaServerDefaults(ServerProcess):
 def run_workload(args) -> dict:
     """--workload: the trace against llama-server's defaults (cold, then the trace again in the
     same process) and against `reame.py serve` with its defaults: cold (an empty REAME_HOME),
-    warm (the trace again) and after a restart (a new process on the same REAME_HOME), with 1
-    and 4 clients."""
+    warm (the trace again) and after a restart (a new process on the same REAME_HOME), then
+    the trace once more in that process with replay off per request (what the disk tier,
+    warm-ahead and the archive give a trace that is not word for word), with 1 and 4 clients."""
     model_path = reame.resolve_model(args.model, pull=False)
     with reame.Model(model_path) as m:
         system, n_sys = fit_handbook(m, args.handbook_tokens)
     bodies = workload_bodies(system)
+    no_replay = workload_bodies(system, replay=False)
     log_dir = tempfile.mkdtemp(prefix="bench-workload-logs-")
     serve_help = ServerProcess.help_text([sys.executable, REAME_SCRIPT, "serve", "--help"])
     noise = CpuNoise()
@@ -1833,14 +1839,16 @@ def run_workload(args) -> dict:
             out["cmds"]["reame"] = "REAME_HOME=%s %s" % (home, " ".join(srv.args))
             try:
                 ready(srv)
-                for phase in (("cold", "warm") if start == "first" else ("restart",)):
+                for phase in (("cold", "warm") if start == "first" else ("restart", "restart_noreplay")):
                     log("workload: reame, %d client(s), %s" % (clients, phase))
-                    runs["reame_" + phase] = workload_pass(srv, bodies, clients)
+                    runs["reame_" + phase] = workload_pass(srv, no_replay if phase.endswith("noreplay") else bodies,
+                                                           clients)
             finally:
                 srv.close()
         shutil.rmtree(home, ignore_errors=True)
-        texts = [[r["text"] for r in runs["reame_" + p]["requests"]] for p in ("cold", "warm", "restart")]
-        runs["reame_phases_equal"] = texts[0] == texts[1] == texts[2]
+        texts = [[r["text"] for r in runs["reame_" + p]["requests"]]
+                 for p in ("cold", "warm", "restart", "restart_noreplay")]
+        runs["reame_phases_equal"] = all(t == texts[0] for t in texts)
         if "server_cold" in runs:
             runs["same_text_as_server"] = sum(a == b["text"] for a, b in zip(texts[0], runs["server_cold"]["requests"]))
     out["noise"] = noise.report()
@@ -1862,7 +1870,7 @@ def plot_workload(out: dict, path: str) -> str:
     panels = list(out["runs"].items())
     fig, axes = plt.subplots(len(panels), 1, figsize=(13, 4.2 * len(panels)), squeeze=False)
     for ax, (clients, runs) in zip(axes[:, 0], panels):
-        phases = [p for p in ("server_cold", "server_warm", "reame_cold", "reame_warm", "reame_restart") if p in runs]
+        phases = [p for p in WORKLOAD_PHASES if p in runs]
         width = 0.8 / len(phases)
         for k, p in enumerate(phases):
             walls = [r["wall_s"] for r in runs[p]["requests"]]
@@ -1888,14 +1896,14 @@ def print_workload(wl: dict, w) -> None:
         base = runs.get("server_cold", {}).get("total_s")
         w("%s client(s)\n%-22s %9s %8s %9s %9s %9s\n" % (clients, "phase", "total s", "ratio", "first 8", "last 8",
                                                          "replayed"))
-        for p in ("server_cold", "server_warm", "reame_cold", "reame_warm", "reame_restart"):
+        for p in WORKLOAD_PHASES:
             if p not in runs:
                 continue
             r = runs[p]
             w("%-22s %9.1f %8s %9.2f %9.2f %9d\n" % (p.replace("server", "llama-server").replace("_", " "),
                                                      r["total_s"], "%.2fx" % (base / r["total_s"]) if base else "-",
                                                      r["first8_s"], r["last8_s"], r["replayed"]))
-        w("Reame's answers equal in its three phases: %s" % ("yes" if runs["reame_phases_equal"] else "NO"))
+        w("Reame's answers equal in its four phases: %s" % ("yes" if runs["reame_phases_equal"] else "NO"))
         if "same_text_as_server" in runs:
             w("; the same text as llama-server's: %d of %d" % (runs["same_text_as_server"], c["requests"]))
         w("\n\n")

@@ -31,14 +31,15 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
    17. Il Suggeritore: structure as drafts
    18. Requests: what the engine takes and gives back
    19. Slots: the memory tier, and consecutive sequence ids
-   20. Engine: the scheduler thread and continuous batching
-   21. Embeddings: pooled hidden states
-   22. The Conclave: best-of-N in one batch, voted
-   23. Request bodies: OpenAI JSON to engine arguments
-   24. Sessions: conversations the server keeps
-   25. HTTP requests: routes and answers (OpenAI-compatible)
-   26. HTTP server: connections, tenants, limits, metrics
-   27. Command line
+   20. Off the step: replayed answers and warm-ahead
+   21. Engine: the scheduler thread and continuous batching
+   22. Embeddings: pooled hidden states
+   23. The Conclave: best-of-N in one batch, voted
+   24. Request bodies: OpenAI JSON to engine arguments
+   25. Sessions: conversations the server keeps
+   26. HTTP requests: routes and answers (OpenAI-compatible)
+   27. HTTP server: connections, tenants, limits, metrics
+   28. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -107,6 +108,7 @@ __all__ = [
     "embeddings_from_body", "hermes_messages", "llama3_messages", "tool_messages", "parse_tool_calls",
     "tools_from_body", "tools_grammar", "tool_format", "tool_call_schema", "LOGPROBS_MAX", "logprob_entry", "logprobs_json",
     "ReplayStore", "ReplayRecord", "replay_key", "replay_text", "library_build_id", "HeadHistory", "warm_prompts",
+    "Replayer", "WarmAhead",
 ]
 
 log = logging.getLogger("reame")
@@ -1140,7 +1142,7 @@ class Context:
         p.flash_attn_type = flash_attn  # -1 auto (on for CPU): its kernel skips masked cells, so a
         # sequence's attention does not depend on its neighbours in the unified KV
         p.no_perf = True
-        if embeddings:  # pooled per sequence: llama_get_embeddings_seq (section 21)
+        if embeddings:  # pooled per sequence: llama_get_embeddings_seq (section 22)
             p.embeddings, p.pooling_type = True, LLAMA_POOLING_TYPE_MEAN
         L.take_errors()
         ptr = L.llama_init_from_model(model.ptr, p)
@@ -2096,7 +2098,9 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
 # computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
 # tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
 # the least recently used files go first when the directory is over its size bound.
-# Compression and writing run on a writer thread, never the scheduler.
+# Compression and writing run on a writer thread, never the scheduler. Beside the
+# snapshots, heads.json counts the prompt heads requests come with (HeadHistory): what an
+# idle engine prefills ahead (warm-ahead, section 21).
 
 _KV_MAGIC = b"REAMEKV\x00"
 _KV_VERSION = 1
@@ -2427,7 +2431,8 @@ class HeadHistory:
         try:
             _write_private(self.path, (json.dumps(rows).encode(),))
         except OSError as e:
-            log.warning("cannot write %s (%s)", self.path, e)
+            log.warning("cannot write %s (%s): the prompt-head history stays in memory", self.path, e)
+            self.path = ""
 
 
 def kv_cache_entries(root: str) -> List[dict]:
@@ -2490,7 +2495,7 @@ def kv_cache_prune(root: str, max_bytes: int) -> tuple:
 # them (model, libraries, prompt, every sampling field but max_tokens), one folder per
 # tenant: $REAME_HOME/replay/<model fingerprint>/<scope>/. max_tokens is not in the key:
 # a record answers any max_tokens up to its own, and a longer one continues from its
-# tokens, which the engine verifies as drafts (section 20): nothing is taken on trust.
+# tokens, which the engine verifies as drafts (section 21): nothing is taken on trust.
 # Unseeded sampling is random and never replayed. Records are small JSON files,
 # checksummed and written whole (0600) by a writer thread; a bad one is deleted and
 # recomputed; the least recently used go first past the size bound.
@@ -3228,7 +3233,7 @@ class Palimpsest:
 
 # == 13. Speculation: draft sources and the controller =========================
 # Draft sources propose tokens; the target verifies them in the scheduler's batch
-# step (section 20) and keeps the longest run it would have produced itself. The
+# step (section 21) and keeps the longest run it would have produced itself. The
 # controller measures, live, what a verify step of k+1 tokens costs against one
 # token, and how often each source is right by draft position, and speculates only
 # where that pays. Everything that decides is a pure function, tested without a model.
@@ -4868,6 +4873,7 @@ class Request:
         self.cuts = ()     # extra prefill chunk ends (the end of a chat's system message)
         self.snap = ()     # chunk ends worth a snapshot on the disk tier
         self.disk = None   # (length, state or None: load it at admission) found on the disk tier by submit()
+        self.memory_hint = 0  # what the memory tier held of the prompt at submit (the disk was searched past it)
         self.spec: Optional[SpecOptions] = None  # None: the engine's default
         self.archive: Optional[str] = None       # archive scope (None: not stored, not drafted from)
         self.replay_key: Optional[str] = None    # its answer is kept under this key (section 11)
@@ -5046,6 +5052,7 @@ class SlotTable:
         self.n_cache_evictions = 0  # resident entries dropped to make room
         self.n_moves = 0            # sequences moved to another slot to close a gap in the decode batch
         self.n_disk_hits = 0        # prompts that restored a prefix from the disk tier
+        self.n_shared = 0           # prompts that copied their prefix from an active sequence
 
     def n_cells_cached(self) -> int:
         """KV cells kept by free slots (reclaimable)."""
@@ -5061,7 +5068,7 @@ class SlotTable:
             if self.resident.pop(slot, None) is not None:
                 self.ctx.seq_rm(slot)
 
-    def _reusable(self, entry: _Resident, req: Request) -> tuple:
+    def reusable(self, entry: _Resident, req: Request) -> tuple:
         """(n_cached, n_exact): how much of req's prompt a resident entry's KV can give.
 
         Exact reuse ends at a chunk end both prompts share, below the first extra cut
@@ -5082,7 +5089,7 @@ class SlotTable:
             return 0, 0  # recurrent state cannot be cut back: only an exact end can be continued
         return n_cached, n_exact
 
-    def take(self, req: Request, disk: Optional[tuple], reuse: bool = True) -> tuple:
+    def take(self, req: Request, disk: Optional[tuple], reuse: bool = True, live: Sequence[tuple] = ()) -> tuple:
         """A free slot for req: (slot, prompt tokens already in its KV, of which exact).
 
         ``disk``: what Engine._disk_plan found on the disk tier for req ((length, state),
@@ -5092,6 +5099,8 @@ class SlotTable:
         another session's entry is copied (llama_memory_seq_cp) so that session keeps it.
         Otherwise: req's own entry, an empty slot (lowest first: fewer gaps in the decode
         batch's seq ids), then the least recently used entry, plain ones before sessions.
+        ``live``: (slot, entry) of active sequences (Engine._live): when one holds more of
+        req's prompt than any free slot, its KV is copied and cut to that.
         """
         if disk is not None and disk[1] is None:
             disk = self.disk.find(req.prompt, disk[0], req.cuts, more_than=0, scope=req.tenant)
@@ -5099,11 +5108,28 @@ class SlotTable:
         for k in self.free if reuse else ():
             entry = self.resident.get(k)
             if entry is not None:
-                got = self._reusable(entry, req)
+                got = self.reusable(entry, req)
                 if got[0] > best[0] or (got[0] == best[0] and got[0] and entry.tag == req.cache_tag):
                     best, src = got, k
+        shared = None
+        for k, entry in live:
+            got = self.reusable(entry, req)
+            if got[0] > best[0]:
+                best, src, shared = got, None, k
+        if disk is None and reuse and self.disk is not None and req.memory_hint > best[0]:
+            # At submit the memory tier held more of it, so the disk was not read; that slot
+            # has been taken since: the disk tier may have it (a read, not a recompute).
+            disk = self.disk.find(req.prompt, len(req.prompt) - 1, req.cuts, more_than=best[0], scope=req.tenant)
         if disk is not None and disk[0] > best[0]:  # the disk tier has more of the prompt
             return self._restore(req, disk, cached=best[0])
+        if shared is not None:  # an active sequence computed it: a copy of its stream, cut
+            slot = self._victim(req, exclude=None)
+            self._claim(slot, keep=None)
+            self.ctx.seq_cp(shared, slot)
+            self.ctx.seq_rm(slot, best[0], -1)
+            self.n_cache_hits += 1
+            self.n_shared += 1
+            return slot, best[0], best[1]
         own = src is not None and self.resident[src].tag in (None, req.cache_tag)
         if src is not None and own:
             slot = src
@@ -5191,7 +5217,134 @@ class SlotTable:
         self.n_moves += 1
 
 
-# == 20. Engine: the scheduler thread and continuous batching ==================
+# == 20. Off the step: replayed answers and warm-ahead ==========================
+# Work the engine does beside its decode steps. A request whose answer is on record
+# (section 11) is answered on its submitter's thread and never reaches the scheduler;
+# one whose record stopped at a shorter max_tokens verifies the record's tokens as
+# drafts (Replayer). When no request runs, the scheduler prefills what requests are
+# likely to start with (WarmAhead): the prompts given to Engine.warm (serve --warm) and
+# the chat heads requests came with most often (HeadHistory), a chunk a step, so a
+# request that arrives meanwhile waits at most that chunk.
+
+
+class Replayer:
+    """An engine's use of its ReplayStore: ``answer`` runs on a submitting thread,
+    ``drafts`` and ``keep`` on the scheduler thread."""
+
+    def __init__(self, store: ReplayStore, model: Model, n_ctx: int):
+        self.store, self.model, self.n_ctx = store, model, n_ctx
+
+    def answer(self, group: List[Request]) -> bool:
+        """Answer a group from its records when each choice has one that answers it whole:
+        True then, with every event sent (this thread is the requests' only writer: the
+        scheduler never sees them). Otherwise each choice keeps its key (its answer is kept
+        when it ends), and a lone choice whose record stopped at a shorter max_tokens
+        starts with the record's tokens to verify as drafts (Request.forced)."""
+        if any(r.params.top_logprobs is not None or (r.params.temperature > 0 and r.params.seed is None)
+               for r in group):
+            return False  # (logprobs are not kept; unseeded sampling is random)
+        found = []
+        for req in group:
+            req.replay_key = self.store.key(req.prompt, req.params)
+            rec = self.store.find(req.replay_key, req.tenant)
+            room = self.n_ctx - len(req.prompt)
+            found.append((rec, rec and rec.plan(min(req.params.max_tokens or room, room))))
+        if any(rec is None for rec, _ in found):
+            return False
+        if any(plan[1] is None for _, plan in found):
+            if len(group) == 1:
+                group[0].forced = list(found[0][1][0])
+            return False
+        answers = []
+        for req, (rec, (tokens, finish)) in zip(group, found):
+            pieces = replay_text(self.model, req.params.stop, tokens, finish)
+            whole = len(tokens) == len(rec.tokens) and finish == rec.finish
+            if pieces is None or (whole and "".join(pieces) != rec.text):
+                self.store.forget(req.replay_key, req.tenant)
+                self.store.reject(self.store.path(req.replay_key, req.tenant), "its text does not match its tokens")
+                return False
+            answers.append(pieces)
+        for req, (_, (tokens, finish)), pieces in zip(group, found, answers):
+            for text in pieces:
+                req._emit(text)
+            now = time.monotonic()
+            req._finish(Result("".join(pieces), list(tokens), finish, len(req.prompt), len(tokens),
+                               now - req.t_submit, now - req.t_submit, len(req.prompt), replayed=True))
+            self.store.counted(len(tokens))
+        return True
+
+    def drafts(self, decoding: List[_Seq], plans: list, capacity: int) -> None:
+        """A sequence continuing a record (_Seq.forced) verifies the record's next tokens as
+        drafts, as many as the batch holds (up to _REPLAY_DRAFT_MAX a step). Once they run
+        out, or it samples another token (they are checked, never trusted), it goes on like
+        any other: the tokens it samples are the output either way."""
+        rows = sum(1 + (len(p.tokens) if p else 0) for p in plans)
+        for j, s in enumerate(decoding):
+            done = len(s.tokens)
+            if not s.forced or not done:
+                continue
+            if done >= len(s.forced) or s.tokens[-1] != s.forced[done - 1]:
+                if done >= len(s.forced):
+                    self.store.continued()
+                s.forced = None
+                continue
+            k = min(_REPLAY_DRAFT_MAX, len(s.forced) - done, s.max_tokens - done - 1, self.n_ctx - s.n_past - 2,
+                    capacity - rows)
+            if k > 0:
+                plans[j] = DraftPlan(_REPLAY_SOURCE, s.forced[done:done + k])
+                rows += k
+
+    def keep(self, s: _Seq, reason: str) -> None:
+        """A sequence ended: its answer is kept under its request's key."""
+        if s.req.replay_key is not None and reason in ("stop", "length"):
+            self.store.put(s.req.replay_key, s.req.tenant, ReplayRecord(
+                list(s.tokens), "".join(s.req._text), reason, reason == "stop" and self.model.is_eog(s.last)))
+
+
+class WarmAhead:
+    """What the scheduler prefills ahead when no request runs: a queue of warm Requests
+    (prefill only: their KV stays resident as a memory-tier entry) and, when idle, the
+    heads of HeadHistory. Scheduler thread only (HeadHistory.seen: any thread)."""
+
+    def __init__(self, slots: SlotTable, heads: Optional[HeadHistory], n_slots: int, make_request):
+        self.slots, self.heads, self.n_slots = slots, heads, n_slots
+        self._make_request = make_request  # (tokens, tenant) -> a warm Request (Engine._warm_request)
+        self.queue: collections.deque = collections.deque()  # warm Requests, after every real request
+        self._tried: dict = {}   # (scope, head) -> when idle() last queued it
+        self.idle_s = 1.0        # idle this long: warm the heads requests come with most
+
+    def worth(self, req: Request) -> bool:
+        """Is starting this warm request worth it: not cancelled, not resident already, and
+        a free slot that keeps no session's KV?"""
+        res = self.slots.resident
+        return (not req.cancelled and not self.is_resident(req.tenant, req.prompt)
+                and any(k not in res or res[k].tag is None for k in self.slots.free))
+
+    def is_resident(self, tenant: str, tokens: Sequence[int]) -> bool:
+        """Does a free slot's KV hold tokens (all but the last: computed for its logits), exactly?"""
+        n = len(tokens) - 1
+        return any(r.tenant == tenant and r.n_exact >= n and common_prefix(r.tokens, tokens) >= n
+                   for r in self.slots.resident.values())
+
+    def idle(self) -> None:
+        """The engine is idle: queue the heads requests came with most often (this
+        process's and, from the disk, earlier ones'), as many as there are slots, those
+        not resident; each at most once in 5 minutes."""
+        if self.heads is None:
+            return
+        self.heads.save()
+        now = time.monotonic()
+        for scope, head in self.heads.top(self.n_slots):
+            key = (scope, tuple(head))
+            if now - self._tried.get(key, -1e9) < 300 or self.is_resident(scope, head):
+                continue
+            self._tried[key] = now
+            if len(self._tried) > 4 * _HEADS_MAX:
+                self._tried.clear()
+            self.queue.append(self._make_request(head, scope))
+
+
+# == 21. Engine: the scheduler thread and continuous batching ==================
 # HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
 # thread owns the llama context: each step it admits waiting requests into free
 # slots, runs ONE llama_decode with the next token of every generating sequence,
@@ -5202,6 +5355,8 @@ class SlotTable:
 # gets a copy of its KV (llama_memory_seq_cp) and goes its own way. A request with a
 # cache_tag (a session) leaves its KV resident in its slot when it ends, and the next
 # request with that tag prefills only what follows the common token prefix.
+# Off the step (section 20): a request whose answer is on record is answered on its
+# submitter's thread, and warm-ahead prefills likely prompt heads while no request runs.
 
 
 @dataclasses.dataclass
@@ -5284,6 +5439,7 @@ class Engine:
         if replay:  # replay: its bound in bytes (0: answers are not kept)
             root = replay_dir or os.path.join(Config.from_env().home, "replay")
             self.replay = ReplayStore(root, fingerprint, library_build_id(), self.model.n_vocab, replay)
+        self._replayer = Replayer(self.replay, self.model, self.n_ctx) if self.replay is not None else None
         sources: List[DraftSource] = [PromptLookup()]
         if suggest:  # Il Suggeritore: one free source per rule
             sources += [Suggestion(self.model, rule) for rule in SUGGEST_RULES]
@@ -5306,11 +5462,9 @@ class Engine:
         # Scheduler-owned (no lock: only the scheduler thread touches them).
         self.slots = SlotTable(self.ctx, self.model, n_slots, self.chunk, cache_reuse, self.disk)
         self._waiting: collections.deque = collections.deque()  # groups (lists of Requests)
-        self._warming: collections.deque = collections.deque()  # warm-ahead Requests, after every group
-        self._warm_tried: dict = {}       # (scope, head) -> when idle warm-ahead last queued it
-        self.warm_idle_s = 1.0            # idle this long: warm the heads requests come with most
         # the prompt heads requests came with (warm-ahead's history), on disk beside the snapshots
         self.heads = HeadHistory(os.path.join(self.disk.dir, "heads.json")) if self.disk is not None else None
+        self.warmer = WarmAhead(self.slots, self.heads, n_slots, self._warm_request)
         self._active: List[_Seq] = []
         self.disk_hold_bytes = 256 << 20  # snapshot bytes queued requests may hold (read by submitters)
         self._disk_held = 0               # guarded by _disk_lock
@@ -5381,53 +5535,17 @@ class Engine:
         head = max((p for p in snap_at if 0 < p < len(tokens)), default=0)
         if head and self.heads is not None:  # (a chat's system message: what idle warm-ahead prefills)
             self.heads.seen(tenant, tokens[:head])
-        if self.replay is not None and replay and self._replay(group):
+        if self._replayer is not None and replay and self._exact() and self._replayer.answer(group):
             return group  # answered: its events are all there
         if self.disk is not None:
             self._disk_plan(group[0])
         self._incoming.put(_Admit(group))
         return group
 
-    def _replay(self, group: List[Request]) -> bool:
-        """On the caller's thread: answer a group from replay records (section 11) when
-        each choice has one that answers it whole; True then, and its events are all sent
-        (the scheduler never sees it). Otherwise each choice keeps its key (its answer is
-        kept when it ends), and a lone choice whose record stopped at a shorter max_tokens
-        starts with the record's tokens to verify as drafts (Engine._forced_plans)."""
-        if self.spec_verify != "exact" or self.slots.cache_reuse != "exact":
-            return False  # their tokens may differ from a cold run's at near-ties: not replayable
-        if any(r.params.top_logprobs is not None or (r.params.temperature > 0 and r.params.seed is None)
-               for r in group):
-            return False  # (logprobs are not kept; unseeded sampling is random)
-        found = []
-        for req in group:
-            req.replay_key = self.replay.key(req.prompt, req.params)
-            rec = self.replay.find(req.replay_key, req.tenant)
-            room = self.n_ctx - len(req.prompt)
-            found.append((rec, rec and rec.plan(min(req.params.max_tokens or room, room))))
-        if any(rec is None for rec, _ in found):
-            return False
-        if any(plan[1] is None for _, plan in found):
-            if len(group) == 1:
-                group[0].forced = list(found[0][1][0])
-            return False
-        answers = []
-        for req, (rec, (tokens, finish)) in zip(group, found):
-            pieces = replay_text(self.model, req.params.stop, tokens, finish)
-            whole = len(tokens) == len(rec.tokens) and finish == rec.finish
-            if pieces is None or (whole and "".join(pieces) != rec.text):
-                self.replay.forget(req.replay_key, req.tenant)
-                self.replay.reject(self.replay.path(req.replay_key, req.tenant), "its text does not match its tokens")
-                return False
-            answers.append(pieces)
-        for req, (_, (tokens, finish)), pieces in zip(group, found, answers):
-            for text in pieces:  # (the scheduler never holds this request: this thread is its only writer)
-                req._emit(text)
-            now = time.monotonic()
-            req._finish(Result("".join(pieces), list(tokens), finish, len(req.prompt), len(tokens),
-                               now - req.t_submit, now - req.t_submit, len(req.prompt), replayed=True))
-            self.replay.counted(len(tokens))
-        return True
+    def _exact(self) -> bool:
+        """Is every answer now the contract's tokens (replayable)? Not with cache_reuse="all"
+        or spec_verify="fast": their tokens can differ from a cold run's at near-ties."""
+        return self.spec_verify == "exact" and self.slots.cache_reuse == "exact"
 
     def warm(self, prompt, *, tenant: str = "") -> Request:
         """Prefill a prompt ahead, so a request that starts with it finds its KV resident
@@ -5467,6 +5585,7 @@ class Engine:
         # where one is is noted here, and the scheduler loads it when the request starts.
         with self._disk_lock:
             room = self._disk_held < self.disk_hold_bytes
+        req.memory_hint = in_memory
         found = self.disk.find(req.prompt, n - 1, req.cuts, more_than=in_memory, scope=req.tenant, load=room)
         if found is not None and found[1] is not None:
             with self._disk_lock:
@@ -5542,7 +5661,7 @@ class Engine:
                 "prefills": c.n_prefills, "twin_tokens": c.n_twin_tok, "cached_tokens": c.n_cached_tok,
                 "cache_hits": sl.n_cache_hits, "cache_misses": sl.n_cache_misses,
                 "cache_evictions": sl.n_cache_evictions, "slot_moves": sl.n_moves,
-                "disk_hits": sl.n_disk_hits, "disk_snapshots": c.n_disk_snaps, "disk_held_bytes": self._disk_held,
+                "disk_hits": sl.n_disk_hits, "shared_prefixes": sl.n_shared, "disk_snapshots": c.n_disk_snaps, "disk_held_bytes": self._disk_held,
                 "decode_s": c.t_decode_s, "step_s": c.t_step_s,
                 "python_ms_per_decode_step": 1000 * c.t_decode_only_py_s / max(c.n_decode_only_steps, 1),
                 "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
@@ -5605,13 +5724,13 @@ class Engine:
 
     def _admit(self) -> bool:
         """Move new requests in; start as many as there are free slots. False: shut down."""
-        block = not self._active and not self._waiting and not self._warming
+        block = not self._active and not self._waiting and not self.warmer.queue
         while True:
             try:
-                item = self._incoming.get(block=block, timeout=self.warm_idle_s if block else None)
+                item = self._incoming.get(block=block, timeout=self.warmer.idle_s if block else None)
             except queue.Empty:
-                if block and self.heads is not None:  # idle for a while: prefill what requests are likely to need
-                    self._warm_idle()
+                if block:  # idle for a while: prefill what requests are likely to need
+                    self.warmer.idle()
                 break
             block = False
             if isinstance(item, _Stop):
@@ -5619,7 +5738,7 @@ class Engine:
             if isinstance(item, _Forget):
                 self.slots.forget(item.tag)
             elif isinstance(item, _Warm):
-                self._warming.append(item.req)
+                self.warmer.queue.append(item.req)
             else:
                 self._waiting.append(item.group)
         for group in [g for g in self._waiting if all(r.cancelled for r in g)]:
@@ -5632,43 +5751,41 @@ class Engine:
             if warm is None:
                 break
             self._finish(warm, "cancelled")  # a request needs its slot (what it prefilled stays resident)
-        while self._waiting and len(self.slots.free) >= len(self._waiting[0]):
-            self._start(self._waiting.popleft())
-        if self._warming and not self._active and not self._waiting:
-            self._start_warm(self._warming.popleft())
+        for group in list(self._waiting):  # in order, but past one that waits for a prefix being computed
+            if len(self.slots.free) < len(group):
+                break
+            if not self._prefix_coming(group[0]):
+                self._waiting.remove(group)
+                self._start(group)
+        if self.warmer.queue and not self._active and not self._waiting:
+            req = self.warmer.queue.popleft()
+            if self.warmer.worth(req):
+                self._start([req])
+            else:
+                self._take_disk(req)
+                req._finish(Result("", [], "cancelled", len(req.prompt), 0))
         return True
 
-    def _start_warm(self, req: Request) -> None:
-        """Start a warm-ahead prefill (the engine is idle), unless its prompt is resident
-        already or every free slot keeps a session's KV."""
-        res = self.slots.resident
-        if req.cancelled or self._is_resident(req.tenant, req.prompt) or not any(
-                k not in res or res[k].tag is None for k in self.slots.free):
-            self._take_disk(req)
-            req._finish(Result("", [], "cancelled", len(req.prompt), 0))
-            return
-        self._start([req])
+    def _live(self, s: _Seq) -> _Resident:
+        """An active sequence's KV as a memory-tier entry: its exact prompt prefix so far
+        (what another request may copy: positions below n_exact never change)."""
+        return _Resident(None, s.req.prompt[:s.n_exact], 0.0, s.n_exact,
+                         tuple(c for c in s.cuts if c <= s.n_exact), s.req.tenant)
 
-    def _is_resident(self, tenant: str, tokens: Sequence[int]) -> bool:
-        """Does a free slot's KV hold tokens (all but the last: computed for its logits), exactly?"""
-        n = len(tokens) - 1
-        return any(r.tenant == tenant and r.n_exact >= n and common_prefix(r.tokens, tokens) >= n
-                   for r in self.slots.resident.values())
-
-    def _warm_idle(self) -> None:
-        """Idle: queue a warm-ahead of the prompt heads requests came with most often
-        (HeadHistory: this process's and, from the disk, earlier ones'), as many as there
-        are slots, those not resident; each at most once in 5 minutes."""
-        self.heads.save()
-        now = time.monotonic()
-        for scope, head in self.heads.top(self.n_slots):
-            key = (scope, tuple(head))
-            if now - self._warm_tried.get(key, -1e9) < 300 or self._is_resident(scope, head):
-                continue
-            self._warm_tried[key] = now
-            if len(self._warm_tried) > 4 * _HEADS_MAX:
-                self._warm_tried.clear()
-            self._warming.append(self._warm_request(head, scope))
+    def _prefix_coming(self, req: Request) -> bool:
+        """Is an active sequence prefilling a prefix of req's prompt worth sharing (a chunk
+        or more) that it has not reached yet? Then req waits for it and copies its KV
+        (SlotTable.take, live) instead of computing the same chunks beside it: prefill is
+        compute-bound on a CPU, so running both at once would not finish either sooner."""
+        if not self.model.can_truncate:
+            return False
+        for s in self._active:
+            if s.n_done < s.n_prompt and s.req.tenant == req.tenant:
+                whole = _Resident(None, s.req.prompt, 0.0, s.n_prompt, s.cuts, s.req.tenant)
+                n = self.slots.reusable(whole, req)[1]
+                if n >= self.chunk and n > s.n_exact:
+                    return True
+        return False
 
     def _start(self, group: List[Request]) -> None:
         """Give a group its slots. The first choice prefills; the rest are its twins.
@@ -5678,7 +5795,9 @@ class Engine:
         slot = None
         try:
             for i, req in enumerate(group):
-                slot, n_cached, n_exact = self.slots.take(req, self._take_disk(req), reuse=i == 0)
+                live = [(a.seq_id, self._live(a)) for a in self._active
+                        if a.n_exact] if i == 0 and self.model.can_truncate else ()
+                slot, n_cached, n_exact = self.slots.take(req, self._take_disk(req), reuse=i == 0, live=live)
                 p = req.params
                 sampler = Sampler(self.model, p)
                 room = self.n_ctx - len(req.prompt)
@@ -5753,7 +5872,7 @@ class Engine:
                 log.exception("speculation controller failed; this step has no drafts")
                 plans = [None] * len(decoding)
             if any(s.forced for s in decoding):
-                self._forced_plans(decoding, plans, b.capacity)
+                self._replayer.drafts(decoding, plans, b.capacity)
             b.clear()
             for s, plan in zip(decoding, plans):
                 b.add(s.last, s.n_past, s.seq_id, True)
@@ -5796,27 +5915,6 @@ class Engine:
                 budget -= n
         self.counters.n_steps += 1
         self.counters.t_step_s += time.perf_counter() - t0
-
-    def _forced_plans(self, decoding: List[_Seq], plans: list, capacity: int) -> None:
-        """A sequence continuing a replay record (Request.forced) verifies the record's next
-        tokens as drafts, as many as the batch holds (up to _REPLAY_DRAFT_MAX a step). Once
-        they run out, or it samples another token (they are checked, never trusted), it
-        goes on like any other: the tokens it samples are the output either way."""
-        rows = sum(1 + (len(p.tokens) if p else 0) for p in plans)
-        for j, s in enumerate(decoding):
-            done = len(s.tokens)
-            if not s.forced or not done:
-                continue
-            if done >= len(s.forced) or s.tokens[-1] != s.forced[done - 1]:
-                if done >= len(s.forced) and self.replay is not None:
-                    self.replay.continued()
-                s.forced = None
-                continue
-            k = min(_REPLAY_DRAFT_MAX, len(s.forced) - done, s.max_tokens - done - 1, self.n_ctx - s.n_past - 2,
-                    capacity - rows)
-            if k > 0:
-                plans[j] = DraftPlan(_REPLAY_SOURCE, s.forced[done:done + k])
-                rows += k
 
     def _prefill_chunk(self, s: _Seq) -> int:
         """Prefill s's next prompt chunk in its own llama_decode; -1 if the sequence failed."""
@@ -5991,10 +6089,8 @@ class Engine:
             return
         if self.archive is not None and req.archive is not None and reason in ("stop", "length") and s.tokens:
             self.archive.store(req.archive, req.prompt, s.tokens)
-        if (req.replay_key is not None and reason in ("stop", "length") and self.replay is not None
-                and self.slots.cache_reuse == "exact"):  # (cache_reuse may have changed since it was submitted)
-            self.replay.put(req.replay_key, req.tenant, ReplayRecord(
-                list(s.tokens), "".join(req._text), reason, reason == "stop" and self.model.is_eog(s.last)))
+        if self._replayer is not None and self._exact():  # (cache_reuse may have changed since it was submitted)
+            self._replayer.keep(s, reason)
         now = time.monotonic()
         req._finish(Result("".join(req._text), list(s.tokens), reason, s.n_prompt, len(s.tokens),
                            (s.t_first or now) - req.t_submit, now - req.t_submit, s.n_cached))
@@ -6006,8 +6102,8 @@ class Engine:
             for req in self._waiting.popleft():
                 self._take_disk(req)
                 req._finish(None, error)
-        while self._warming:
-            req = self._warming.popleft()
+        while self.warmer.queue:
+            req = self.warmer.queue.popleft()
             self._take_disk(req)
             req._finish(None, error)
         while True:
@@ -6021,7 +6117,7 @@ class Engine:
                     req._finish(None, error)
 
 
-# == 21. Embeddings: pooled hidden states ======================================
+# == 22. Embeddings: pooled hidden states ======================================
 # /v1/embeddings: a model's hidden states, mean-pooled per input and L2-normalized, from
 # a llama context of their own in embedding mode: the served model's weights (shared, no
 # second copy), or an embedding GGUF given with --embedding-model. A generative model's
@@ -6093,7 +6189,7 @@ class Embedder:
                 self.model.close()
 
 
-# == 22. The Conclave: best-of-N in one batch, voted ===========================
+# == 23. The Conclave: best-of-N in one batch, voted ===========================
 # N candidates of one prompt: one prefill, its KV copied to N-1 more slots
 # (Engine.submit_n), all decoded in the same steps with different seeds. As each
 # finishes, its answer is extracted and tallied; once the rest cannot change the
@@ -6548,7 +6644,7 @@ def _conclave_wave(reqs: List[Request], start: int, results: list, order: list, 
     return decided
 
 
-# == 23. Request bodies: OpenAI JSON to engine arguments =======================
+# == 24. Request bodies: OpenAI JSON to engine arguments =======================
 # What a request body asks for, checked field by field (a 400 with the field's name
 # and the reason, never a traceback): request_from_body turns a body into one
 # ApiRequest (sampling, structure, choices, streaming, session, speculation, archive,
@@ -7086,7 +7182,7 @@ def embeddings_from_body(body: dict) -> tuple:
     return inputs, fmt == "base64"
 
 
-# == 24. Sessions: conversations the server keeps ==============================
+# == 25. Sessions: conversations the server keeps ==============================
 # A session id names a conversation whose history the server keeps, so a client
 # sends only its new message, and whose KV stays resident in the engine (its cache
 # tag) between turns. Sessions belong to the API key that made them.
@@ -7258,10 +7354,10 @@ class Sessions:
                 self._drop(s)
 
 
-# == 25. HTTP requests: routes and answers =====================================
+# == 26. HTTP requests: routes and answers =====================================
 # OpenAI-compatible endpoints on the standard library's http.server. One thread per
-# connection (section 26 binds this handler to its Server): it frames, authenticates,
-# reads the request (section 23), submits to the Engine, and writes JSON or SSE from the
+# connection (section 27 binds this handler to its Server): it frames, authenticates,
+# reads the request (section 24), submits to the Engine, and writes JSON or SSE from the
 # Request's events. It never touches the llama context.
 
 _MAX_BODY_BYTES = 8 << 20
@@ -7509,7 +7605,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send_json(200, {"id": sid, "object": "session", "deleted": True})
 
     def _embeddings(self):
-        """POST /v1/embeddings (section 21): unit vectors, floats or base64 of float32."""
+        """POST /v1/embeddings (section 22): unit vectors, floats or base64 of float32."""
         self._owner()
         srv = self.server_ref
         inputs, as_base64 = embeddings_from_body(self._read_body())
@@ -7530,7 +7626,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                               "usage": {"prompt_tokens": n, "total_tokens": n}})
 
     def _completion(self):
-        """Who is calling -> the request (section 23) -> admission -> submit -> the answer."""
+        """Who is calling -> the request (section 24) -> admission -> submit -> the answer."""
         owner = self._owner()
         srv, eng = self.server_ref, self.server_ref.engine
         api = request_from_body(self._read_body(), chat=self.path.split("?", 1)[0] == "/v1/chat/completions",
@@ -7634,7 +7730,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send_json(200, dict(self._envelope(api, rid, False), choices=choices, usage=_usage(results), **extra))
 
     def _conclave(self, api: ApiRequest, tokens: List[int], submit_kw: dict) -> None:
-        """best_of: candidates voted (section 22). The response has one choice, the
+        """best_of: candidates voted (section 23). The response has one choice, the
         winner, and a "conclave" object: the answer, the votes, candidates finished and
         cancelled (and each candidate with "reame": {"candidates": true}). Streaming
         sends the winner once decided, or, with candidates, every candidate's text as
@@ -7804,7 +7900,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return None
 
 
-# == 26. HTTP server: connections, tenants, limits, metrics ====================
+# == 27. HTTP server: connections, tenants, limits, metrics ====================
 # The Server owns what is shared by the handler threads: the listening socket and its
 # connection cap, API keys and their keyed scope names, the body and queue budgets, the
 # sessions, the embedder, and the counters /metrics reports (one table, _METRICS).
@@ -8114,7 +8210,7 @@ class Server:
             raise err
 
     def _metric_values(self) -> dict:
-        """A snapshot of everything /metrics reports (section 26's _METRICS)."""
+        """A snapshot of everything /metrics reports (section 27's _METRICS)."""
         eng = self.engine
         st = eng.stats()
         with self._lock:
@@ -8198,7 +8294,7 @@ class Server:
                 self._embedder = None
 
 
-# == 27. Command line ==========================================================
+# == 28. Command line ==========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or

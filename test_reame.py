@@ -336,7 +336,7 @@ def test_open_with_deadline_gives_up(monkeypatch):
     assert time.monotonic() - t0 < 3
 
 
-# == 27. Command line (no model needed) ========================================
+# == 28. Command line (no model needed) ========================================
 
 
 def test_cli_help_explains_every_command():
@@ -981,7 +981,7 @@ def test_server_replay_per_key_streamed_and_opt_out(gemma, tmp_path):
         eng.close()
 
 
-# == 20. Engine: warm-ahead prefill ============================================
+# == 20. Off the step: warm-ahead prefill ======================================
 _WARM_SYSTEM = "You answer questions about a library's opening hours and loans. " + "Keep answers short. " * 90
 
 
@@ -1048,7 +1048,7 @@ def test_idle_warm_ahead_from_the_head_history_and_after_a_restart(qwen_model, t
         assert cond()
 
     with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv) as eng:
-        eng.warm_idle_s = 0.2
+        eng.warmer.idle_s = 0.2
         head = eng.chat_head({"role": "system", "content": _WARM_SYSTEM})
         ask(eng, _WARM_SYSTEM, "When do you open?")
         ask(eng, _WARM_SYSTEM, "Can I renew a loan?")
@@ -1057,7 +1057,7 @@ def test_idle_warm_ahead_from_the_head_history_and_after_a_restart(qwen_model, t
         assert ask(eng, _WARM_SYSTEM, "Where is the entrance?").n_cached_tok == len(head)
     assert os.path.exists(os.path.join(kv, os.listdir(kv)[0], "heads.json"))
     with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv) as eng:
-        eng.warm_idle_s = 0.2
+        eng.warmer.idle_s = 0.2
         wait_for(lambda: eng.stats()["warm_prefills"] == 1)
         assert eng.stats()["disk_hits"] == 1  # restored, not computed (but its last chunk)
         res = ask(eng, _WARM_SYSTEM, "Do you open on Sundays?")
@@ -1163,7 +1163,33 @@ def test_a_gap_in_the_decode_batch_is_closed(name):
         assert eng.stats()["slot_moves"] >= 1
 
 
-# == 20. Engine: the scheduler thread and continuous batching ==================
+def test_concurrent_requests_compute_a_shared_head_once(qwen_model):
+    """Four requests with one system prompt arriving together: the first prefills the head,
+    the others wait for it and copy its KV (not four prefills of it), each with the
+    tokens it gets alone."""
+    system = "You answer questions about a library's opening hours and loans. " + "Keep answers short. " * 90
+    asks = []
+    with reame.Engine(qwen_model, n_ctx=1024, n_slots=4) as eng:
+        for q in ("When do you open?", "Can I renew a loan?", "Is there wifi?", "Where is the entrance?"):
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            tokens = eng.chat_prompt(msgs)
+            asks.append((tokens, eng.prefix_boundary(msgs, tokens)))
+        head = asks[0][1][0]
+        solo = []
+        for tokens, snap in asks:
+            with reame.Engine(qwen_model, n_ctx=1024, n_slots=1) as one:
+                solo.append(one.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=16),
+                                         snap_at=snap)[0].wait().tokens)
+        reqs = [eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=16), snap_at=snap)[0]
+                for tokens, snap in asks]
+        res = [r.wait() for r in reqs]
+        st = eng.stats()
+    assert [r.tokens for r in res] == solo
+    assert st["shared_prefixes"] == 3 and sorted(r.n_cached_tok for r in res) == [0, head, head, head]
+    assert st["prefill_tokens"] == sum(len(t) for t, _ in asks) - 3 * head
+
+
+# == 21. Engine: the scheduler thread and continuous batching ==================
 
 
 def test_greedy_is_deterministic(qwen):
@@ -1334,7 +1360,7 @@ def test_greedy_same_without_numpy(gemma):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == want
 
 
-# == 27. Command line ==========================================================
+# == 28. Command line ==========================================================
 
 
 def test_cli_run_answers_and_exits():
@@ -2476,7 +2502,7 @@ def test_suggeritore_values_equal_plain_greedy_and_get_accepted(qwen):
     assert qwen.stats()["spec"]["suggest.values"]["accepted"] - before >= 10
 
 
-# == 22. The Conclave: best-of-N in one batch, voted ===========================
+# == 23. The Conclave: best-of-N in one batch, voted ===========================
 
 
 def test_conclave_extractors():
@@ -2541,7 +2567,7 @@ def test_conclave_one_prefill_shared_steps_early_stop(qwen5):
         reame.run_conclave(eng, prompt, reame.SamplingParams(temperature=0), 3)
 
 
-# == 26. HTTP server (real socket on port 0, real model) =======================
+# == 27. HTTP server (real socket on port 0, real model) =======================
 
 
 @pytest.fixture(scope="module")
@@ -3410,7 +3436,7 @@ def test_server_n_and_best_of_beyond_parallel(server, gemma):
     assert _http(server, "POST", "/v1/chat/completions", dict(body, n=17))[0] == 400
 
 
-# == 26. HTTP server, attacked: one request can neither crash it nor reach another tenant
+# == 27. HTTP server, attacked: one request can neither crash it nor reach another tenant
 # Each attack runs against a real server on port 0 (gemma3-270m) while a victim stream of
 # another key decodes: the attacker gets a clear 4xx (or 413/429/503), /health answers
 # within a second, and the victim gets exactly the greedy text it gets alone.
