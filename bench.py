@@ -32,6 +32,8 @@
                                           only the workload trace: 32 support-desk requests against
                                           llama-server as a user starts it, and reame.py serve cold,
                                           warm and after a restart, 1 and 4 clients
+    python3 bench.py --warm-ahead          only the first request after a restart, idle warm-ahead
+                                          on vs off (TTFT)
     python3 bench.py --soak [--soak-seconds 600] [--model gemma3-270m] [--soak-attacks A,B]
                                           only the soak: one server under load, attacks and
                                           disconnects; exit status 1 if anything failed
@@ -1913,8 +1915,61 @@ def print_workload(wl: dict, w) -> None:
         w("plot: %s\n" % wl["plot"])
 
 
+def run_warm_ahead(args) -> dict:
+    """--warm-ahead: the first request after a restart, with and without idle warm-ahead.
+    A handbook chat is asked once (its head goes to the disk tier), then `repeats` times:
+    a new engine on that cache directory (a restart) sits idle 3 s, and one new question
+    comes; time to its first token with warm-ahead on (the head restored into a slot while
+    idle) and off (the request restores it itself), alternating."""
+    model_path = reame.resolve_model(args.model, pull=False)
+    kv = tempfile.mkdtemp(prefix="bench-warm-kv-")
+    out = {"on": [], "off": [], "cached": {}}
+    try:
+        def ask(eng, q):
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            tokens = eng.chat_prompt(msgs)
+            snap = eng.prefix_boundary(msgs, tokens)
+            t0 = time.perf_counter()  # (submit reads the disk tier, on this thread: part of the wait)
+            req = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=4), snap_at=snap,
+                               replay=False)[0]
+            next(iter(req))
+            ttft = time.perf_counter() - t0
+            return ttft, req.wait()
+        with reame.Model(model_path) as m:
+            system, n_sys = fit_handbook(m, args.handbook_tokens)
+            for _ in range(2):  # counted twice in the head history: a head worth warming
+                with reame.Engine(m, n_ctx=4096, n_slots=1, n_threads=args.threads, disk_cache=1 << 31,
+                                  disk_dir=kv) as eng:
+                    ask(eng, HANDBOOK_QUESTIONS[0])
+            for rep in range(args.repeats):
+                for mode in (("on", "off") if rep % 2 == 0 else ("off", "on")):
+                    with reame.Engine(m, n_ctx=4096, n_slots=1, n_threads=args.threads, disk_cache=1 << 31,
+                                      disk_dir=kv, warm_ahead=mode == "on") as eng:
+                        time.sleep(3.0)
+                        ttft, res = ask(eng, HANDBOOK_QUESTIONS[1 + rep % 3])
+                        out[mode].append(ttft)
+                        out["cached"][mode] = res.n_cached_tok
+                        log("warm-ahead %s: TTFT %.3f s (%d prompt tokens cached)" % (mode, ttft, res.n_cached_tok))
+    finally:
+        shutil.rmtree(kv, ignore_errors=True)
+    out.update(handbook_tokens=n_sys, on_median=median(out["on"]), off_median=median(out["off"]))
+    return out
+
+
+def print_warm_ahead(wa: dict, w) -> None:
+    w("warm-ahead: the first request after a restart (a %d-token handbook head on the disk tier, 3 s idle)\n"
+      % wa["handbook_tokens"])
+    w("  TTFT with warm-ahead %.3f s, without %.3f s (medians; runs %s | %s): %.1fx\n" % (
+        wa["on_median"], wa["off_median"], " ".join("%.3f" % x for x in wa["on"]),
+        " ".join("%.3f" % x for x in wa["off"]), wa["off_median"] / max(wa["on_median"], 1e-9)))
+
+
 def run_workload_only(args) -> dict:
     return {"config": {"model": args.model, "threads": args.threads}, "workload": run_workload(args)}
+
+
+def run_warm_ahead_only(args) -> dict:
+    return {"config": {"model": args.model, "threads": args.threads}, "warm_ahead": run_warm_ahead(args)}
 
 
 # -- speculation (--spec) ----------------------------------------------------------------
@@ -3816,6 +3871,9 @@ def print_table(out: dict, stream=sys.stdout) -> None:
     if "workload" in out:
         print_workload(out["workload"], w)
         return
+    if "warm_ahead" in out:
+        print_warm_ahead(out["warm_ahead"], w)
+        return
     if "spec" in out:  # Reame against itself; the burner's CPU time is the point, not noise
         print_spec(out["spec"], w)
         return
@@ -3974,6 +4032,9 @@ def parse_args(argv=None):
                         "FAQs asked again, numbered how-tos, JSON extraction under a json_schema, a code edit) "
                         "against llama-server with its defaults (cold, then again) and reame.py serve (cold, "
                         "again, after a restart), 1 and 4 clients (default model qwen2.5-coder-0.5b)")
+    p.add_argument("--warm-ahead", action="store_true",
+                   help="only the warm-ahead measurement: TTFT of the first request after a restart, idle "
+                        "warm-ahead on vs off, alternating (default model qwen2.5-coder-0.5b, repeats 4)")
     p.add_argument("--workload-clients", default="1,4", help="--workload: client counts (default 1,4)")
     p.add_argument("--plot", default=None, metavar="PNG", help="--workload: per-request bars as a PNG "
                    "(needs matplotlib)")
@@ -3986,7 +4047,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     q = args.quick
     args.model = args.model or ("gemma3-270m" if q or args.soak else "qwen2.5-coder-0.5b" if args.workload
-                                else "qwen2.5-coder-1.5b")
+                                or args.warm_ahead else "qwen2.5-coder-1.5b")
+    if args.warm_ahead:
+        args.repeats = args.repeats or 4
     args.workload_clients = [int(x) for x in args.workload_clients.split(",") if x.strip()]
     if not args.workload_clients or min(args.workload_clients) < 1:
         p.error("--workload-clients needs positive integers")
@@ -4054,7 +4117,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
     try:
-        out = (run_workload_only(args) if args.workload else run_soak_only(args) if args.soak else
+        out = (run_workload_only(args) if args.workload else run_warm_ahead_only(args) if args.warm_ahead else run_soak_only(args) if args.soak else
                run_prefix_only(args) if args.prefix_cache else run_http_only(args) if args.http else
                run_spec_only(args) if args.spec else run_palimpsest_only(args) if args.palimpsest else
                run_conclave_only(args) if args.conclave else run_suggest_only(args) if args.suggest else

@@ -5405,7 +5405,8 @@ class Engine:
                  n_batch: int = 512, prefill_chunk: int = 128, cache_reuse: str = "exact", repack: bool = False,
                  disk_cache: int = 0, disk_dir: Optional[str] = None, spec: str = "auto", spec_max: int = 16,
                  draft=None, spec_verify: str = "exact", archive: int = 0, archive_dir: Optional[str] = None,
-                 suggest: bool = True, replay: int = 0, replay_dir: Optional[str] = None, **context_kw):
+                 suggest: bool = True, replay: int = 0, replay_dir: Optional[str] = None, warm_ahead: bool = True,
+                 **context_kw):
         if cache_reuse not in ("exact", "all"):
             raise RequestError("cache_reuse must be 'exact' or 'all'")
         if spec_verify not in ("exact", "fast"):
@@ -5464,7 +5465,7 @@ class Engine:
         self._waiting: collections.deque = collections.deque()  # groups (lists of Requests)
         # the prompt heads requests came with (warm-ahead's history), on disk beside the snapshots
         self.heads = HeadHistory(os.path.join(self.disk.dir, "heads.json")) if self.disk is not None else None
-        self.warmer = WarmAhead(self.slots, self.heads, n_slots, self._warm_request)
+        self.warmer = WarmAhead(self.slots, self.heads if warm_ahead else None, n_slots, self._warm_request)
         self._active: List[_Seq] = []
         self.disk_hold_bytes = 256 << 20  # snapshot bytes queued requests may hold (read by submitters)
         self._disk_held = 0               # guarded by _disk_lock
@@ -5566,16 +5567,17 @@ class Engine:
         req = Request(rid, tokens, SamplingParams(temperature=0, max_tokens=1))
         req.warm, req.tenant, req.archive = True, tenant, None
         req.cuts = (len(tokens),) if len(tokens) % self.chunk else ()  # its end is a chunk end, as a chat head's is
-        if self.disk is not None:
-            self._disk_plan(req)
+        if self.disk is not None:  # (all of it may come from the disk: it needs no logits)
+            self._disk_plan(req, limit=len(tokens))
         return req
 
-    def _disk_plan(self, req: Request) -> None:
+    def _disk_plan(self, req: Request, limit: Optional[int] = None) -> None:
         """On the caller's thread: find the longest prefix on disk (read, checked and
         decompressed here, not on the scheduler), and choose where to snapshot: at
         256, 512, 1024, ... tokens (a shared prefix of any length finds a snapshot at
         least half as long, for at most twice the prompt's bytes on disk), at the last
-        chunk end before the prompt's end, and at the extra cuts; at least 256 tokens."""
+        chunk end before the prompt's end, and at the extra cuts; at least 256 tokens. ``limit``: the
+        longest prefix to restore (default: all but the last token, which is computed for its logits)."""
         n, c = len(req.prompt), self.chunk
         # A hint from the memory tier (read without the scheduler: a stale answer only
         # costs a needless disk read or a recompute): no disk read for what memory holds.
@@ -5586,7 +5588,8 @@ class Engine:
         with self._disk_lock:
             room = self._disk_held < self.disk_hold_bytes
         req.memory_hint = in_memory
-        found = self.disk.find(req.prompt, n - 1, req.cuts, more_than=in_memory, scope=req.tenant, load=room)
+        found = self.disk.find(req.prompt, n - 1 if limit is None else limit, req.cuts, more_than=in_memory,
+                               scope=req.tenant, load=room)
         if found is not None and found[1] is not None:
             with self._disk_lock:
                 if self._disk_held + len(found[1]) <= self.disk_hold_bytes:
@@ -5822,6 +5825,10 @@ class Engine:
                 req._finish(None, err)
             return
         seqs[0].twins = seqs[1:]
+        if group[0].warm and seqs[0].n_done >= seqs[0].n_prompt:  # all of it restored: nothing to compute
+            self.counters.n_warm += 1
+            self._finish(seqs[0], "warm")
+            return
         if seqs[0].n_cached:
             self.counters.n_cached_tok += seqs[0].n_cached
         self._active.append(seqs[0])
@@ -8326,6 +8333,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "from the record of its first answer, the same tokens, nothing computed")
     p.add_argument("--no-replay", action="store_true", help="compute every answer, also one already given "
                    "(implied by --no-disk-cache)")
+    p.add_argument("--no-warm-ahead", action="store_true", help="do not prefill, when idle, the system prompts "
+                   "requests came with most often (kept in $REAME_HOME/kv; off with --no-disk-cache too)")
     p.add_argument("--no-suggest", action="store_true", help="turn off Il Suggeritore, the draft source that "
                    "proposes structure (list numbers, table rows, JSON keys and punctuation, a json_schema's keys)")
     p.add_argument("--spec", choices=SPEC_MODES, default="auto", help="speculative decoding: auto (default) "
@@ -8371,7 +8380,7 @@ def _engine_kwargs(args) -> dict:
         raise RequestError("--replay-size must be at least 1M (or use --no-replay)")
     return dict(n_ctx=args.ctx, n_threads=args.threads, disk_cache=_disk_cache_bytes(args), spec=args.spec,
                 spec_max=args.spec_max, spec_verify=args.spec_verify, draft=_draft_path(args), archive=archive,
-                suggest=not args.no_suggest, replay=replay)
+                suggest=not args.no_suggest, replay=replay, warm_ahead=not args.no_warm_ahead)
 
 
 def _disk_cache_bytes(args) -> int:

@@ -1059,9 +1059,13 @@ def test_idle_warm_ahead_from_the_head_history_and_after_a_restart(qwen_model, t
     with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv) as eng:
         eng.warmer.idle_s = 0.2
         wait_for(lambda: eng.stats()["warm_prefills"] == 1)
-        assert eng.stats()["disk_hits"] == 1  # restored, not computed (but its last chunk)
+        assert eng.stats()["disk_hits"] == 1 and eng.stats()["warm_tokens"] == 0  # restored whole, not computed
         res = ask(eng, _WARM_SYSTEM, "Do you open on Sundays?")
         assert res.n_cached_tok == len(head)
+    with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv, warm_ahead=False) as eng:
+        eng.warmer.idle_s = 0.2
+        time.sleep(1.5)
+        assert eng.stats()["warm_prefills"] == 0 and not eng.slots.resident  # off: nothing prefilled ahead
 
 
 def test_serve_warm_file(tmp_path):
