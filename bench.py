@@ -3398,6 +3398,8 @@ def run_soak(args) -> dict:
     log_dir = tempfile.mkdtemp(prefix="bench-soak-logs-")
     serve_help = ServerProcess.help_text([sys.executable, REAME_SCRIPT, "serve", "--help"])
     keys = [x for k in SOAK_KEYS for x in ("--api-key", k)]
+    if help_knows(serve_help, "--no-replay"):  # the same normal requests again and again: computed, not replayed
+        keys.append("--no-replay")
     all_attacks = soak_attacks()
     attacks = [a for a in all_attacks if args.soak_attacks is None or a[0] in args.soak_attacks]
     reqs = soak_requests()
