@@ -3867,30 +3867,14 @@ def _fmt(x, digits=1):
 def print_table(out: dict, stream=sys.stdout) -> None:
     c = out.get("config")
     w = stream.write
-    if "soak" in out:
-        print_soak(out["soak"], w)
-        return
-    if "workload" in out:
-        print_workload(out["workload"], w)
-        return
-    if "warm_ahead" in out:
-        print_warm_ahead(out["warm_ahead"], w)
-        return
-    if "spec" in out:  # Reame against itself; the burner's CPU time is the point, not noise
-        print_spec(out["spec"], w)
-        return
-    if "palimpsest" in out:
-        print_palimpsest(out["palimpsest"], w)
-        return
-    if "conclave" in out:
-        print_conclave(out["conclave"], w)
-        return
-    if "suggest" in out:
-        print_suggest(out["suggest"], w)
-        return
-    if "step_cost" in out:
-        print_step_cost(out["step_cost"], w)
-        return
+    # the sections that run alone print alone (spec: Reame against itself; the burner's CPU time is
+    # the point there, not noise)
+    for key, section in (("soak", print_soak), ("workload", print_workload), ("warm_ahead", print_warm_ahead),
+                         ("spec", print_spec), ("palimpsest", print_palimpsest), ("conclave", print_conclave),
+                         ("suggest", print_suggest), ("step_cost", print_step_cost)):
+        if key in out:
+            section(out[key], w)
+            return
     w("Reame vs llama-server: %s, %d threads, median of %d alternating repeats, temperature 0\n"
       % (c["model"], c["threads"], c["repeats"]))
     if "metrics" in out:
