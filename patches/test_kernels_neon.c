@@ -1,0 +1,297 @@
+// test_kernels_neon.c -- tests reame-kernels-neon.c, the multi-token Q4_K/Q6_K dot products
+// that build_llama.sh's aarch64 patches put into ggml's ARM CPU backend. arm_check.sh
+// cross-compiles it and runs it under qemu-aarch64, against the patched aarch64 tree's
+// headers ($SRC = "source_dir" in _llama-aarch64/manifest.json; INC = -I$SRC/ggml/include
+// -I$SRC/ggml/src -I$SRC/ggml/src/ggml-cpu):
+//
+//   the shipped build:  aarch64-linux-gnu-gcc -O2 -std=gnu11 -march=armv8.2-a+dotprod $INC
+//                          test_kernels_neon.c -L_llama-aarch64 -lggml-cpu -lggml-base -lm
+//   from the source, as another -march would compile it: the same plus
+//                       $SRC/ggml/src/ggml-cpu/arch/arm/quants.c (ggml's one-row kernels and
+//                       reame-kernels-neon.c) and -O3 -march=... (e.g. armv8.6-a+dotprod+i8mm)
+//
+// On random weight rows (quantized from random floats, random bits, extremes) against random
+// q8_K activations (the same three kinds), n = 256 .. 8960:
+//   1. batched = alone: for k = 1 .. 16 tokens at once, each token's result has the bits it
+//      has when the kernel runs that token alone (and only the k results are written, at
+//      stride bs);
+//   2. each result has the bits of ggml_vec_dot_q{4,6}_K_q8_K's (the one-row kernel);
+//   3. accuracy: as patches/test_kernels.c (ggml's one-row kernel is held to it too).
+// Prints what it checked; exit status 0 when every check passed.
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ggml.h"
+#include "ggml-cpu.h"
+#include "ggml-quants.h"  // quantize_row_q4_K_ref, dequantize_row_q4_K, ... (libggml-base)
+#include "quants.h"       // ggml_vec_dot_q4_K_q8_K, quantize_row_q8_K (libggml-cpu)
+
+// the guards under which reame-kernels-neon.c defines its kernels and ggml-cpu.c calls them
+#if defined(__aarch64__) && defined(__ARM_NEON) && defined(__ARM_FEATURE_DOTPROD) && !defined(__ARM_FEATURE_SVE)
+#define HAVE_NEON_MC 1
+void reame_vec_dot_q4_K_q8_K_neon(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
+void reame_vec_dot_q6_K_q8_K_neon(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
+#endif
+
+typedef void (*multi_fn)(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
+typedef void (*one_fn)(int n, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by, int nrc);
+
+struct kernel {
+    const char * name;
+    int q6;           // 0: Q4_K weights, 1: Q6_K
+    multi_fn fn;
+    int max_nc;       // the most columns a call may take
+    int ggml_bits;    // each result must have the bits of ggml's one-row kernel
+    long n_batched, n_ggml, n_acc;
+    double worst;     // the largest error seen, as a fraction of the float rounding bound
+};
+
+#define NTOK 24       // activation rows (tokens)
+#define BS 3          // the output stride the batched calls use
+#define MAX_NB 35
+static const int NBS[] = {1, 2, 3, 6, 11, 35};  // blocks per row (n = 256 nb; 1.5B: 6 and 35)
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint64_t rnd(void) {  // splitmix64
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static double unif(void) { return (double) (rnd() >> 11) / 9007199254740992.0; }
+static double gauss(void) { return sqrt(-2.0 * log(1.0 - unif())) * cos(6.283185307179586 * unif()); }
+static float rnd_scale(void) {  // a positive or negative scale, 2^-14 .. 2^-4
+    const float v = (float) exp2(-14.0 + 10.0 * unif());
+    return (rnd() & 1) ? v : -v;
+}
+static uint32_t bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+static int n_fail = 0;
+static void fail(const char * what, const char * kernel, int nb, int row, int k, int c, float got, float want) {
+    if (++n_fail <= 20) {
+        printf("FAIL %s: %s nb=%d row=%d k=%d token=%d: got %.9g (0x%08x), want %.9g (0x%08x)\n",
+               what, kernel, nb, row, k, c, got, bits(got), want, bits(want));
+    }
+}
+
+// a weight row of nb blocks: kind 0 quantized from random floats, 1 random bits, 2 extremes
+static void make_weights(int q6, int kind, int nb, void * row) {
+    const int n = nb * QK_K;
+    if (kind == 0) {
+        float * f = malloc(n * sizeof(float));
+        const double scale = exp2(-6.0 + 6.0 * unif());
+        for (int j = 0; j < n; ++j) f[j] = (float) (scale * gauss() * ((rnd() % 64) ? 1.0 : 8.0));  // some outliers
+        if (q6) quantize_row_q6_K_ref(f, row, n); else quantize_row_q4_K_ref(f, row, n);
+        free(f);
+        return;
+    }
+    for (int i = 0; i < nb; ++i) {
+        if (q6) {
+            block_q6_K * b = (block_q6_K *) row + i;
+            if (kind == 1) {
+                for (size_t j = 0; j < sizeof(*b); ++j) ((uint8_t *) b)[j] = (uint8_t) rnd();
+            } else {  // all 63 (+31 after the offset) or all 0 (-32), scales at the int8 ends
+                const uint8_t q = (i % 2) ? 0x00 : 0xFF;
+                memset(b->ql, q, sizeof(b->ql));
+                memset(b->qh, q, sizeof(b->qh));
+                for (int j = 0; j < QK_K/16; ++j) b->scales[j] = (int8_t) ((j + i) % 3 == 0 ? 127 : -128);
+            }
+            b->d = ggml_fp32_to_fp16(rnd_scale());
+        } else {
+            block_q4_K * b = (block_q4_K *) row + i;
+            if (kind == 1) {
+                for (size_t j = 0; j < sizeof(*b); ++j) ((uint8_t *) b)[j] = (uint8_t) rnd();
+            } else {  // nibbles all 15, 6-bit scales and mins all 63
+                memset(b->qs, 0xFF, sizeof(b->qs));
+                memset(b->scales, 0xFF, sizeof(b->scales));
+            }
+            b->d = ggml_fp32_to_fp16(fabsf(rnd_scale()) * ((kind == 1 && (rnd() & 1)) ? -1.0f : 1.0f));
+            b->dmin = ggml_fp32_to_fp16(rnd_scale());
+        }
+    }
+}
+
+// an activation row (q8_K): kind 0 quantized from random floats (quantize_row_q8_K, as
+// ggml's matmul does), 1 random int8 values, 2 all -128 or all 127
+static void make_acts(int kind, int nb, block_q8_K * y) {
+    const int n = nb * QK_K;
+    if (kind == 0) {
+        float * f = malloc(n * sizeof(float));
+        const double scale = exp2(-4.0 + 8.0 * unif());
+        for (int j = 0; j < n; ++j) f[j] = (float) (scale * gauss());
+        quantize_row_q8_K(f, y, n);
+        free(f);
+        return;
+    }
+    for (int i = 0; i < nb; ++i) {
+        const int8_t v = (rnd() & 1) ? 127 : -128;
+        for (int j = 0; j < QK_K; ++j) y[i].qs[j] = kind == 1 ? (int8_t) rnd() : v;
+        for (int g = 0; g < QK_K/16; ++g) {
+            int sum = 0;
+            for (int j = 0; j < 16; ++j) sum += y[i].qs[16*g + j];
+            y[i].bsums[g] = (int16_t) sum;
+        }
+        y[i].d = fabsf(rnd_scale()) * 64.0f * ((rnd() & 1) ? 1.0f : -1.0f);
+    }
+}
+
+// the exact dot product (double) and the magnitude M of the terms the kernels add
+static void reference(int q6, int nb, const void * x, const block_q8_K * y, double * exact, double * mag) {
+    const int n = nb * QK_K;
+    float * w = malloc(n * sizeof(float)), * sc = malloc(n * sizeof(float)), * mn = malloc(n * sizeof(float));
+    void * t = malloc(nb * (q6 ? sizeof(block_q6_K) : sizeof(block_q4_K)));
+    memcpy(t, x, nb * (q6 ? sizeof(block_q6_K) : sizeof(block_q4_K)));
+    if (q6) {
+        dequantize_row_q6_K(x, w, n);
+        for (int i = 0; i < nb; ++i) {  // all stored values 63: w = d * scale * 31
+            memset(((block_q6_K *) t)[i].ql, 0xFF, QK_K/2);
+            memset(((block_q6_K *) t)[i].qh, 0xFF, QK_K/4);
+        }
+        dequantize_row_q6_K(t, sc, n);
+        for (int j = 0; j < n; ++j) { sc[j] = fabsf(sc[j]) / 31.0f * 96.0f; mn[j] = 0.0f; }  // |stored| + 32 <= 96
+    } else {
+        dequantize_row_q4_K(x, w, n);
+        block_q4_K * b = t;
+        for (int i = 0; i < nb; ++i) { memset(b[i].qs, 0xFF, QK_K/2); b[i].dmin = ggml_fp32_to_fp16(0.0f); }
+        dequantize_row_q4_K(t, sc, n);   // d * scale * 15
+        memcpy(t, x, nb * sizeof(block_q4_K));
+        for (int i = 0; i < nb; ++i) b[i].d = ggml_fp32_to_fp16(0.0f);
+        dequantize_row_q4_K(t, mn, n);   // -dmin * min
+    }
+    double e = 0.0, m = 0.0;
+    for (int j = 0; j < n; ++j) {
+        const double a = (double) y[j / QK_K].d * y[j / QK_K].qs[j % QK_K];
+        e += (double) w[j] * a;
+        m += (fabs((double) sc[j]) + fabs((double) mn[j])) * fabs(a);
+    }
+    *exact = e;
+    *mag = m;
+    free(w); free(sc); free(mn); free(t);
+}
+
+static int check_acc(struct kernel * K, const char * name, int nb, int row, int c, float got, double exact, double mag) {
+    const double bound = (nb + 8) * exp2(-24.0) * mag;
+    const double err = fabs((double) got - exact);
+    if (K && bound > 0 && err / bound > K->worst) K->worst = err / bound;
+    if (!(err <= 16.0 * bound)) {
+        fail("accuracy", name, nb, row, 1, c, got, (float) exact);
+        return 0;
+    }
+    return 1;
+}
+
+int main(int argc, char ** argv) {
+    if (argc > 1) rng_state = strtoull(argv[1], NULL, 0);
+    ggml_cpu_init();  // fp16 tables, for builds without F16C
+
+    struct kernel kernels[2];
+    int nk = 0;
+#ifdef HAVE_NEON_MC
+    kernels[nk++] = (struct kernel) {"reame_vec_dot_q4_K_q8_K_neon", 0, reame_vec_dot_q4_K_q8_K_neon, 16, 1, 0, 0, 0, 0.0};
+    kernels[nk++] = (struct kernel) {"reame_vec_dot_q6_K_q8_K_neon", 1, reame_vec_dot_q6_K_q8_K_neon, 16, 1, 0, 0, 0, 0.0};
+#endif
+    printf("test_kernels_neon: seed 0x%llx; compiled for%s%s%s%s%s\n", (unsigned long long) rng_state,
+#if defined(__aarch64__)
+           " aarch64",
+#else
+           " not aarch64",
+#endif
+#if defined(__ARM_FEATURE_DOTPROD)
+           " dotprod",
+#else
+           "",
+#endif
+#if defined(__ARM_FEATURE_MATMUL_INT8)
+           " i8mm",
+#else
+           "",
+#endif
+#if defined(__ARM_FEATURE_SVE)
+           " SVE",
+#else
+           "",
+#endif
+           nk ? "" : ": no reame NEON kernels here (they need aarch64 with dotprod, no SVE); ggml's one-row kernel only");
+
+    struct kernel ggml_k[2] = {{"ggml_vec_dot_q4_K_q8_K", 0, NULL, 1, 0, 0, 0, 0, 0.0},
+                               {"ggml_vec_dot_q6_K_q8_K", 1, NULL, 1, 0, 0, 0, 0, 0.0}};
+    const one_fn ggml_dot[2] = {ggml_vec_dot_q4_K_q8_K, ggml_vec_dot_q6_K_q8_K};
+    const size_t wsize[2] = {sizeof(block_q4_K), sizeof(block_q6_K)};
+
+    block_q8_K * acts = malloc((size_t) NTOK * MAX_NB * sizeof(block_q8_K));
+    void * wrow = malloc(MAX_NB * sizeof(block_q6_K));
+    float * out = malloc(NTOK * BS * sizeof(float));
+    float one[NTOK], ggml_one[NTOK];
+    double exact[NTOK], mag[NTOK];
+    const uint32_t SENTINEL = 0x7fc0beefu;
+    int row_id = 0;
+
+    for (size_t inb = 0; inb < sizeof(NBS) / sizeof(NBS[0]); ++inb) {
+        const int nb = NBS[inb], n = nb * QK_K;
+        const size_t row_size = nb * sizeof(block_q8_K);  // the q8_K row stride ggml-cpu.c passes
+        for (int c = 0; c < NTOK; ++c) {
+            make_acts(c % 5 == 4 ? 2 : c % 2, nb, (block_q8_K *) ((char *) acts + c * row_size));
+        }
+        for (int q6 = 0; q6 < 2; ++q6) {
+            for (int rep = 0; rep < 12; ++rep, ++row_id) {
+                make_weights(q6, rep % 3, nb, wrow);
+                for (int c = 0; c < NTOK; ++c) {
+                    const block_q8_K * y = (const block_q8_K *) ((const char *) acts + c * row_size);
+                    reference(q6, nb, wrow, y, &exact[c], &mag[c]);
+                    ggml_dot[q6](n, &ggml_one[c], 0, wrow, wsize[q6], y, row_size, 1);
+                    ggml_k[q6].n_acc += check_acc(&ggml_k[q6], ggml_k[q6].name, nb, row_id, c, ggml_one[c], exact[c], mag[c]);
+                }
+                for (int ik = 0; ik < nk; ++ik) {
+                    struct kernel * K = &kernels[ik];
+                    if (K->q6 != q6) continue;
+                    for (int c = 0; c < NTOK; ++c) {  // one token at a time
+                        K->fn(n, 1, &one[c], 1, wrow, (const char *) acts + c * row_size, row_size);
+                        K->n_acc += check_acc(K, K->name, nb, row_id, c, one[c], exact[c], mag[c]);
+                        if (K->ggml_bits) {
+                            if (bits(one[c]) == bits(ggml_one[c])) K->n_ggml++;
+                            else fail("bits of ggml's one-row kernel", K->name, nb, row_id, 1, c, one[c], ggml_one[c]);
+                        }
+                    }
+                    for (int k = 1; k <= K->max_nc; ++k) {  // k tokens at once, two windows of the NTOK
+                        const int offs[2] = {0, NTOK - k};
+                        for (int w = 0; w < (offs[1] > 0 ? 2 : 1); ++w) {
+                            const int o = offs[w];
+                            for (int j = 0; j < NTOK * BS; ++j) memcpy(&out[j], &SENTINEL, 4);
+                            K->fn(n, k, out, BS, wrow, (const char *) acts + o * row_size, row_size);
+                            for (int j = 0; j < NTOK * BS; ++j) {
+                                const int c = j / BS;
+                                if (j % BS == 0 && c < k) {
+                                    if (bits(out[j]) == bits(one[o + c])) K->n_batched++;
+                                    else fail("batched = alone", K->name, nb, row_id, k, o + c, out[j], one[o + c]);
+                                } else if (bits(out[j]) != SENTINEL) {
+                                    fail("wrote outside its k results", K->name, nb, row_id, k, c, out[j], NAN);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int q6 = 0; q6 < 2; ++q6) {
+        printf("  %-28s %6ld results within the accuracy bound (worst error %.3f of the float rounding bound)\n",
+               ggml_k[q6].name, ggml_k[q6].n_acc, ggml_k[q6].worst);
+    }
+    for (int ik = 0; ik < nk; ++ik) {
+        const struct kernel * K = &kernels[ik];
+        printf("  %-28s %6ld batched results (k = 1..%d) bit-equal to one token at a time", K->name, K->n_batched, K->max_nc);
+        if (K->ggml_bits) printf(", %ld bit-equal to %s", K->n_ggml, ggml_k[K->q6].name);
+        printf(", %ld within the accuracy bound (worst error %.3f of the float rounding bound)\n", K->n_acc, K->worst);
+    }
+    if (n_fail) {
+        printf("test_kernels_neon: FAILED (%d failed checks)\n", n_fail);
+        return 1;
+    }
+    printf("test_kernels_neon: PASS\n");
+    free(acts); free(wrow); free(out);
+    return 0;
+}
