@@ -2157,6 +2157,42 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
 
 
+def _files_by_use(dirs: Sequence[str], suffix: str) -> List[tuple]:
+    """(last use: mtime, bytes, path) of the files named *suffix in dirs (not a writer's
+    temp file; a missing directory has none)."""
+    out = []
+    for d in dirs:
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for name in names:
+            if name.endswith(suffix):
+                p = os.path.join(d, name)
+                try:
+                    st = os.stat(p)
+                except OSError:
+                    continue
+                out.append((st.st_mtime, st.st_size, p))
+    return out
+
+
+def _drop_least_recent(files: List[tuple], room: float) -> tuple:
+    """Delete files (_files_by_use), least recently used first, until the bytes of those
+    left are at most room: (bytes left, files deleted)."""
+    used, n = sum(f[1] for f in files), 0
+    for _, size, p in sorted(files):
+        if used <= room:
+            break
+        try:
+            os.remove(p)
+            used -= size
+            n += 1
+        except OSError:
+            pass
+    return used, n
+
+
 class DiskCache:
     """One model's prefix snapshots on disk. ``find`` and ``load`` run on any thread;
     ``save`` only queues the state bytes for the writer thread."""
@@ -2337,39 +2373,14 @@ class DiskCache:
 
     def _make_room(self, need: int) -> bool:
         """Delete the least recently used files until need more bytes fit under the bound."""
-        files = []
-        for name in os.listdir(self.dir):
-            if not name.endswith(".kv"):  # not another process's file being written
-                continue
-            p = os.path.join(self.dir, name)
-            try:
-                st = os.stat(p)
-            except OSError:
-                continue
-            files.append((st.st_mtime, st.st_size, p))
-        used = sum(f[1] for f in files)
-        for _, size, p in sorted(files):
-            if used + need <= self.max_bytes:
-                break
-            try:
-                os.remove(p)
-                used -= size
-                self.n_evicted += 1
-            except OSError:
-                pass
+        used, n = _drop_least_recent(_files_by_use([self.dir], ".kv"), self.max_bytes - need)
+        self.n_evicted += n
         return used + need <= self.max_bytes
 
     def usage(self) -> tuple:
         """(files, bytes) on disk now."""
-        n = size = 0
-        try:
-            for name in os.listdir(self.dir):
-                if name.endswith(".kv"):
-                    n += 1
-                    size += os.path.getsize(os.path.join(self.dir, name))
-        except OSError:
-            pass
-        return n, size
+        files = _files_by_use([self.dir], ".kv")
+        return len(files), sum(f[1] for f in files)
 
     def _disable(self, e: Exception) -> None:
         if self.enabled:
@@ -2739,34 +2750,14 @@ class ReplayStore:
 
     def _files(self) -> List[tuple]:
         """(mtime, bytes, path) of every record on disk, every scope."""
-        out = []
-        for scope in os.listdir(self.dir) if os.path.isdir(self.dir) else ():
-            d = os.path.join(self.dir, scope)
-            for name in os.listdir(d) if os.path.isdir(d) else ():
-                if name.endswith(".rp"):
-                    p = os.path.join(d, name)
-                    try:
-                        st = os.stat(p)
-                    except OSError:
-                        continue
-                    out.append((st.st_mtime, st.st_size, p))
-        return out
+        scopes = os.listdir(self.dir) if os.path.isdir(self.dir) else []
+        return _files_by_use([os.path.join(self.dir, sc) for sc in scopes], ".rp")
 
     def _make_room(self, need: int) -> None:
         """Delete the least recently used records until need more bytes fit (to 90% of the bound)."""
-        files = self._files()
-        used = sum(f[1] for f in files)
-        for _, size, p in sorted(files):
-            if used + need <= self.max_bytes * 0.9:
-                break
-            try:
-                os.remove(p)
-                used -= size
-                with self._lock:
-                    self.n_evicted += 1
-            except OSError:
-                pass
-        self._used = used
+        self._used, n = _drop_least_recent(self._files(), self.max_bytes * 0.9 - need)
+        with self._lock:
+            self.n_evicted += n
 
     def usage(self) -> tuple:
         """(records, bytes) on disk now."""
