@@ -1232,10 +1232,11 @@ def chat_stream(port: int, body: bytes, timeout_s: float = 900) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
         t0 = time.perf_counter()
-        t_first, usage, timings, text = None, None, None, []
+        t_first, usage, timings, text, replayed = None, None, None, [], False
         for chunk in sse_chunks(conn, "/v1/chat/completions", body, port, deadline=t0 + timeout_s):
             usage = chunk.get("usage") or usage
             timings = chunk.get("timings") or timings
+            replayed = replayed or bool((chunk.get("reame") or {}).get("replayed"))
             for choice in chunk.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:
@@ -1249,7 +1250,7 @@ def chat_stream(port: int, body: bytes, timeout_s: float = 900) -> dict:
     return {"ttft_s": (t_first or t_end) - t0, "total_s": t_end - t0, "text": "".join(text),
             "prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens"),
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-            "timings": timings}
+            "timings": timings, "replayed": replayed}
 
 
 def reame_metrics(srv: ServerProcess, key: Optional[str] = None) -> dict:
@@ -1725,28 +1726,6 @@ def workload_bodies(system: str, replay: bool = True) -> list:
     return out
 
 
-def workload_call(port: int, body: bytes, timeout_s: float = 900) -> dict:
-    """One streamed chat request: wall time, TTFT, the text, usage, and Reame's replay mark."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    t0 = time.perf_counter()
-    t_first, usage, text, replayed = None, {}, [], False
-    try:
-        for chunk in sse_chunks(conn, "/v1/chat/completions", body, port, deadline=t0 + timeout_s):
-            usage = chunk.get("usage") or usage
-            replayed = replayed or bool((chunk.get("reame") or {}).get("replayed"))
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    t_first = t_first or time.perf_counter()
-                    text.append(piece)
-    finally:
-        conn.close()
-    t_end = time.perf_counter()
-    return {"wall_s": t_end - t0, "ttft_s": (t_first or t_end) - t0, "text": "".join(text),
-            "completion_tokens": usage.get("completion_tokens"), "replayed": replayed,
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")}
-
-
 def workload_pass(srv: ServerProcess, bodies: list, clients: int) -> dict:
     """The trace through srv by `clients` threads taking the next request in order."""
     results, cursor, lock = [None] * len(bodies), [0], threading.Lock()
@@ -1758,7 +1737,7 @@ def workload_pass(srv: ServerProcess, bodies: list, clients: int) -> dict:
                 cursor[0] += 1
             if i >= len(bodies):
                 return
-            results[i] = dict(workload_call(srv.port, bodies[i][1]), name=bodies[i][0])
+            results[i] = dict(chat_stream(srv.port, bodies[i][1]), name=bodies[i][0])
 
     def run_all():
         t0 = time.perf_counter()
@@ -1771,7 +1750,7 @@ def workload_pass(srv: ServerProcess, bodies: list, clients: int) -> dict:
     total = srv.guarded(run_all)
     if any(r is None for r in results):
         raise RuntimeError("%s: a workload request got no answer" % srv.name)
-    walls = [r["wall_s"] for r in results]
+    walls = [r["total_s"] for r in results]
     return {"total_s": total, "requests": results, "first8_s": sum(walls[:8]) / 8, "last8_s": sum(walls[-8:]) / 8,
             "replayed": sum(r["replayed"] for r in results)}
 
@@ -1818,7 +1797,7 @@ def run_workload(args) -> dict:
 
     def ready(srv):
         srv.wait_ready()
-        srv.guarded(workload_call, srv.port, warmup)  # untimed: pages the weights in
+        srv.guarded(chat_stream, srv.port, warmup)  # untimed: pages the weights in
 
     for clients in args.workload_clients:
         runs = out["runs"][str(clients)] = {}
@@ -1875,7 +1854,7 @@ def plot_workload(out: dict, path: str) -> str:
         phases = [p for p in WORKLOAD_PHASES if p in runs]
         width = 0.8 / len(phases)
         for k, p in enumerate(phases):
-            walls = [r["wall_s"] for r in runs[p]["requests"]]
+            walls = [r["total_s"] for r in runs[p]["requests"]]
             ax.bar([i + k * width for i in range(len(walls))], walls, width, label="%s (%.0f s in all)"
                    % (p.replace("_", " ").replace("server", "llama-server"), runs[p]["total_s"]))
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(WORKLOAD_ORDER))])
