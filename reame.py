@@ -2395,8 +2395,8 @@ class HeadHistory:
     what its users ask with; at most _HEADS_MAX heads, the least used dropped. Any thread
     calls ``seen``; the lock guards ``_heads``."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, n_vocab: int):
+        self.path, self.n_vocab = path, n_vocab
         self._lock = threading.Lock()
         self._heads: dict = {}   # (scope, tokens tuple) -> [count, last seen (time.time())]
         self._dirty = False
@@ -2409,7 +2409,8 @@ class HeadHistory:
             with open(self.path, "rb") as f:
                 rows = json.loads(f.read(_HEADS_MAX_FILE + 1).decode("utf-8"))
             for scope, tokens, count, last in rows[:_HEADS_MAX]:
-                if (isinstance(scope, str) and isinstance(tokens, list) and all(type(t) is int for t in tokens)
+                if (isinstance(scope, str) and isinstance(tokens, list) and len(tokens) > 1
+                        and all(type(t) is int and 0 <= t < self.n_vocab for t in tokens)
                         and type(count) is int and isinstance(last, (int, float))):
                     self._heads[(scope, tuple(tokens))] = [count, float(last)]
         except FileNotFoundError:
@@ -5461,7 +5462,8 @@ class Engine:
         self.slots = SlotTable(self.ctx, self.model, n_slots, self.chunk, cache_reuse, self.disk)
         self._waiting: collections.deque = collections.deque()  # groups (lists of Requests)
         # the prompt heads requests came with (warm-ahead's history), on disk beside the snapshots
-        self.heads = HeadHistory(os.path.join(self.disk.dir, "heads.json")) if self.disk is not None else None
+        self.heads = (HeadHistory(os.path.join(self.disk.dir, "heads.json"), self.model.n_vocab)
+                      if self.disk is not None else None)
         self.warmer = WarmAhead(self.slots, self.heads if warm_ahead else None, n_slots, self._warm_request)
         self._active: List[_Seq] = []
         self.disk_hold_bytes = 256 << 20  # snapshot bytes queued requests may hold (read by submitters)

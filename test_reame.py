@@ -1062,6 +1062,15 @@ def test_idle_warm_ahead_from_the_head_history_and_after_a_restart(qwen_model, t
         assert eng.stats()["disk_hits"] == 1 and eng.stats()["warm_tokens"] == 0  # restored whole, not computed
         res = ask(eng, _WARM_SYSTEM, "Do you open on Sundays?")
         assert res.n_cached_tok == len(head)
+    heads = os.path.join(kv, os.listdir(kv)[0], "heads.json")
+    for bad in (b"[[", b'{"a": 1}', b"[1, 2]", json.dumps([["", [10 ** 9, 5], 9, 0]]).encode(), b"[" * 100000):
+        with open(heads, "wb") as f:  # damaged or crafted: ignored (logged), never a token outside the vocabulary
+            f.write(bad)
+        with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv) as eng:
+            eng.warmer.idle_s = 0.2
+            assert eng.heads.top(8, 1) == []
+            time.sleep(0.5)
+            assert eng.stats()["warm_prefills"] == 0 and eng.complete("Hi", temperature=0, max_tokens=2).tokens
     with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv, warm_ahead=False) as eng:
         eng.warmer.idle_s = 0.2
         time.sleep(1.5)
