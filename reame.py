@@ -869,6 +869,7 @@ class Model:
         # row than for 4, so a sequence's logits would depend on how many others share
         # its batch. Off by default: batched greedy output must equal solo output.
         params.use_extra_bufts = repack
+        self.repack = repack
         L.take_errors()
         ptr = L.llama_model_load_from_file(self.path.encode(), params)
         if not ptr:
@@ -1123,7 +1124,8 @@ _COMPUTE = _ComputeThread()
 class Context:
     """A llama_context: the KV memory and the compute for one model.
 
-    Only the scheduler thread may call its methods (one owner; DESIGN.md section 3).
+    Only the scheduler thread may call its methods (one owner). ``settings`` says how it
+    was made (KV layout, repacking, flash attention, sizes), so tools need not read the log.
     """
 
     def __init__(self, model: Model, *, n_ctx: int, n_seq_max: int, n_batch: int = 512,
@@ -1157,6 +1159,10 @@ class Context:
         self.n_batch = L.llama_n_batch(ptr)
         self.n_seq_max = L.llama_n_seq_max(ptr)
         self.n_threads = p.n_threads
+        self.settings = {"kv_unified": kv_unified, "swa_full": swa_full, "repack": model.repack,
+                         "flash_attn": {-1: "auto", 0: "off", 1: "on"}.get(flash_attn, str(flash_attn)),
+                         "n_ctx": self.n_ctx, "n_batch": self.n_batch, "n_seq_max": self.n_seq_max,
+                         "n_threads": self.n_threads}
         self._decode = L.llama_decode  # hot path: skip the attribute lookups
 
     @property
