@@ -1,22 +1,40 @@
-"""Tests for reame.py, sectioned like it.
+"""Tests for reame.py, sectioned like it: each `# == N. Name ==` banner below is reame.py's
+section of that number and name, in reame.py's order (test_sections_are_numbered_in_order
+checks it), and a section's tests sit under its banner.
 
-Tier 0 needs no libllama (pure logic, registry, downloads against a loopback server).
-Tier 1 uses the real models (gemma3-270m, qwen2.5-coder-0.5b) pulled by `reame.py pull`;
-a missing model or library is a failure, never a skip.
+Tier 0 needs no libllama (pure logic, registry, downloads against a loopback server, the
+request bodies and the HTTP handler over in-memory streams). Tier 1 uses the real models
+(gemma3-270m, qwen2.5-coder-0.5b) pulled by `reame.py pull`; a missing model or library is
+a failure, never a skip.
+
+The soak (section 27): the attack table against one `reame.py serve` under load, with
+normal clients, disconnects and a /health prober; a pass/fail run of a few minutes, not a
+pytest test (test_soak_runs_clean runs it for 20 seconds):
+
+    python3 test_reame.py soak [--seconds 600] [--model gemma3-270m] [--attacks A,B]
 """
+import argparse
+import collections
 import dataclasses
 import hashlib
+import http.client
 import http.server
 import io
 import json
 import os
 import pathlib
+import random
+import re
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import types
 import zipfile
+from typing import Callable, Optional
 
 import pytest
 
@@ -25,38 +43,267 @@ import reame
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# -- Shared by the sections below: the real models (tier 1+), a server on port 0, HTTP ------
+# Models come from `python3 reame.py pull gemma3-270m qwen2.5-coder-0.5b` (.ci/run does it).
+# The fixtures are module-scoped and load their model at first use: tier-0 tests load none.
+
+
+def _model_path(alias):
+    return reame.resolve_model(alias, pull=False)  # raises (fails) if not pulled
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    eng = reame.Engine(_model_path("qwen2.5-coder-0.5b"), n_ctx=1024, n_slots=4)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    eng = reame.Engine(_model_path("gemma3-270m"), n_ctx=1024, n_slots=4)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def qwen_model():
+    m = reame.Model(_model_path("qwen2.5-coder-0.5b"))
+    yield m
+    m.close()
+
+
+def _chat(eng, text, system=None):
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return eng.chat_prompt(msgs)
+
+
+PROMPTS = ["Count from one to ten in words.", "Name three primary colors.",
+           "Write a Python function that adds two numbers.", "Explain what a CPU is in one sentence."]
+
+
+def _drop_cache(eng):
+    """Empty the memory tier (test helper): fill every slot with unrelated prompts."""
+    [r.wait() for r in [eng.submit([1 + i] * 3, temperature=0, max_tokens=1) for i in range(eng.n_slots)]]
+
+
+@pytest.fixture(scope="module")
+def server(gemma):
+    srv = reame.Server(gemma, "gemma3-270m", host="127.0.0.1", port=0, api_keys=["k1", "k2"])
+    t = threading.Thread(target=srv.serve_forever, name="test-server", daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+
+
+def _http(srv, method, path, body=None, key="k1", raw=None, headers=None):
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+    h = dict(headers or {})
+    if key:
+        h["Authorization"] = "Bearer " + key
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    conn.request(method, path, body=data, headers=h)
+    resp = conn.getresponse()
+    payload = resp.read()
+    conn.close()
+    return resp.status, payload
+
+
+def _sse(payload: bytes) -> list:
+    events = [line[6:] for line in payload.decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    return [json.loads(e) for e in events[:-1]]
+
+
+# Raw HTTP: bytes on a socket, where http.client would fix the very headers a test gets wrong.
+
+
+def _raw_head(method: str, path: str, key: Optional[str] = None, body: bytes = b"", headers=(),
+              length: bool = True) -> bytes:
+    """An HTTP/1.1 request as bytes: Authorization for key, Content-Length for body unless
+    length is False (the caller then frames the body itself in headers), then the body."""
+    lines = ["%s %s HTTP/1.1" % (method, path), "Host: 127.0.0.1"]
+    if key is not None:
+        lines.append("Authorization: Bearer " + key)
+    if body:
+        lines.append("Content-Type: application/json")
+    if length and (body or method == "POST"):
+        lines.append("Content-Length: %d" % len(body))
+    lines += ["%s: %s" % kv for kv in headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def _recv(sock, deadline: float) -> bytes:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("deadline")
+    sock.settimeout(left)
+    return sock.recv(65536)
+
+
+def _read_raw_response(sock, deadline: float, linger_s: float = 0.0) -> dict:
+    """One HTTP response from sock: {"status": int, or "dropped" (closed or reset without a
+    whole response head), "timeout" or "garbage", "headers" (lower-case names), "body",
+    "extra": bytes that came after it within linger_s on a connection left open}."""
+    out = {"status": "dropped", "headers": {}, "body": b"", "extra": b""}
+    buf = b""
+    try:
+        while b"\r\n\r\n" not in buf:
+            got = _recv(sock, deadline)
+            if not got:
+                return out
+            buf += got
+    except socket.timeout:
+        return dict(out, status="timeout")
+    except OSError:
+        return out
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    m = re.match(r"HTTP/1\.[01] (\d{3})", lines[0])
+    if not m:
+        return dict(out, status="garbage", body=buf[:200])
+    out["status"] = int(m.group(1))
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        out["headers"][name.strip().lower()] = value.strip()
+    n = out["headers"].get("content-length")
+    closed = False
+    try:
+        while (n is None or len(rest) < int(n)) and not closed:
+            got = _recv(sock, deadline)
+            closed = not got
+            rest += got
+    except (socket.timeout, OSError, ValueError):
+        out["truncated"] = True
+        closed = True
+    cut = len(rest) if n is None or not n.isdigit() else int(n)
+    out["body"], extra = rest[:cut], rest[cut:]
+    end = time.monotonic() + linger_s
+    try:
+        while linger_s and not closed and time.monotonic() < end:
+            got = _recv(sock, end)
+            closed = not got
+            extra += got
+    except (socket.timeout, OSError):
+        pass
+    out["extra"] = extra
+    return out
+
+
+def _raw_exchange(port: int, data: bytes, timeout_s: float = 30.0, linger_s: float = 0.0) -> dict:
+    """Send data on a fresh connection and read one response (_read_raw_response, plus
+    "wall_s"). A second thread sends, so an answer that comes before the body is all sent
+    (413 to a body over the limit) is read at once, before the server's close can reset it."""
+    t0 = time.monotonic()
+    try:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    except OSError as e:
+        return {"status": "refused", "headers": {}, "body": str(e).encode(), "extra": b"", "wall_s": 0.0}
+    sender = threading.Thread(target=_send_quietly, args=(sock, data), name="raw-send", daemon=True)
+    sender.start()
+    try:
+        out = _read_raw_response(sock, t0 + timeout_s, linger_s)
+    finally:
+        _close_hard(sock)
+        sender.join(5)
+    out["wall_s"] = time.monotonic() - t0
+    return out
+
+
+def _send_quietly(sock, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:  # the server answered and closed before reading it all: that is allowed
+        pass
+
+
+def _close_hard(sock) -> None:
+    """shutdown() first: it wakes a sendall blocked in another thread, close() alone does not."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def _sse_events(body: bytes) -> tuple:
+    """(the parsed data: payloads, whether data: [DONE] came) of an SSE body."""
+    events, done = [], False
+    for line in body.split(b"\n"):
+        if line.startswith(b"data: "):
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                done = True
+                continue
+            try:
+                events.append(json.loads(payload))
+            except ValueError:
+                events.append({"unparsed": payload[:100].decode("utf-8", "replace")})
+    return events, done
+
+
 # == 1. Imports and optional dependencies ======================================
 
 
+# What a user of `import reame` needs; the rest is reached as reame.X (tests do that).
+_CORE_API = ("Config", "ReameError", "LibraryError", "ModelError", "DownloadError", "RequestError", "EngineError",
+             "Model", "Context", "SamplingParams", "SpecOptions", "Request", "Result", "Engine", "Embedder",
+             "run_conclave", "ConclaveResult", "Server", "resolve_model", "pull_model", "list_models",
+             "remove_model", "main")
+
+
 def test_all_lists_public_api():
-    for name in reame.__all__:
-        assert hasattr(reame, name), name
-    public = {n for n, v in vars(reame).items()
-              if not n.startswith("_") and (isinstance(v, type) or callable(v))
-              and getattr(v, "__module__", None) == "reame"}
-    missing = public - set(reame.__all__)
-    assert not missing, "public but not in __all__: %s" % sorted(missing)
+    """__all__ is the API a user of `import reame` needs, short enough to read: at most 25
+    names, each one there, public, listed once, the core names among them."""
+    names = reame.__all__
+    assert len(names) == len(set(names)), sorted(n for n in set(names) if names.count(n) > 1)
+    for name in names:
+        assert hasattr(reame, name) and not name.startswith("_"), name
+    assert len(names) <= 25, "__all__ has %d names; at most 25: %s" % (len(names), sorted(names))
+    missing = set(_CORE_API) - set(names)
+    assert not missing, "not in __all__: %s" % sorted(missing)
+    star = {}
+    exec("from reame import *", star)  # noqa: S102 - what `import *` gives is exactly __all__
+    assert set(star) - {"__builtins__"} == set(names)
+
+
+def _banners(path: str) -> list:
+    """(number, name) of each `# == N. Name ===` banner of a file, in order; (None, text) for
+    a banner without a number."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("# == "):
+                text = line[5:].rstrip().rstrip("=").rstrip()
+                m = re.match(r"(\d+)\. (.+)$", text)
+                out.append((int(m.group(1)), m.group(2)) if m else (None, text))
+    return out
 
 
 def test_sections_are_numbered_in_order():
-    with open(os.path.join(HERE, "reame.py")) as f:
-        banners = [line for line in f if line.startswith("# == ")]
-    numbers = [int(b.split()[2].rstrip(".")) for b in banners]
-    assert numbers == list(range(1, len(numbers) + 1))
+    banners = _banners(os.path.join(HERE, "reame.py"))
+    numbers = [n for n, _ in banners]
+    assert numbers == list(range(1, len(numbers) + 1)), numbers
     # the module docstring's table of contents names the same sections
-    import re
     toc = re.findall(r"^ +(\d+)\. (.+)$", reame.__doc__, re.M)
-    names = [b[5:].rstrip("= \n").split(". ", 1)[1] for b in banners]
     assert [int(n) for n, _ in toc] == numbers
-    for (_, doc_name), name in zip(toc, names):
+    for (_, doc_name), (_, name) in zip(toc, banners):
         assert doc_name.startswith(name.split(":")[0].split(" (")[0]), (doc_name, name)
-    # this file's banners use reame.py's numbers and names (a section's tests under its banner)
-    with open(__file__) as f:
-        ours = [line[5:].rstrip("= \n") for line in f if re.match(r"# == \d", line)]
-    by_number = dict(zip(numbers, names))
-    for banner in ours:
-        number, name = banner.split(". ", 1)
-        assert by_number.get(int(number), "?").split(":")[0].split(" (")[0] in name, banner
+    # this file's banners are reame.py's, number and name, in reame.py's order (a section
+    # with no tests has none); a banner without a number (tests of what reame.py has no
+    # section for) comes only after them all
+    theirs = dict(banners)
+    ours = _banners(__file__)
+    numbered = [(n, name) for n, name in ours if n is not None]
+    assert len(numbered) >= len(theirs) // 2, numbered
+    for n, name in numbered:
+        assert theirs.get(n) == name, "test_reame.py has '# == %d. %s', reame.py '# == %d. %s'" % (
+            n, name, n, theirs.get(n))
+    order = [n for n, _ in numbered]
+    assert order == sorted(set(order)), "test_reame.py's sections, not in reame.py's order: %s" % order
+    last = max(i for i, (n, _) in enumerate(ours) if n is not None)
+    assert all(n is not None for n, _ in ours[:last]), ours
 
 
 def test_import_without_libllama_numpy_zstandard():
@@ -141,6 +388,152 @@ def test_progress_bar_reports_rate_and_eta():
     p.close()
     line = buf.getvalue()
     assert "100.0%" in line and "/s" in line and "ETA" in line
+
+
+# == 5. libllama binding =======================================================
+
+
+def test_library_matches_binding():
+    L = reame.lib()
+    assert L.llama_version().decode().startswith(reame._LLAMA_VERSION)
+    with open(os.path.join(HERE, "_llama", "manifest.json")) as f:
+        assert json.load(f)["llama_h_sha256"] == reame._LLAMA_H_SHA256
+
+
+# == 6. Model, context and batch wrappers ======================================
+
+
+def test_chat_templates_qwen_chatml_and_gemma(qwen, gemma):
+    q = qwen.model.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
+    assert q == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+    g = gemma.model.apply_chat_template([{"role": "user", "content": "U"}])
+    assert g == "<start_of_turn>user\nU<end_of_turn>\n<start_of_turn>model\n"
+    toks = gemma.chat_prompt([{"role": "user", "content": "U"}])
+    assert toks[0] == reame.lib().llama_vocab_bos(gemma.model._vocab)  # gemma adds BOS
+
+
+def test_an_unrecognized_chat_template_is_refused_not_guessed(qwen, monkeypatch):
+    assert qwen.model.template_known and reame.chat_template_known(qwen.model.chat_template)
+    assert reame.chat_template_known("chatml") and reame.chat_template_known("gemma")
+    odd = "{% for m in messages %}<<{{ m.role }}>>{{ m.content }}{% endfor %}"
+    assert not reame.chat_template_known(odd)
+    monkeypatch.setattr(qwen.model, "chat_template", odd)
+    monkeypatch.setattr(qwen.model, "template_known", False)
+    with pytest.raises(reame.RequestError) as e:
+        qwen.chat_prompt([{"role": "user", "content": "U"}])
+    assert e.value.code == "unsupported_chat_template" and e.value.status == 400
+
+
+def test_bad_model_path_and_corrupt_gguf(tmp_path):
+    with pytest.raises(reame.ModelError) as e:
+        reame.Model(str(tmp_path / "nope.gguf"))
+    assert "not found" in str(e.value)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"<html>not a model</html>")
+    with pytest.raises(reame.ModelError) as e:
+        reame.Model(str(junk))
+    assert "not a GGUF" in str(e.value)
+    # a real GGUF cut in half: llama.cpp must refuse it, and we must say so clearly
+    src = _model_path("gemma3-270m")
+    trunc = tmp_path / "trunc.gguf"
+    with open(src, "rb") as f, open(trunc, "wb") as g:
+        g.write(f.read(os.path.getsize(src) // 2))
+    with pytest.raises(reame.ModelError) as e:
+        reame.Model(str(trunc))
+    assert "cannot load model" in str(e.value)
+
+
+def test_rows_of_one_step_get_the_logits_they_get_alone(qwen):
+    """Each row of a k-row decode step (verified drafts, batched users) gets bit-identical
+    logits to the same token decoded alone: the multi-token Q4_K/Q6_K kernels of
+    build_llama.sh's patch 3 (AVX-512: 512-bit kernels for one token and for many; past
+    32 rows, a second column block) included."""
+    import ctypes
+    L, m = reame.lib(), qwen.model
+    cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    loaded = {line.split()[-1] for line in open("/proc/self/maps") if "libggml-cpu" in line} if cpu else set()
+    if os.uname().machine == "x86_64" and " avx2 " in cpu:
+        assert any(hasattr(ctypes.CDLL(p), "reame_vec_dot_q4_K_q8_K_mc") for p in loaded), loaded
+    if os.uname().machine == "x86_64" and " avx512bw " in cpu:
+        assert any(hasattr(ctypes.CDLL(p), "reame_vec_dot_q4_K_q8_K_512") for p in loaded), loaded
+    ctx = reame.Context(m, n_ctx=512, n_seq_max=1, n_batch=64)
+    try:
+        prompt = _chat(qwen, "Write a Python function that adds two numbers.")
+        follow = m.tokenize("def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # 5\n", add_special=False) * 2
+        b = reame.Batch(64)
+        for i, t in enumerate(prompt):
+            b.add(t, i, 0, False)
+        ctx.decode(b)
+        P, nbytes = len(prompt), 4 * m.n_vocab
+
+        def logits(i):
+            return ctypes.string_at(L.llama_get_logits_ith(ctx.ptr, i), nbytes)
+        alone = []
+        for j in range(20):
+            b.clear()
+            b.add(follow[j], P + j, 0, True)
+            ctx.decode(b, rowwise=True)
+            alone.append(logits(0))
+        for k in (2, 3, 4, 5, 16, 20):
+            ctx.seq_rm(0, P, -1)
+            b.clear()
+            for j in range(k):
+                b.add(follow[j], P + j, 0, True)
+            ctx.decode(b, rowwise=True)
+            assert [logits(j) for j in range(k)] == alone[:k], "rows of a %d-token step differ from alone" % k
+    finally:
+        ctx.close()
+
+
+# == 7. Grammars: GBNF checked before llama.cpp parses it ======================
+
+
+_LIT1000 = "abcdefghij" * 100
+_GRAMMAR_BOMBS = {  # each crashed llama.cpp, made it build without end, or took minutes
+    "nested groups": "root ::= " + "(" * 65 + '"a"' + ")" * 65,
+    "rule chain": "root ::= r0\n" + "".join("r%d ::= r%d\n" % (i, i + 1) for i in range(12000)) + 'r12000 ::= "a"',
+    "literal repeated": 'root ::= "%s"{1999} "%s"{1999}' % (_LIT1000, _LIT1000),
+    "repeat of a repeat": 'root ::= "%s"{2000}+++' % _LIT1000,
+    "generated rules": "root ::= " + ' "a"{0,2000}' * 51,
+    "n below m": 'root ::= "a"{3,1}',
+    "NUL": 'root ::= "a"\0"b"',
+    "left recursion": 'root ::= root "x" | "y"',
+    "hidden left recursion": 'root ::= "a" x\nx ::= ws x "b" | "c"\nws ::= [ ]*',
+    "diamond": "root ::= r0\n" + "".join("r%d ::= r%d | r%d\n" % (i, i + 1, i + 1) for i in range(40)) + 'r40 ::= "a"',
+    "10k alternatives": "root ::= " + " | ".join('"w%d"' % i for i in range(10001)),
+    "long names": ("n" * 2100) + " ::= " + '"a"{0,2000} ' * 4 + "\nroot ::= " + "n" * 2100,
+    "over 320 KB": 'root ::= "' + "a" * (320 << 10) + '"',
+}
+
+
+@pytest.mark.parametrize("name", sorted(_GRAMMAR_BOMBS))
+def test_gbnf_check_rejects_what_llama_cpp_does_not_survive(name):
+    t0 = time.monotonic()
+    with pytest.raises(reame.RequestError) as e:
+        reame.gbnf_check(_GRAMMAR_BOMBS[name])
+    assert e.value.status == 400 and e.value.code == "invalid_grammar" and time.monotonic() - t0 < 2
+
+
+def test_gbnf_check_passes_real_grammars(gemma):
+    import glob
+    src = os.path.join(reame.Config.from_env().home, "src")
+    files = glob.glob(os.path.join(src, "*", "llama.cpp", "grammars", "*.gbnf"))
+    assert len(files) >= 8, src  # (build_llama.sh unpacked the source there)
+    schemas = [{"type": "object", "properties": {"p%d" % i: {"type": ["string", "null"]} for i in range(300)}},
+               {"type": "array", "items": {"type": "array", "items": {"type": "string"}, "maxItems": 40}},
+               {"$defs": {"n": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {
+                   "type": "array", "items": {"$ref": "#/$defs/n"}}}, "required": ["v"]}}, "$ref": "#/$defs/n"},
+               {"type": "string", "enum": ["Zone/%d" % i for i in range(200)]}]
+    grammars = [open(f, encoding="utf-8").read() for f in files] + [reame.JSON_OBJECT_GRAMMAR] + \
+        [reame.json_schema_grammar(s) for s in schemas] + \
+        ['root ::= (word ws)*\nword ::= [a-z]*\nws ::= " "*', 'root ::= ("a"{1000}){1000}']
+    for g in grammars:
+        reame.gbnf_check(g)
+    for g in grammars[-6:]:  # and llama.cpp takes them, with a first step under the bound
+        reame.check_grammar(gemma.model, g)
+    with pytest.raises(reame.RequestError) as e:  # ambiguous: every "a" can be any of 280 items
+        reame.check_grammar(gemma.model, "root ::= " + " ".join(['"a"?'] * 280))
+    assert e.value.code == "grammar_too_costly"
 
 
 # == 8. Sampling ===============================================================
@@ -336,200 +729,6 @@ def test_open_with_deadline_gives_up(monkeypatch):
     assert time.monotonic() - t0 < 3
 
 
-# == 28. Command line (no model needed) ========================================
-
-
-def test_cli_help_explains_every_command():
-    out = subprocess.run([sys.executable, "reame.py", "--help"], cwd=HERE, capture_output=True, text=True)
-    assert out.returncode == 0
-    for cmd in ("run", "pull", "list", "rm"):
-        assert cmd in out.stdout
-    out = subprocess.run([sys.executable, "reame.py", "run", "--help"], cwd=HERE, capture_output=True, text=True)
-    for flag in ("--threads", "--ctx", "--temperature", "--max-tokens", "--seed", "--system", "--spec", "--draft"):
-        assert flag in out.stdout
-
-
-def test_cli_unknown_model_is_a_clear_error(tmp_path):
-    env = dict(os.environ, REAME_HOME=str(tmp_path))
-    out = subprocess.run([sys.executable, "reame.py", "run", "no-such-model", "hi"], cwd=HERE,
-                         capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
-    assert out.returncode == 1
-    assert "unknown model" in out.stderr and "Traceback" not in out.stderr
-
-
-# -- Tiers 1+: real models. Models come from `python3 reame.py pull gemma3-270m qwen2.5-coder-0.5b`
-# (.ci/run does it); the fixtures below are shared by every section that follows.
-
-
-def _model_path(alias):
-    return reame.resolve_model(alias, pull=False)  # raises (fails) if not pulled
-
-
-@pytest.fixture(scope="module")
-def qwen():
-    eng = reame.Engine(_model_path("qwen2.5-coder-0.5b"), n_ctx=1024, n_slots=4)
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    eng = reame.Engine(_model_path("gemma3-270m"), n_ctx=1024, n_slots=4)
-    yield eng
-    eng.close()
-
-
-def _chat(eng, text, system=None):
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return eng.chat_prompt(msgs)
-
-
-# == 5. libllama binding =======================================================
-
-
-def test_library_matches_binding():
-    L = reame.lib()
-    assert L.llama_version().decode().startswith(reame._LLAMA_VERSION)
-    with open(os.path.join(HERE, "_llama", "manifest.json")) as f:
-        assert json.load(f)["llama_h_sha256"] == reame._LLAMA_H_SHA256
-
-
-# == 6. Model, context and batch wrappers ======================================
-
-
-def test_chat_templates_qwen_chatml_and_gemma(qwen, gemma):
-    q = qwen.model.apply_chat_template([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}])
-    assert q == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
-    g = gemma.model.apply_chat_template([{"role": "user", "content": "U"}])
-    assert g == "<start_of_turn>user\nU<end_of_turn>\n<start_of_turn>model\n"
-    toks = gemma.chat_prompt([{"role": "user", "content": "U"}])
-    assert toks[0] == reame.lib().llama_vocab_bos(gemma.model._vocab)  # gemma adds BOS
-
-
-def test_an_unrecognized_chat_template_is_refused_not_guessed(qwen, monkeypatch):
-    assert qwen.model.template_known and reame.chat_template_known(qwen.model.chat_template)
-    assert reame.chat_template_known("chatml") and reame.chat_template_known("gemma")
-    odd = "{% for m in messages %}<<{{ m.role }}>>{{ m.content }}{% endfor %}"
-    assert not reame.chat_template_known(odd)
-    monkeypatch.setattr(qwen.model, "chat_template", odd)
-    monkeypatch.setattr(qwen.model, "template_known", False)
-    with pytest.raises(reame.RequestError) as e:
-        qwen.chat_prompt([{"role": "user", "content": "U"}])
-    assert e.value.code == "unsupported_chat_template" and e.value.status == 400
-
-
-def test_bad_model_path_and_corrupt_gguf(tmp_path):
-    with pytest.raises(reame.ModelError) as e:
-        reame.Model(str(tmp_path / "nope.gguf"))
-    assert "not found" in str(e.value)
-    junk = tmp_path / "junk.gguf"
-    junk.write_bytes(b"<html>not a model</html>")
-    with pytest.raises(reame.ModelError) as e:
-        reame.Model(str(junk))
-    assert "not a GGUF" in str(e.value)
-    # a real GGUF cut in half: llama.cpp must refuse it, and we must say so clearly
-    src = _model_path("gemma3-270m")
-    trunc = tmp_path / "trunc.gguf"
-    with open(src, "rb") as f, open(trunc, "wb") as g:
-        g.write(f.read(os.path.getsize(src) // 2))
-    with pytest.raises(reame.ModelError) as e:
-        reame.Model(str(trunc))
-    assert "cannot load model" in str(e.value)
-
-
-def test_rows_of_one_step_get_the_logits_they_get_alone(qwen):
-    """Each row of a k-row decode step (verified drafts, batched users) gets bit-identical
-    logits to the same token decoded alone: the multi-token Q4_K/Q6_K kernels of
-    build_llama.sh's patch 3 (AVX-512: 512-bit kernels for one token and for many; past
-    32 rows, a second column block) included."""
-    import ctypes
-    L, m = reame.lib(), qwen.model
-    cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    loaded = {line.split()[-1] for line in open("/proc/self/maps") if "libggml-cpu" in line} if cpu else set()
-    if os.uname().machine == "x86_64" and " avx2 " in cpu:
-        assert any(hasattr(ctypes.CDLL(p), "reame_vec_dot_q4_K_q8_K_mc") for p in loaded), loaded
-    if os.uname().machine == "x86_64" and " avx512bw " in cpu:
-        assert any(hasattr(ctypes.CDLL(p), "reame_vec_dot_q4_K_q8_K_512") for p in loaded), loaded
-    ctx = reame.Context(m, n_ctx=512, n_seq_max=1, n_batch=64)
-    try:
-        prompt = _chat(qwen, "Write a Python function that adds two numbers.")
-        follow = m.tokenize("def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # 5\n", add_special=False) * 2
-        b = reame.Batch(64)
-        for i, t in enumerate(prompt):
-            b.add(t, i, 0, False)
-        ctx.decode(b)
-        P, nbytes = len(prompt), 4 * m.n_vocab
-
-        def logits(i):
-            return ctypes.string_at(L.llama_get_logits_ith(ctx.ptr, i), nbytes)
-        alone = []
-        for j in range(20):
-            b.clear()
-            b.add(follow[j], P + j, 0, True)
-            ctx.decode(b, rowwise=True)
-            alone.append(logits(0))
-        for k in (2, 3, 4, 5, 16, 20):
-            ctx.seq_rm(0, P, -1)
-            b.clear()
-            for j in range(k):
-                b.add(follow[j], P + j, 0, True)
-            ctx.decode(b, rowwise=True)
-            assert [logits(j) for j in range(k)] == alone[:k], "rows of a %d-token step differ from alone" % k
-    finally:
-        ctx.close()
-
-
-# == 7. Grammars: GBNF checked before llama.cpp parses it ======================
-
-
-_LIT1000 = "abcdefghij" * 100
-_GRAMMAR_BOMBS = {  # each crashed llama.cpp, made it build without end, or took minutes
-    "nested groups": "root ::= " + "(" * 65 + '"a"' + ")" * 65,
-    "rule chain": "root ::= r0\n" + "".join("r%d ::= r%d\n" % (i, i + 1) for i in range(12000)) + 'r12000 ::= "a"',
-    "literal repeated": 'root ::= "%s"{1999} "%s"{1999}' % (_LIT1000, _LIT1000),
-    "repeat of a repeat": 'root ::= "%s"{2000}+++' % _LIT1000,
-    "generated rules": "root ::= " + ' "a"{0,2000}' * 51,
-    "n below m": 'root ::= "a"{3,1}',
-    "NUL": 'root ::= "a"\0"b"',
-    "left recursion": 'root ::= root "x" | "y"',
-    "hidden left recursion": 'root ::= "a" x\nx ::= ws x "b" | "c"\nws ::= [ ]*',
-    "diamond": "root ::= r0\n" + "".join("r%d ::= r%d | r%d\n" % (i, i + 1, i + 1) for i in range(40)) + 'r40 ::= "a"',
-    "10k alternatives": "root ::= " + " | ".join('"w%d"' % i for i in range(10001)),
-    "long names": ("n" * 2100) + " ::= " + '"a"{0,2000} ' * 4 + "\nroot ::= " + "n" * 2100,
-    "over 320 KB": 'root ::= "' + "a" * (320 << 10) + '"',
-}
-
-
-@pytest.mark.parametrize("name", sorted(_GRAMMAR_BOMBS))
-def test_gbnf_check_rejects_what_llama_cpp_does_not_survive(name):
-    t0 = time.monotonic()
-    with pytest.raises(reame.RequestError) as e:
-        reame.gbnf_check(_GRAMMAR_BOMBS[name])
-    assert e.value.status == 400 and e.value.code == "invalid_grammar" and time.monotonic() - t0 < 2
-
-
-def test_gbnf_check_passes_real_grammars(gemma):
-    import glob
-    src = os.path.join(reame.Config.from_env().home, "src")
-    files = glob.glob(os.path.join(src, "*", "llama.cpp", "grammars", "*.gbnf"))
-    assert len(files) >= 8, src  # (build_llama.sh unpacked the source there)
-    schemas = [{"type": "object", "properties": {"p%d" % i: {"type": ["string", "null"]} for i in range(300)}},
-               {"type": "array", "items": {"type": "array", "items": {"type": "string"}, "maxItems": 40}},
-               {"$defs": {"n": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {
-                   "type": "array", "items": {"$ref": "#/$defs/n"}}}, "required": ["v"]}}, "$ref": "#/$defs/n"},
-               {"type": "string", "enum": ["Zone/%d" % i for i in range(200)]}]
-    grammars = [open(f, encoding="utf-8").read() for f in files] + [reame.JSON_OBJECT_GRAMMAR] + \
-        [reame.json_schema_grammar(s) for s in schemas] + \
-        ['root ::= (word ws)*\nword ::= [a-z]*\nws ::= " "*', 'root ::= ("a"{1000}){1000}']
-    for g in grammars:
-        reame.gbnf_check(g)
-    for g in grammars[-6:]:  # and llama.cpp takes them, with a first step under the bound
-        reame.check_grammar(gemma.model, g)
-    with pytest.raises(reame.RequestError) as e:  # ambiguous: every "a" can be any of 280 items
-        reame.check_grammar(gemma.model, "root ::= " + " ".join(['"a"?'] * 280))
-    assert e.value.code == "grammar_too_costly"
-
-
 # == 10. Prefix KV cache: disk tier ============================================
 
 
@@ -552,13 +751,6 @@ def _disk_answer(model, kv_dir, question, disk=1 << 30):
         return res, st
     finally:
         eng.close()  # waits for queued snapshot writes
-
-
-@pytest.fixture(scope="module")
-def qwen_model():
-    m = reame.Model(_model_path("qwen2.5-coder-0.5b"))
-    yield m
-    m.close()
 
 
 def _kv_files(kv_dir):
@@ -775,6 +967,28 @@ def test_disk_tier_sigkill_mid_write_leaves_no_file(tmp_path):
     cache.close()
 
 
+def test_queued_requests_hold_bounded_snapshots(qwen_model, tmp_path):
+    """Past the hold budget a queued request notes where its snapshot is and the scheduler
+    loads it at admission: the same exact answer, nothing held afterwards."""
+    kv = str(tmp_path / "kv")
+    cold, st = _disk_answer(qwen_model, kv, "Where is order 17?")
+    assert st["disk_snapshots"] >= 1
+    eng = reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv)
+    try:
+        for budget in (1, 256 << 20):
+            eng.disk_hold_bytes = budget
+            _drop_cache(eng)
+            tokens, snap = _ship_chat(eng, "Where is order 17?")
+            hits = eng.slots.n_disk_hits
+            r = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=10), snap_at=snap)[0]
+            assert budget > 1 or r.disk is None or r.disk[1] is None  # noted, not read
+            warm = r.wait(60)
+            assert warm.tokens == cold.tokens and eng.slots.n_disk_hits == hits + 1 and warm.n_cached_tok >= 256
+            assert eng.stats()["disk_held_bytes"] == 0
+    finally:
+        eng.close()
+
+
 def test_cache_cli(qwen_model, tmp_path):
     """`reame.py cache ls|stats|prune|clear` over a real snapshot and a bad file."""
     kv = tmp_path / "kv"
@@ -981,470 +1195,236 @@ def test_server_replay_per_key_streamed_and_opt_out(gemma, tmp_path):
         eng.close()
 
 
-# == 20. Off the step: warm-ahead prefill ======================================
-_WARM_SYSTEM = "You answer questions about a library's opening hours and loans. " + "Keep answers short. " * 90
+# == 12. Palimpsest: the archive of generations ================================
+# Pure: records, the index's drafts; files: torn records, concurrent appends, the bound.
 
 
-def test_warm_ahead_makes_the_head_resident_before_the_first_request(qwen_model):
-    """Engine.warm prefills a chat head while idle: the first request with it reuses all of
-    it (no prefill of the head), and its tokens are a cold run's."""
-    msgs = [{"role": "system", "content": _WARM_SYSTEM}, {"role": "user", "content": "When do you open?"}]
-    with reame.Engine(qwen_model, n_ctx=1024, n_slots=2) as cold_eng:
-        tokens = cold_eng.chat_prompt(msgs)
-        cold = cold_eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=12),
-                                 snap_at=cold_eng.prefix_boundary(msgs, tokens))[0].wait()
-    with reame.Engine(qwen_model, n_ctx=1024, n_slots=2) as eng:
-        head = eng.chat_head(msgs[0])
-        assert len(head) > 256 and len(head) % eng.chunk  # several chunks, and a cut at its end
-        warm = eng.warm(head).wait(300)
-        assert warm.finish_reason == "warm" and eng.stats()["warm_prefills"] == 1
-        before = eng.stats()["prefill_tokens"]
-        res = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=12),
-                           snap_at=eng.prefix_boundary(msgs, tokens))[0].wait()
-        assert res.n_cached_tok == len(head) and eng.stats()["prefill_tokens"] - before == len(tokens) - len(head)
-        assert res.tokens == cold.tokens
-        # warming what is resident already does nothing
-        assert eng.warm(head).wait(60).finish_reason == "cancelled" and eng.stats()["warm_prefills"] == 1
+def test_pal_records_roundtrip_and_torn_tail():
+    runs = [[1, 2, 3], list(range(100, 400)), [7]]
+    data = b"".join(reame.pal_record(r, 1) for r in runs)
+    got, used = reame.pal_parse(data)
+    assert [list(t) for _, t in got] == runs and used == len(data) and got[0][0] == 1
+    for cut in (len(data) - 1, len(data) - 5, len(data) - 13):  # a crash mid-write: only the torn record goes
+        got, used = reame.pal_parse(data[:cut])
+        assert [list(t) for _, t in got] == runs[:2]
+    torn = data[:len(data) - 2]  # torn, then another process appended after it: skipped, not misread
+    got, _ = reame.pal_parse(torn + reame.pal_record([9, 9], 0))
+    assert [list(t) for _, t in got] == runs[:2] + [[9, 9]]
+    flipped = bytearray(data)
+    flipped[20] ^= 0xFF  # a bit flip inside the first record: it fails its checksum, the rest read
+    got, used = reame.pal_parse(bytes(flipped))
+    assert [list(t) for _, t in got] == runs[1:] and used == len(data)
+    assert reame.pal_parse(b"")[0] == [] and reame.pal_parse(b"garbage" * 10)[0] == []
 
 
-def test_warm_ahead_yields_to_a_request_within_one_chunk(qwen_model):
-    """A request arriving while warm-ahead prefills waits at most the chunk being computed:
-    with one slot, the warm-ahead gives its slot back (what it prefilled stays resident)."""
-    long_prompt = "\n".join("Line %d of a long handbook about returns and refunds." % i for i in range(70))
-    with reame.Engine(qwen_model, n_ctx=1024, n_slots=1) as eng:
-        cold = eng.complete("Say hello.", temperature=0, max_tokens=8)
-        warm = eng.warm(long_prompt)
-        assert len(warm.prompt) > 4 * eng.chunk
-        deadline = time.monotonic() + 120
-        while eng.counters.n_warm_tok == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        w0 = eng.counters.n_warm_tok
-        assert 0 < w0 < len(warm.prompt) - eng.chunk
-        req = eng.submit("Say hello.", temperature=0, max_tokens=8)
-        next(iter(req))  # its first token: the warm-ahead has computed at most one more chunk since
-        w1 = eng.counters.n_warm_tok
-        assert w1 - w0 <= eng.chunk, (w0, w1)
-        assert req.wait().tokens == cold.tokens
-        assert warm.wait(60).finish_reason == "cancelled"
-        assert eng.stats()["warm_prefills"] == 0
+def _index(runs, build=False):
+    idx = reame.ArchiveIndex()
+    for r in runs:
+        idx.add(r) if not build else idx.append(r)
+    if build:
+        idx.install(reame.ArchiveIndex.build(idx.snapshot()[0], idx.lengths), len(idx.tokens))
+    return idx
 
 
-def test_idle_warm_ahead_from_the_head_history_and_after_a_restart(qwen_model, tmp_path):
-    """Idle, the engine prefills the chat heads requests came with most (not resident any
-    more); after a restart it restores them from the disk tier before any request."""
-    kv = str(tmp_path / "kv")
-    other = _WARM_SYSTEM.replace("library", "swimming pool")
-
-    def ask(eng, system, q):
-        msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
-        tokens = eng.chat_prompt(msgs)
-        return eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=4),
-                            snap_at=eng.prefix_boundary(msgs, tokens))[0].wait()
-
-    def wait_for(cond):
-        deadline = time.monotonic() + 120
-        while not cond() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert cond()
-
-    with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv) as eng:
-        eng.warmer.idle_s = 0.2
-        head = eng.chat_head({"role": "system", "content": _WARM_SYSTEM})
-        ask(eng, _WARM_SYSTEM, "When do you open?")
-        ask(eng, _WARM_SYSTEM, "Can I renew a loan?")
-        ask(eng, other, "Is there a kids pool?")  # its head takes the only slot
-        wait_for(lambda: eng.stats()["warm_prefills"] == 1)
-        assert ask(eng, _WARM_SYSTEM, "Where is the entrance?").n_cached_tok == len(head)
-    assert os.path.exists(os.path.join(kv, os.listdir(kv)[0], "heads.json"))
-    with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv) as eng:
-        eng.warmer.idle_s = 0.2
-        wait_for(lambda: eng.stats()["warm_prefills"] == 1)
-        assert eng.stats()["disk_hits"] == 1 and eng.stats()["warm_tokens"] == 0  # restored whole, not computed
-        res = ask(eng, _WARM_SYSTEM, "Do you open on Sundays?")
-        assert res.n_cached_tok == len(head)
-    heads = os.path.join(kv, os.listdir(kv)[0], "heads.json")
-    for bad in (b"[[", b'{"a": 1}', b"[1, 2]", json.dumps([["", [10 ** 9, 5], 9, 0]]).encode(), b"[" * 100000):
-        with open(heads, "wb") as f:  # damaged or crafted: ignored (logged), never a token outside the vocabulary
-            f.write(bad)
-        with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv) as eng:
-            eng.warmer.idle_s = 0.2
-            assert eng.heads.top(8, 1) == []
-            time.sleep(0.5)
-            assert eng.stats()["warm_prefills"] == 0 and eng.complete("Hi", temperature=0, max_tokens=2).tokens
-    with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv, warm_ahead=False) as eng:
-        eng.warmer.idle_s = 0.2
-        time.sleep(1.5)
-        assert eng.stats()["warm_prefills"] == 0 and not eng.slots.resident  # off: nothing prefilled ahead
+@pytest.mark.parametrize("build", [False, True])
+def test_archive_index_longest_match_wins(build):
+    common = [1, 2, 3, 4]
+    runs = [[50, 51, 52] + common + [60, 61, 62, 63],                                    # 4-token match
+            [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 30, 31] + common + [70, 71, 72, 73]]  # 16-token match
+    idx = _index(runs + [[9, 8] + common + [80, 81]] * 3, build)  # more frequent, shorter match
+    seq = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 30, 31] + common
+    assert idx.draft(seq, 4) == [70, 71, 72, 73]
+    # only the last 4 tokens match anywhere: the most frequent continuation of the longest matches
+    assert idx.draft([5, 6, 9, 8] + common, 8) == [80, 81]          # backward match 6 > 4, the run ends
+    assert idx.draft([0, 0] + common, 8) == [80, 81]                 # 3 of 5 runs took 80
+    assert idx.draft([0, 0, 7, 7], 8) == [] and idx.draft(common[:2], 8) == []
 
 
-def test_serve_warm_file(tmp_path):
-    """serve --warm FILE: the heads are prefilled at start (progress in the log), and the
-    first request finds its head cached; a bad file is refused at start, naming its line."""
-    import re
-    warm = tmp_path / "warm.jsonl"
-    warm.write_text("# heads to warm\n" + json.dumps({"system": _WARM_SYSTEM}) + "\nThe quarterly report says\n")
-    env = dict(os.environ, REAME_HOME=str(tmp_path / "home"))
-    p = subprocess.Popen([sys.executable, "reame.py", "serve", _model_path("gemma3-270m"), "--port", "0", "--parallel", "2",
-                          "--warm", str(warm)], cwd=HERE, env=env, stderr=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("build", [False, True])
+def test_archive_index_most_frequent_continuation_and_limits(build):
+    ctx = [11, 12, 13, 14]
+    runs = [ctx + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]] * 3 + [ctx + [1, 2, 99, 98]] * 2
+    idx = _index(runs, build)
+    assert idx.draft([0] + ctx, 32) == [1, 2, 3, 4, 5, 6, 7, 8]    # a 4-token match proposes at most 8
+    assert idx.draft([0] + ctx, 3) == [1, 2, 3]                      # k holds
+    idx = _index([ctx + [1, 2, 3]] * 2 + [ctx + [5, 6]] * 2 + [ctx + [7]], build)
+    assert idx.draft([0] + ctx, 8) == []                             # no continuation with half the runs
+    long = list(range(200, 240))
+    idx = _index([long], build)
+    assert idx.draft(long[:20], 32) == long[20:40]                   # stops at the run's end
+
+
+def test_archive_index_picks_an_edited_run_up_again():
+    """After an edit the 4-token index finds nothing until 4 new tokens match; the
+    cursor finds the run it followed again from the last 2 tokens, near where it left."""
+    code = list(range(100, 160))
+    idx = _index([code, [7, 7, 7, 121, 122, 900, 901, 902]])
+    cur = {}
+    assert idx.draft(code[:10], 8, cur) == code[10:18]
+    edited = code[:20] + [555] + code[21:23]                         # one token changed, then two the same
+    assert idx.draft(edited, 8, cur) == [] and cur["hit"] == 10      # no 4-gram ends in 555
+    assert idx.resync(edited, 8, cur) == code[23:27]                 # found again: up to 4 tokens
+    assert idx.draft(edited + code[23:27], 16, cur) == code[27:39]   # the index again (6 matched: 12)
+    moved = code[:20] + [555, 556, 557] + code[40:42]                # a longer change, resumed further on
+    cur = {}
+    idx.draft(code[:20], 8, cur)
+    assert idx.resync(moved, 8, cur) == code[42:46]
+    assert idx.resync([1, 2, 121, 122], 8, {}) == []                 # no run followed: nothing
+
+
+def test_archive_index_build_equals_incremental_and_pure_python(monkeypatch):
+    import random
+    rng = random.Random(5)
+    runs = [[rng.randrange(20) for _ in range(rng.randrange(1, 60))] for _ in range(80)]
+    inc, built = _index(runs), _index(runs, build=True)
+    tokens = built.snapshot()[0]
+    fast = reame.ArchiveIndex.build(tokens, built.lengths)
+    monkeypatch.setattr(reame, "_np", None)
+    assert reame.ArchiveIndex.build(tokens, built.lengths) == fast   # numpy or not, the same entries
+    for _ in range(300):
+        r = runs[rng.randrange(len(runs))]
+        seq = [rng.randrange(20) for _ in range(rng.randrange(0, 6))] + r[:rng.randrange(len(r) + 1)]
+        assert inc.draft(seq, 12) == built.draft(seq, 12), seq
+
+
+def _append_many(path, tag, n, max_bytes):
+    for i in range(n):
+        reame.pal_append(path, reame.pal_record([tag] * 50 + [i], 0), max_bytes)
+
+
+def test_archive_two_processes_append_concurrently(tmp_path):
+    path = str(tmp_path / "scope")
+    code = "import sys, test_reame; test_reame._append_many(%r, int(sys.argv[1]), 300, 1 << 30)" % path
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tag)], cwd=HERE) for tag in (1, 2)]
+    assert [p.wait(120) for p in procs] == [0, 0]
+    runs = []
+    for f in reame.pal_segments(path):
+        data = open(os.path.join(path, f), "rb").read()
+        got, used = reame.pal_parse(data)
+        assert used == len(data)                                     # no torn or interleaved record
+        runs += [list(t) for _, t in got]
+    for tag in (1, 2):
+        assert [r[-1] for r in runs if r[0] == tag] == list(range(300))
+    assert len(runs) == 600
+
+
+def test_archive_bound_drops_oldest_segments(tmp_path):
+    path = str(tmp_path / "scope")
+    _append_many(path, 3, 3000, 2 << 20)   # ~620 kB of records; segments of 1 MiB (the smallest)
+    _append_many(path, 4, 9000, 2 << 20)
+    segs = reame.pal_segments(path)
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in segs)
+    assert size <= 2 << 20 and len(segs) >= 2 and segs[0] != "seg-00000001.pal"
+    got = [t for f in segs for _, t in reame.pal_parse(open(os.path.join(path, f), "rb").read())[0]]
+    assert got[-1][-1] == 8999 and got[-1][0] == 4                   # the newest are kept
+
+
+def test_archive_picks_up_appends_and_torn_tail(tmp_path):
+    arc = reame.Palimpsest(str(tmp_path), "v", 64 << 20)
     try:
-        line, log_lines = "", []
-        while "2/2 prompts ready" not in line:
-            line = p.stderr.readline()
-            assert line, "server exited: " + "".join(log_lines[-20:])
-            log_lines.append(line)
-        port = int(re.search(r":(\d+) ", next(x for x in log_lines if "serving" in x)).group(1))
-        body = {"messages": [{"role": "system", "content": _WARM_SYSTEM}, {"role": "user", "content": "Hi"}],
-                "temperature": 0, "max_tokens": 4}
-        status, payload = _http(types.SimpleNamespace(port=port), "POST", "/v1/chat/completions", body, key=None)
-        assert status == 200, payload
-        assert json.loads(payload)["usage"]["prompt_tokens_details"]["cached_tokens"] > 256
+        arc.store("shared", [1, 2, 3], [10, 11, 12, 13, 14])
+        arc.flush()
+        arc.refresh("shared")
+        assert arc.draft("shared", [1, 2, 3, 10], 8) == [11, 12, 13, 14]
+        seg = os.path.join(arc.dir, "shared", reame.pal_segments(os.path.join(arc.dir, "shared"))[0])
+        with open(seg, "ab") as f:   # another process died mid-record
+            f.write(reame.pal_record([5, 5, 5, 5, 6], 0)[:-3])
+        reame.pal_append(os.path.join(arc.dir, "shared"), reame.pal_record([7, 7, 7, 7, 8, 9], 0), 64 << 20)
+        arc.refresh("shared")
+        assert arc.draft("shared", [7, 7, 7, 7], 8) == [8, 9] and arc.draft("shared", [5, 5, 5, 5], 8) == []
+        assert arc.stats()["shared"]["runs"] == 2
+        assert arc.draft("other", [1, 2, 3, 10], 8) == []            # another scope sees nothing
     finally:
-        p.terminate()
-        p.wait(60)
-    warm.write_text('{"system": 3}\n')
-    out = subprocess.run([sys.executable, "reame.py", "serve", _model_path("gemma3-270m"), "--port", "0", "--warm", str(warm)],
-                         cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0 and "line 1" in out.stderr
+        arc.close()
 
 
-# == 19. Slots: the memory tier, and consecutive sequence ids ==================
+def test_palimpsest_index_follows_the_disk_bound(tmp_path):
+    path = str(tmp_path / "v" / "shared")
+    for i in range(40):
+        reame.pal_append(path, reame.pal_record(list(range(i * 1000, i * 1000 + 20000)), 0), 2 << 20)
+    sa = reame._ScopeArchive(path)
+    sa.refresh()
+    first = len(sa.index.tokens)
+    for i in range(40, 200):
+        reame.pal_append(path, reame.pal_record(list(range(i * 1000, i * 1000 + 20000)), 0), 2 << 20)
+        sa.refresh()
+    on_disk = sum(os.path.getsize(os.path.join(path, f)) for f in reame.pal_segments(path)) // 4
+    assert len(sa.index.tokens) <= 1.3 * on_disk + 20001 and len(sa.index.tokens) < 3 * first
 
 
-@pytest.mark.parametrize("fixture", ["qwen", "gemma"])
-def test_cache_hit_equals_cold(fixture, request):
-    """The greedy contract on the cache-hit path: a conversation's second turn that
-    reuses the first turn's resident KV (cache_reuse=exact) gives exactly the tokens of
-    the same prompt computed cold; and an evicted entry is recomputed, same tokens."""
-    eng = request.getfixturevalue(fixture)
-    base = "Here is a long story about a kingdom by the sea, its kings, its ships and its people. " * 12
-    for i, q in enumerate(["Who rules?", "List the ships."]):
-        msgs = [{"role": "user", "content": base + "Summarize it in one sentence."}]
-        r1 = eng.complete(eng.chat_prompt(msgs), temperature=0, max_tokens=16, cache_tag="t%d" % i)
-        p2 = eng.chat_prompt(msgs + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": q}])
-        hit = eng.complete(p2, temperature=0, max_tokens=32, cache_tag="t%d" % i)
-        assert hit.n_cached_tok >= 2 * eng.chunk  # it really reused whole chunks
-        eng.forget("t%d" % i)
-        _drop_cache(eng)
-        cold = eng.complete(p2, temperature=0, max_tokens=32)
-        assert cold.n_cached_tok == 0 and hit.tokens == cold.tokens
-    # eviction: four untagged requests need every slot, so the resident entry goes
-    r1 = eng.complete(_chat(eng, base + "Who sails?"), temperature=0, max_tokens=8, cache_tag="ev")
-    [r.wait() for r in [eng.submit(_chat(eng, p), temperature=0, max_tokens=4) for p in PROMPTS]]
-    again = eng.complete(_chat(eng, base + "Who sails?"), temperature=0, max_tokens=8, cache_tag="ev")
-    assert again.n_cached_tok == 0 and again.tokens == r1.tokens
-    eng.forget("ev")
+def test_archive_cli_stats_and_clear(tmp_path):
+    reame.pal_append(str(tmp_path / "palimpsest" / "v0" / "shared"), reame.pal_record([1, 2, 3, 4], 2), 1 << 20)
+    env = dict(os.environ, REAME_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, os.path.join(HERE, "reame.py"), "archive", "stats"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "scope shared: 1 run(s), 4 tokens" in out.stdout, out
+    out = subprocess.run([sys.executable, os.path.join(HERE, "reame.py"), "archive", "clear"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and not (tmp_path / "palimpsest").exists()
 
 
-def _drop_cache(eng):
-    """Empty the memory tier (test helper): fill every slot with unrelated prompts."""
-    [r.wait() for r in [eng.submit([1 + i] * 3, temperature=0, max_tokens=1) for i in range(eng.n_slots)]]
+# Real models: drafting from the archive keeps the greedy contract, across restarts and scopes.
 
 
-def test_memory_tier_reuses_a_shared_prefix(qwen):
-    """A second request sharing a long system prompt reuses its KV (whole chunks),
-    with the same tokens as cold; a session's entry is copied, not taken."""
-    system = "You are a careful assistant for a shipping company. Rules: " + "Be brief. Cite the order id. " * 40
-    p1 = _chat(qwen, "Where is order 17?", system=system)
-    p2 = _chat(qwen, "Cancel order 18.", system=system)
-    _drop_cache(qwen)
-    cold = qwen.complete(p2, temperature=0, max_tokens=12)
-    _drop_cache(qwen)
-    qwen.complete(p1, temperature=0, max_tokens=4, cache_tag="sess")
-    hits = qwen.stats()["cache_hits"]
-    warm = qwen.complete(p2, temperature=0, max_tokens=12)
-    assert qwen.stats()["cache_hits"] == hits + 1
-    common = reame.common_prefix(p1, p2)
-    assert warm.n_cached_tok == common // qwen.chunk * qwen.chunk > 0  # whole chunks of the shared part
-    assert warm.tokens == cold.tokens
-    # the session's own entry survived the copy: its next turn still reuses it
-    again = qwen.complete(p1 + [198], temperature=0, max_tokens=2, cache_tag="sess")
-    assert again.n_cached_tok >= warm.n_cached_tok
-    qwen.forget("sess")
+@pytest.fixture(scope="module")
+def qwen_archive(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("palimpsest"))
+    eng = reame.Engine(_model_path("qwen2.5-coder-0.5b"), n_ctx=1024, n_slots=4, archive=64 << 20, archive_dir=d)
+    yield eng
+    eng.close()
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "gemma3-270m"])
-def test_a_gap_in_the_decode_batch_is_closed(name):
-    """When the sequence on the middle slot ends, the one above moves down into its slot
-    (KV copied), so the others decode in one llama.cpp pass again (a gap in the seq ids
-    splits the batch); each still gives exactly its solo tokens."""
-    with reame.Engine(_model_path(name), n_ctx=1024, n_slots=3) as eng:
-        prompts = [_chat(eng, p) for p in PROMPTS[:3]]
-        lens = [40, 3, 40]
-        alone = [eng.complete(p, temperature=0, max_tokens=n).tokens for p, n in zip(prompts, lens)]
-        reqs = [eng.submit(p, temperature=0, max_tokens=n) for p, n in zip(prompts, lens)]
-        assert [r.wait().tokens for r in reqs] == alone
-        assert eng.stats()["slot_moves"] >= 1
+def _archive_run(eng, prompt, mode="on", archive="shared", max_tokens=64):
+    p = reame.SamplingParams(temperature=0, max_tokens=max_tokens)
+    before = eng.stats()["spec"]["archive"]["accepted"]
+    r = eng.submit(prompt, p, spec=reame.SpecOptions(mode, 16, ("archive",) if mode == "on" else ()),
+                   archive=archive).wait()
+    eng.archive.flush()
+    return r, eng.stats()["spec"]["archive"]["accepted"] - before
 
 
-def test_concurrent_requests_compute_a_shared_head_once(qwen_model):
-    """Four requests with one system prompt arriving together: the first prefills the head,
-    the others wait for it and copy its KV (not four prefills of it), each with the
-    tokens it gets alone."""
-    system = "You answer questions about a library's opening hours and loans. " + "Keep answers short. " * 90
-    asks = []
-    with reame.Engine(qwen_model, n_ctx=1024, n_slots=4) as eng:
-        for q in ("When do you open?", "Can I renew a loan?", "Is there wifi?", "Where is the entrance?"):
-            msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
-            tokens = eng.chat_prompt(msgs)
-            asks.append((tokens, eng.prefix_boundary(msgs, tokens)))
-        head = asks[0][1][0]
-        solo = []
-        for tokens, snap in asks:
-            with reame.Engine(qwen_model, n_ctx=1024, n_slots=1) as one:
-                solo.append(one.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=16),
-                                         snap_at=snap)[0].wait().tokens)
-        reqs = [eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=16), snap_at=snap)[0]
-                for tokens, snap in asks]
-        res = [r.wait() for r in reqs]
-        st = eng.stats()
-    assert [r.tokens for r in res] == solo
-    assert st["shared_prefixes"] == 3 and sorted(r.n_cached_tok for r in res) == [0, head, head, head]
-    assert st["prefill_tokens"] == sum(len(t) for t, _ in asks) - 3 * head
+def test_archive_second_request_drafts_from_the_first(qwen, qwen_archive):
+    prompt = _chat(qwen, "List five uses of a paperclip, one short line each.")
+    plain = qwen.submit(prompt, reame.SamplingParams(temperature=0, max_tokens=64)).wait()  # no archive
+    first, _ = _archive_run(qwen_archive, prompt, "auto")
+    second, accepted = _archive_run(qwen_archive, prompt)
+    assert first.tokens == plain.tokens and second.tokens == plain.tokens
+    assert accepted >= 0.6 * len(second.tokens)        # mostly served from accepted drafts
+    third, _ = _archive_run(qwen_archive, prompt, "auto")
+    assert third.tokens == plain.tokens
+    # after a restart, from the disk
+    with reame.Engine(qwen_archive.model, n_ctx=1024, n_slots=2, archive=64 << 20,
+                      archive_dir=os.path.dirname(qwen_archive.archive.dir)) as again:
+        r, accepted = _archive_run(again, prompt)
+        assert r.tokens == plain.tokens and accepted >= 0.6 * len(r.tokens)
 
 
-# == 21. Engine: the scheduler thread and continuous batching ==================
+def test_archive_scopes_never_cross_and_opt_out(qwen_archive):
+    eng = qwen_archive
+    prompt = _chat(eng, "Spell the word 'palimpsest' backwards, then say it forwards.")
+    src = eng.spec.sources["archive"]
+    seen = []
 
-
-def test_greedy_is_deterministic(qwen):
-    p = _chat(qwen, "Write a haiku about the sea.")
-    a = qwen.complete(p, temperature=0, max_tokens=24)
-    b = qwen.complete(p, temperature=0, max_tokens=24)
-    assert a.tokens == b.tokens and a.text == b.text
-    assert a.n_gen_tok == len(a.tokens) > 0
-    assert a.text.strip()
-
-
-def test_qwen_answers_sensibly(qwen):
-    r = qwen.complete(_chat(qwen, "What is the capital of France? Answer in one word."), temperature=0, max_tokens=10)
-    assert "Paris" in r.text
-    assert r.finish_reason == "stop"
-
-
-PROMPTS = ["Count from one to ten in words.", "Name three primary colors.",
-           "Write a Python function that adds two numbers.", "Explain what a CPU is in one sentence."]
-
-
-@pytest.mark.parametrize("fixture", ["qwen", "gemma"])
-def test_batched_equals_alone(fixture, request):
-    """4 sequences decoded together in one batch give exactly the tokens each gives alone."""
-    eng = request.getfixturevalue(fixture)
-    prompts = [_chat(eng, p) for p in PROMPTS]
-    alone = [eng.complete(p, temperature=0, max_tokens=32).tokens for p in prompts]
-    steps0 = eng.counters.n_steps
-    reqs = [eng.submit(p, temperature=0, max_tokens=32) for p in prompts]
-    together = [r.wait().tokens for r in reqs]
-    assert together == alone
-    # they really shared steps: 4 x 32 tokens in far fewer than 4 x 32 steps
-    assert eng.counters.n_steps - steps0 < 2 * 32 + 8
-
-
-def test_every_decode_of_the_process_runs_on_one_thread(qwen, monkeypatch):
-    """Two engines (two scheduler threads) decode on the one compute thread: libgomp
-    gives each thread that starts parallel work its own team, and two teams on the
-    cores slowed every step of both engines (a 1.5B: 34 ms instead of 19 ms)."""
-    seen = set()
-    orig = reame.Context._decode_now
-
-    def record(self, b, rowwise):
-        seen.add(threading.current_thread().name)
-        return orig(self, b, rowwise)
-
-    monkeypatch.setattr(reame.Context, "_decode_now", record)
-    with reame.Engine(_model_path("gemma3-270m"), n_ctx=256, n_slots=1) as other:
-        a = other.submit("Say hi.", reame.SamplingParams(temperature=0, max_tokens=4))
-        b = qwen.submit("Say hi.", reame.SamplingParams(temperature=0, max_tokens=4))
-        assert a.wait().n_gen_tok and b.wait().n_gen_tok
-    assert seen == {"reame-compute"}
-
-
-def test_utf8_streams_whole_characters(qwen):
-    p = _chat(qwen, "Translate to Chinese and add two emoji at the end: 'I love sunny mornings.'")
-    req = qwen.submit(p, temperature=0, max_tokens=40)
-    pieces = list(req)
-    res = req.wait()
-    assert pieces and all("\ufffd" not in x for x in pieces)
-    assert "".join(pieces) == res.text
-    assert any(ord(c) > 0x2E80 for c in res.text), res.text  # CJK or emoji really came out
-    assert res.text == qwen.model.detokenize(res.tokens)
-
-
-def test_stop_strings_cut_exactly(qwen):
-    p = _chat(qwen, "List the days of the week, one per line.")
-    full = qwen.complete(p, temperature=0, max_tokens=60)
-    assert "Wednesday" in full.text, full.text
-    cut = qwen.complete(p, temperature=0, max_tokens=60, stop=("Wednesday",))
-    assert cut.finish_reason == "stop"
-    assert cut.text == full.text[:full.text.index("Wednesday")]
-    # a stop string split across tokens, never seen in the output
-    s = full.text[full.text.index("Tuesday") + 2: full.text.index("Tuesday") + 6]
-    cut2 = qwen.complete(p, temperature=0, max_tokens=60, stop=("zzzz", s))
-    assert cut2.text == full.text[:full.text.index(s)]
-
-
-def test_max_tokens_gives_length(gemma):
-    r = gemma.complete("The quick brown fox", temperature=0, max_tokens=5)
-    assert r.finish_reason in ("length", "stop")
-    if r.finish_reason == "length":
-        assert r.n_gen_tok == 5
-
-
-def test_cancel_frees_the_slot():
-    eng = reame.Engine(_model_path("gemma3-270m"), n_ctx=512, n_slots=1)
+    def spy(seqs, ks):
+        out = reame.ArchiveSource.propose(src, seqs, ks)
+        seen.extend((s.scope, d) for s, d in zip(seqs, out))
+        return out
+    src.propose = spy
     try:
-        req = eng.submit("Once upon a time", temperature=0.8, seed=1, max_tokens=400)
-        it = iter(req)
-        next(it)
-        req.cancel()
-        res = req.wait(30)
-        assert res.finish_reason == "cancelled"
-        assert res.n_gen_tok < 400
-        # the only slot is free again: the next request runs to completion
-        r2 = eng.complete("Hello", temperature=0, max_tokens=4)
-        assert r2.finish_reason in ("length", "stop")
-        deadline = time.monotonic() + 5  # (the counts are the scheduler's after its step: a moment after the answer)
-        while (eng.stats()["active"] or eng.stats()["kv_cells_active"]) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        st = eng.stats()
-        assert st["active"] == 0 and st["kv_cells_active"] == 0
-        # the slot's KV is kept only as the memory tier's cache of the last prompt
-        assert eng.ctx.seq_pos_max(0) == st["kv_cells_cached"] - 1 < 16
+        a, _ = _archive_run(eng, prompt, "off", archive="keyA")
+        b, got_b = _archive_run(eng, prompt, archive="keyB")
+        assert b.tokens == a.tokens and got_b == 0
+        assert any(sc == "keyB" for sc, _ in seen) and all(d == [] for sc, d in seen if sc == "keyB")
+        a2, got_a = _archive_run(eng, prompt, archive="keyA")
+        assert a2.tokens == a.tokens and got_a > 0 and any(d for sc, d in seen if sc == "keyA")
+        stored = eng.archive.n_stored
+        c, got_c = _archive_run(eng, prompt, archive=None)     # opted out: neither used nor stored
+        assert c.tokens == a.tokens and got_c == 0 and eng.archive.n_stored == stored
+        assert all(d == [] for sc, d in seen if sc is None)
     finally:
-        eng.close()
-
-
-def test_prompt_too_long_is_a_request_error(gemma):
-    with pytest.raises(reame.RequestError) as e:
-        gemma.submit(list(range(10, 2000)))
-    assert "context" in str(e.value)
+        del src.propose
     with pytest.raises(reame.RequestError):
-        gemma.submit([])
-
-
-def test_batched_equals_alone_long_prompts(gemma):
-    """Past 512 KV cells llama.cpp's CPU attention changes kernels; output must not."""
-    base = "Here is a long story about a kingdom by the sea, its kings, its ships and its people. " * 40
-    prompts = [_chat(gemma, base + q) for q in ["Summarize it.", "Who rules?", "List the ships.", "What next?"]]
-    assert all(len(p) > 600 for p in prompts)
-    alone = [gemma.complete(p, temperature=0, max_tokens=24).tokens for p in prompts]
-    reqs = [gemma.submit(p, temperature=0, max_tokens=24) for p in prompts]
-    assert [r.wait().tokens for r in reqs] == alone
-
-
-def test_n_choices_engine(qwen):
-    """n choices: one prefill, KV copied by seq_cp; greedy choices equal the single answer."""
-    p = _chat(qwen, "Name three primary colors.")
-    alone = qwen.complete(p, temperature=0, max_tokens=16)
-    pre = qwen.stats()
-    outs = [r.wait() for r in qwen.submit_n(p, reame.SamplingParams(temperature=0, max_tokens=16), 3)]
-    post = qwen.stats()
-    assert post["prefills"] == pre["prefills"] + 1
-    assert [o.tokens for o in outs] == [alone.tokens] * 3 and [o.index for o in outs] == [0, 1, 2]
-    # greedy choices are twins all the way: one row a step, the other two sample from it
-    assert post["decode_tokens"] - pre["decode_tokens"] <= len(alone.tokens)
-    assert post["twin_tokens"] - pre["twin_tokens"] >= 2 * len(alone.tokens)
-    with pytest.raises(reame.RequestError):
-        qwen.submit_n(p, None, 5)  # more choices than slots
-
-
-def test_twins_go_on_when_the_first_choice_is_cancelled(qwen):
-    """Cancelling the first of n greedy choices, whose rows its twins read, leaves the
-    others to finish on a copy of its KV, with the tokens they would have had."""
-    p = _chat(qwen, "Count from one to twenty in words, separated by commas.")
-    alone = qwen.complete(p, temperature=0, max_tokens=32)
-    reqs = qwen.submit_n(p, reame.SamplingParams(temperature=0, max_tokens=32), 3)
-    seen = 0
-    while seen < 4:  # a few tokens in, cancel choice 0
-        kind, _, i = reqs[0].events.get(timeout=120)
-        seen += kind == "text" and i == 0
-    reqs[0].cancel()
-    assert reqs[0].wait(120).finish_reason == "cancelled"
-    assert [r.wait(120).tokens for r in reqs[1:]] == [alone.tokens] * 2
-
-
-def test_greedy_same_without_numpy(gemma):
-    """numpy only accelerates: without it the greedy tokens are the same."""
-    prompt = "The three largest cities of Italy are"
-    want = gemma.complete(prompt, temperature=0, max_tokens=16).tokens
-    code = ("import sys, json\nsys.modules['numpy'] = None\nimport reame\n"
-            "e = reame.Engine(reame.resolve_model('gemma3-270m', pull=False), n_ctx=1024, n_slots=4)\n"
-            "print(json.dumps(e.complete(%r, temperature=0, max_tokens=16).tokens))\ne.close()\n" % prompt)
-    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
-
-
-# == 28. Command line ==========================================================
-
-
-def test_cli_run_answers_and_exits():
-    out = subprocess.run([sys.executable, "reame.py", "run", "qwen2.5-coder-0.5b", "Say hello in French.",
-                          "--temperature", "0", "--max-tokens", "12"], cwd=HERE, capture_output=True, text=True,
-                         stdin=subprocess.DEVNULL, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "Bonjour" in out.stdout or "bonjour" in out.stdout, out.stdout
-
-
-def test_cli_run_reads_piped_stdin():
-    out = subprocess.run([sys.executable, "reame.py", "run", "qwen2.5-coder-0.5b", "--temperature", "0",
-                          "--max-tokens", "8"], cwd=HERE, capture_output=True, text=True,
-                         input="What is 2+2? Answer with a digit.", timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "4" in out.stdout
-
-
-def test_readme_test_command_is_what_ci_runs():
-    readme = open(os.path.join(HERE, "README.md")).read()
-    ci = open(os.path.join(HERE, ".ci", "run")).read()
-    blocks = [b.split("```", 1)[0].strip() for b in readme.split("```sh\n")[1:]]
-    assert len(blocks) >= 2
-    main_cmd, test_cmd = blocks[0], blocks[1]
-    assert "reame.py run" in main_cmd and "./build_llama.sh" in main_cmd
-    assert test_cmd in ci.splitlines()
-
-
-def test_interactive_chat_on_a_tty():
-    """On a terminal, `run MODEL` is a multi-turn chat with /reset and /exit."""
-    import pty
-    import select
-    pid, fd = pty.fork()
-    if pid == 0:  # child: the CLI on a pseudo-terminal
-        os.chdir(HERE)
-        os.execv(sys.executable, [sys.executable, "reame.py", "run", "qwen2.5-coder-0.5b",
-                                  "--temperature", "0", "--max-tokens", "16"])
-    out = b""
-
-    def read_until(marker, timeout=120):
-        nonlocal out
-        end = time.monotonic() + timeout
-        while marker not in out and time.monotonic() < end:
-            r, _, _ = select.select([fd], [], [], 0.5)
-            if r:
-                try:
-                    out += os.read(fd, 4096)
-                except OSError:
-                    break
-        return marker in out
-
-    try:
-        assert read_until(b">>> "), out
-        os.write(fd, b"My name is Ada. Reply with just OK.\n")
-        out = b""
-        assert read_until(b">>> "), out
-        os.write(fd, b"What is my name? One word.\n")
-        out = b""
-        assert read_until(b">>> "), out
-        assert b"Ada" in out  # the second turn saw the first: context is kept
-        os.write(fd, b"/reset\n")
-        assert read_until(b"cleared")
-        os.write(fd, b"/exit\n")
-        _, status = os.waitpid(pid, 0)
-        assert os.WEXITSTATUS(status) == 0
-    finally:
-        try:
-            os.kill(pid, 9)
-        except OSError:
-            pass
-        os.close(fd)
+        eng.submit(prompt, archive="../etc")
 
 
 # == 13. Speculation: draft sources and the controller =========================
@@ -1984,41 +1964,6 @@ def test_spec_sampling_keeps_the_seeded_output(qwen):
     assert spec.tokens == plain.tokens
 
 
-@pytest.fixture(scope="module")
-def qwen_self_draft():
-    path = _model_path("qwen2.5-coder-0.5b")
-    eng = reame.Engine(path, n_ctx=1024, n_slots=4, draft=path)
-    yield eng
-    eng.close()
-
-
-def test_spec_draft_model_equals_plain_greedy(qwen_self_draft):
-    """qwen2.5-coder-0.5b drafting for itself: near-total acceptance, the whole path."""
-    eng = qwen_self_draft
-    prompts = [_chat(eng, q) for q in ("Write a Python function that reverses a string.",
-                                       "Explain what a CPU is in two sentences.")]
-    for prompt in prompts:
-        plain = _spec_run(eng, prompt, "off", max_tokens=48)
-        spec = _spec_run(eng, prompt, "on", ["draft"], max_tokens=48)
-        assert spec.tokens == plain.tokens
-    c = eng.stats()["spec"]["draft"]
-    assert c["proposed"] > 20 and c["accepted"] >= 0.8 * c["proposed"]
-
-
-def test_spec_batched_with_plain_sequences(qwen_self_draft):
-    """Speculating sequences (lookup, draft model) share decode steps with plain ones;
-    each gives exactly its solo plain output."""
-    eng = qwen_self_draft
-    prompts = [_quote_prompt(eng), _chat(eng, PROMPTS[0]), _chat(eng, PROMPTS[2]), _chat(eng, PROMPTS[3])]
-    modes = [("on", ["lookup"]), ("off", []), ("on", ["draft"]), ("off", [])]
-    alone = [_spec_run(eng, p, "off", max_tokens=40).tokens for p in prompts]
-    steps0 = eng.counters.n_steps
-    reqs = [eng.submit(p, reame.SamplingParams(temperature=0, max_tokens=40), spec=reame.SpecOptions(m, 8, tuple(s)))
-            for p, (m, s) in zip(prompts, modes)]
-    assert [r.wait().tokens for r in reqs] == alone
-    assert eng.counters.n_steps - steps0 < 40 + 4 * 8   # shared steps, not one after the other
-
-
 class _WrongSource(reame.DraftSource):
     """Proposes the token after the right one: almost always rejected."""
     name = "wrong"
@@ -2063,227 +2008,47 @@ def test_spec_verify_fast_takes_the_tiled_kernel():
         reame.Engine(path, spec_verify="sloppy")
 
 
-def test_draft_model_of_another_vocabulary_is_refused(gemma):
-    with pytest.raises(reame.ModelError, match="cannot draft"):
-        reame.check_draft_pair(gemma.model, reame.Model(_model_path("qwen2.5-coder-0.5b"), vocab_only=True))
-
-
-# == 12. Palimpsest: the archive of generations ================================
-# Pure: records, the index's drafts; files: torn records, concurrent appends, the bound.
-
-
-def test_pal_records_roundtrip_and_torn_tail():
-    runs = [[1, 2, 3], list(range(100, 400)), [7]]
-    data = b"".join(reame.pal_record(r, 1) for r in runs)
-    got, used = reame.pal_parse(data)
-    assert [list(t) for _, t in got] == runs and used == len(data) and got[0][0] == 1
-    for cut in (len(data) - 1, len(data) - 5, len(data) - 13):  # a crash mid-write: only the torn record goes
-        got, used = reame.pal_parse(data[:cut])
-        assert [list(t) for _, t in got] == runs[:2]
-    torn = data[:len(data) - 2]  # torn, then another process appended after it: skipped, not misread
-    got, _ = reame.pal_parse(torn + reame.pal_record([9, 9], 0))
-    assert [list(t) for _, t in got] == runs[:2] + [[9, 9]]
-    flipped = bytearray(data)
-    flipped[20] ^= 0xFF  # a bit flip inside the first record: it fails its checksum, the rest read
-    got, used = reame.pal_parse(bytes(flipped))
-    assert [list(t) for _, t in got] == runs[1:] and used == len(data)
-    assert reame.pal_parse(b"")[0] == [] and reame.pal_parse(b"garbage" * 10)[0] == []
-
-
-def _index(runs, build=False):
-    idx = reame.ArchiveIndex()
-    for r in runs:
-        idx.add(r) if not build else idx.append(r)
-    if build:
-        idx.install(reame.ArchiveIndex.build(idx.snapshot()[0], idx.lengths), len(idx.tokens))
-    return idx
-
-
-@pytest.mark.parametrize("build", [False, True])
-def test_archive_index_longest_match_wins(build):
-    common = [1, 2, 3, 4]
-    runs = [[50, 51, 52] + common + [60, 61, 62, 63],                                    # 4-token match
-            [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 30, 31] + common + [70, 71, 72, 73]]  # 16-token match
-    idx = _index(runs + [[9, 8] + common + [80, 81]] * 3, build)  # more frequent, shorter match
-    seq = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 30, 31] + common
-    assert idx.draft(seq, 4) == [70, 71, 72, 73]
-    # only the last 4 tokens match anywhere: the most frequent continuation of the longest matches
-    assert idx.draft([5, 6, 9, 8] + common, 8) == [80, 81]          # backward match 6 > 4, the run ends
-    assert idx.draft([0, 0] + common, 8) == [80, 81]                 # 3 of 5 runs took 80
-    assert idx.draft([0, 0, 7, 7], 8) == [] and idx.draft(common[:2], 8) == []
-
-
-@pytest.mark.parametrize("build", [False, True])
-def test_archive_index_most_frequent_continuation_and_limits(build):
-    ctx = [11, 12, 13, 14]
-    runs = [ctx + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]] * 3 + [ctx + [1, 2, 99, 98]] * 2
-    idx = _index(runs, build)
-    assert idx.draft([0] + ctx, 32) == [1, 2, 3, 4, 5, 6, 7, 8]    # a 4-token match proposes at most 8
-    assert idx.draft([0] + ctx, 3) == [1, 2, 3]                      # k holds
-    idx = _index([ctx + [1, 2, 3]] * 2 + [ctx + [5, 6]] * 2 + [ctx + [7]], build)
-    assert idx.draft([0] + ctx, 8) == []                             # no continuation with half the runs
-    long = list(range(200, 240))
-    idx = _index([long], build)
-    assert idx.draft(long[:20], 32) == long[20:40]                   # stops at the run's end
-
-
-def test_archive_index_picks_an_edited_run_up_again():
-    """After an edit the 4-token index finds nothing until 4 new tokens match; the
-    cursor finds the run it followed again from the last 2 tokens, near where it left."""
-    code = list(range(100, 160))
-    idx = _index([code, [7, 7, 7, 121, 122, 900, 901, 902]])
-    cur = {}
-    assert idx.draft(code[:10], 8, cur) == code[10:18]
-    edited = code[:20] + [555] + code[21:23]                         # one token changed, then two the same
-    assert idx.draft(edited, 8, cur) == [] and cur["hit"] == 10      # no 4-gram ends in 555
-    assert idx.resync(edited, 8, cur) == code[23:27]                 # found again: up to 4 tokens
-    assert idx.draft(edited + code[23:27], 16, cur) == code[27:39]   # the index again (6 matched: 12)
-    moved = code[:20] + [555, 556, 557] + code[40:42]                # a longer change, resumed further on
-    cur = {}
-    idx.draft(code[:20], 8, cur)
-    assert idx.resync(moved, 8, cur) == code[42:46]
-    assert idx.resync([1, 2, 121, 122], 8, {}) == []                 # no run followed: nothing
-
-
-def test_archive_index_build_equals_incremental_and_pure_python(monkeypatch):
-    import random
-    rng = random.Random(5)
-    runs = [[rng.randrange(20) for _ in range(rng.randrange(1, 60))] for _ in range(80)]
-    inc, built = _index(runs), _index(runs, build=True)
-    tokens = built.snapshot()[0]
-    fast = reame.ArchiveIndex.build(tokens, built.lengths)
-    monkeypatch.setattr(reame, "_np", None)
-    assert reame.ArchiveIndex.build(tokens, built.lengths) == fast   # numpy or not, the same entries
-    for _ in range(300):
-        r = runs[rng.randrange(len(runs))]
-        seq = [rng.randrange(20) for _ in range(rng.randrange(0, 6))] + r[:rng.randrange(len(r) + 1)]
-        assert inc.draft(seq, 12) == built.draft(seq, 12), seq
-
-
-def _append_many(path, tag, n, max_bytes):
-    for i in range(n):
-        reame.pal_append(path, reame.pal_record([tag] * 50 + [i], 0), max_bytes)
-
-
-def test_archive_two_processes_append_concurrently(tmp_path):
-    path = str(tmp_path / "scope")
-    code = "import sys, test_reame; test_reame._append_many(%r, int(sys.argv[1]), 300, 1 << 30)" % path
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tag)], cwd=HERE) for tag in (1, 2)]
-    assert [p.wait(120) for p in procs] == [0, 0]
-    runs = []
-    for f in reame.pal_segments(path):
-        data = open(os.path.join(path, f), "rb").read()
-        got, used = reame.pal_parse(data)
-        assert used == len(data)                                     # no torn or interleaved record
-        runs += [list(t) for _, t in got]
-    for tag in (1, 2):
-        assert [r[-1] for r in runs if r[0] == tag] == list(range(300))
-    assert len(runs) == 600
-
-
-def test_archive_bound_drops_oldest_segments(tmp_path):
-    path = str(tmp_path / "scope")
-    _append_many(path, 3, 3000, 2 << 20)   # ~620 kB of records; segments of 1 MiB (the smallest)
-    _append_many(path, 4, 9000, 2 << 20)
-    segs = reame.pal_segments(path)
-    size = sum(os.path.getsize(os.path.join(path, f)) for f in segs)
-    assert size <= 2 << 20 and len(segs) >= 2 and segs[0] != "seg-00000001.pal"
-    got = [t for f in segs for _, t in reame.pal_parse(open(os.path.join(path, f), "rb").read())[0]]
-    assert got[-1][-1] == 8999 and got[-1][0] == 4                   # the newest are kept
-
-
-def test_archive_picks_up_appends_and_torn_tail(tmp_path):
-    arc = reame.Palimpsest(str(tmp_path), "v", 64 << 20)
-    try:
-        arc.store("shared", [1, 2, 3], [10, 11, 12, 13, 14])
-        arc.flush()
-        arc.refresh("shared")
-        assert arc.draft("shared", [1, 2, 3, 10], 8) == [11, 12, 13, 14]
-        seg = os.path.join(arc.dir, "shared", reame.pal_segments(os.path.join(arc.dir, "shared"))[0])
-        with open(seg, "ab") as f:   # another process died mid-record
-            f.write(reame.pal_record([5, 5, 5, 5, 6], 0)[:-3])
-        reame.pal_append(os.path.join(arc.dir, "shared"), reame.pal_record([7, 7, 7, 7, 8, 9], 0), 64 << 20)
-        arc.refresh("shared")
-        assert arc.draft("shared", [7, 7, 7, 7], 8) == [8, 9] and arc.draft("shared", [5, 5, 5, 5], 8) == []
-        assert arc.stats()["shared"]["runs"] == 2
-        assert arc.draft("other", [1, 2, 3, 10], 8) == []            # another scope sees nothing
-    finally:
-        arc.close()
-
-
-def test_archive_cli_stats_and_clear(tmp_path):
-    reame.pal_append(str(tmp_path / "palimpsest" / "v0" / "shared"), reame.pal_record([1, 2, 3, 4], 2), 1 << 20)
-    env = dict(os.environ, REAME_HOME=str(tmp_path))
-    out = subprocess.run([sys.executable, os.path.join(HERE, "reame.py"), "archive", "stats"], env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and "scope shared: 1 run(s), 4 tokens" in out.stdout, out
-    out = subprocess.run([sys.executable, os.path.join(HERE, "reame.py"), "archive", "clear"], env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and not (tmp_path / "palimpsest").exists()
-
-
-# Real models: drafting from the archive keeps the greedy contract, across restarts and scopes.
+# == 14. The draft model =======================================================
 
 
 @pytest.fixture(scope="module")
-def qwen_archive(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("palimpsest"))
-    eng = reame.Engine(_model_path("qwen2.5-coder-0.5b"), n_ctx=1024, n_slots=4, archive=64 << 20, archive_dir=d)
+def qwen_self_draft():
+    path = _model_path("qwen2.5-coder-0.5b")
+    eng = reame.Engine(path, n_ctx=1024, n_slots=4, draft=path)
     yield eng
     eng.close()
 
 
-def _archive_run(eng, prompt, mode="on", archive="shared", max_tokens=64):
-    p = reame.SamplingParams(temperature=0, max_tokens=max_tokens)
-    before = eng.stats()["spec"]["archive"]["accepted"]
-    r = eng.submit(prompt, p, spec=reame.SpecOptions(mode, 16, ("archive",) if mode == "on" else ()),
-                   archive=archive).wait()
-    eng.archive.flush()
-    return r, eng.stats()["spec"]["archive"]["accepted"] - before
+def test_spec_draft_model_equals_plain_greedy(qwen_self_draft):
+    """qwen2.5-coder-0.5b drafting for itself: near-total acceptance, the whole path."""
+    eng = qwen_self_draft
+    prompts = [_chat(eng, q) for q in ("Write a Python function that reverses a string.",
+                                       "Explain what a CPU is in two sentences.")]
+    for prompt in prompts:
+        plain = _spec_run(eng, prompt, "off", max_tokens=48)
+        spec = _spec_run(eng, prompt, "on", ["draft"], max_tokens=48)
+        assert spec.tokens == plain.tokens
+    c = eng.stats()["spec"]["draft"]
+    assert c["proposed"] > 20 and c["accepted"] >= 0.8 * c["proposed"]
 
 
-def test_archive_second_request_drafts_from_the_first(qwen, qwen_archive):
-    prompt = _chat(qwen, "List five uses of a paperclip, one short line each.")
-    plain = qwen.submit(prompt, reame.SamplingParams(temperature=0, max_tokens=64)).wait()  # no archive
-    first, _ = _archive_run(qwen_archive, prompt, "auto")
-    second, accepted = _archive_run(qwen_archive, prompt)
-    assert first.tokens == plain.tokens and second.tokens == plain.tokens
-    assert accepted >= 0.6 * len(second.tokens)        # mostly served from accepted drafts
-    third, _ = _archive_run(qwen_archive, prompt, "auto")
-    assert third.tokens == plain.tokens
-    # after a restart, from the disk
-    with reame.Engine(qwen_archive.model, n_ctx=1024, n_slots=2, archive=64 << 20,
-                      archive_dir=os.path.dirname(qwen_archive.archive.dir)) as again:
-        r, accepted = _archive_run(again, prompt)
-        assert r.tokens == plain.tokens and accepted >= 0.6 * len(r.tokens)
+def test_spec_batched_with_plain_sequences(qwen_self_draft):
+    """Speculating sequences (lookup, draft model) share decode steps with plain ones;
+    each gives exactly its solo plain output."""
+    eng = qwen_self_draft
+    prompts = [_quote_prompt(eng), _chat(eng, PROMPTS[0]), _chat(eng, PROMPTS[2]), _chat(eng, PROMPTS[3])]
+    modes = [("on", ["lookup"]), ("off", []), ("on", ["draft"]), ("off", [])]
+    alone = [_spec_run(eng, p, "off", max_tokens=40).tokens for p in prompts]
+    steps0 = eng.counters.n_steps
+    reqs = [eng.submit(p, reame.SamplingParams(temperature=0, max_tokens=40), spec=reame.SpecOptions(m, 8, tuple(s)))
+            for p, (m, s) in zip(prompts, modes)]
+    assert [r.wait().tokens for r in reqs] == alone
+    assert eng.counters.n_steps - steps0 < 40 + 4 * 8   # shared steps, not one after the other
 
 
-def test_archive_scopes_never_cross_and_opt_out(qwen_archive):
-    eng = qwen_archive
-    prompt = _chat(eng, "Spell the word 'palimpsest' backwards, then say it forwards.")
-    src = eng.spec.sources["archive"]
-    seen = []
-
-    def spy(seqs, ks):
-        out = reame.ArchiveSource.propose(src, seqs, ks)
-        seen.extend((s.scope, d) for s, d in zip(seqs, out))
-        return out
-    src.propose = spy
-    try:
-        a, _ = _archive_run(eng, prompt, "off", archive="keyA")
-        b, got_b = _archive_run(eng, prompt, archive="keyB")
-        assert b.tokens == a.tokens and got_b == 0
-        assert any(sc == "keyB" for sc, _ in seen) and all(d == [] for sc, d in seen if sc == "keyB")
-        a2, got_a = _archive_run(eng, prompt, archive="keyA")
-        assert a2.tokens == a.tokens and got_a > 0 and any(d for sc, d in seen if sc == "keyA")
-        stored = eng.archive.n_stored
-        c, got_c = _archive_run(eng, prompt, archive=None)     # opted out: neither used nor stored
-        assert c.tokens == a.tokens and got_c == 0 and eng.archive.n_stored == stored
-        assert all(d == [] for sc, d in seen if sc is None)
-    finally:
-        del src.propose
-    with pytest.raises(reame.RequestError):
-        eng.submit(prompt, archive="../etc")
+def test_draft_model_of_another_vocabulary_is_refused(gemma):
+    with pytest.raises(reame.ModelError, match="cannot draft"):
+        reame.check_draft_pair(gemma.model, reame.Model(_model_path("qwen2.5-coder-0.5b"), vocab_only=True))
 
 
 # == 15. Structured output: json_schema to GBNF ================================
@@ -2515,6 +2280,391 @@ def test_suggeritore_values_equal_plain_greedy_and_get_accepted(qwen):
     assert qwen.stats()["spec"]["suggest.values"]["accepted"] - before >= 10
 
 
+# == 19. Slots: the memory tier, and consecutive sequence ids ==================
+
+
+@pytest.mark.parametrize("fixture", ["qwen", "gemma"])
+def test_cache_hit_equals_cold(fixture, request):
+    """The greedy contract on the cache-hit path: a conversation's second turn that
+    reuses the first turn's resident KV (cache_reuse=exact) gives exactly the tokens of
+    the same prompt computed cold; and an evicted entry is recomputed, same tokens."""
+    eng = request.getfixturevalue(fixture)
+    base = "Here is a long story about a kingdom by the sea, its kings, its ships and its people. " * 12
+    for i, q in enumerate(["Who rules?", "List the ships."]):
+        msgs = [{"role": "user", "content": base + "Summarize it in one sentence."}]
+        r1 = eng.complete(eng.chat_prompt(msgs), temperature=0, max_tokens=16, cache_tag="t%d" % i)
+        p2 = eng.chat_prompt(msgs + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": q}])
+        hit = eng.complete(p2, temperature=0, max_tokens=32, cache_tag="t%d" % i)
+        assert hit.n_cached_tok >= 2 * eng.chunk  # it really reused whole chunks
+        eng.forget("t%d" % i)
+        _drop_cache(eng)
+        cold = eng.complete(p2, temperature=0, max_tokens=32)
+        assert cold.n_cached_tok == 0 and hit.tokens == cold.tokens
+    # eviction: four untagged requests need every slot, so the resident entry goes
+    r1 = eng.complete(_chat(eng, base + "Who sails?"), temperature=0, max_tokens=8, cache_tag="ev")
+    [r.wait() for r in [eng.submit(_chat(eng, p), temperature=0, max_tokens=4) for p in PROMPTS]]
+    again = eng.complete(_chat(eng, base + "Who sails?"), temperature=0, max_tokens=8, cache_tag="ev")
+    assert again.n_cached_tok == 0 and again.tokens == r1.tokens
+    eng.forget("ev")
+
+
+def test_memory_tier_reuses_a_shared_prefix(qwen):
+    """A second request sharing a long system prompt reuses its KV (whole chunks),
+    with the same tokens as cold; a session's entry is copied, not taken."""
+    system = "You are a careful assistant for a shipping company. Rules: " + "Be brief. Cite the order id. " * 40
+    p1 = _chat(qwen, "Where is order 17?", system=system)
+    p2 = _chat(qwen, "Cancel order 18.", system=system)
+    _drop_cache(qwen)
+    cold = qwen.complete(p2, temperature=0, max_tokens=12)
+    _drop_cache(qwen)
+    qwen.complete(p1, temperature=0, max_tokens=4, cache_tag="sess")
+    hits = qwen.stats()["cache_hits"]
+    warm = qwen.complete(p2, temperature=0, max_tokens=12)
+    assert qwen.stats()["cache_hits"] == hits + 1
+    common = reame.common_prefix(p1, p2)
+    assert warm.n_cached_tok == common // qwen.chunk * qwen.chunk > 0  # whole chunks of the shared part
+    assert warm.tokens == cold.tokens
+    # the session's own entry survived the copy: its next turn still reuses it
+    again = qwen.complete(p1 + [198], temperature=0, max_tokens=2, cache_tag="sess")
+    assert again.n_cached_tok >= warm.n_cached_tok
+    qwen.forget("sess")
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "gemma3-270m"])
+def test_a_gap_in_the_decode_batch_is_closed(name):
+    """When the sequence on the middle slot ends, the one above moves down into its slot
+    (KV copied), so the others decode in one llama.cpp pass again (a gap in the seq ids
+    splits the batch); each still gives exactly its solo tokens."""
+    with reame.Engine(_model_path(name), n_ctx=1024, n_slots=3) as eng:
+        prompts = [_chat(eng, p) for p in PROMPTS[:3]]
+        lens = [40, 3, 40]
+        alone = [eng.complete(p, temperature=0, max_tokens=n).tokens for p, n in zip(prompts, lens)]
+        reqs = [eng.submit(p, temperature=0, max_tokens=n) for p, n in zip(prompts, lens)]
+        assert [r.wait().tokens for r in reqs] == alone
+        assert eng.stats()["slot_moves"] >= 1
+
+
+def test_concurrent_requests_compute_a_shared_head_once(qwen_model):
+    """Four requests with one system prompt arriving together: the first prefills the head,
+    the others wait for it and copy its KV (not four prefills of it), each with the
+    tokens it gets alone."""
+    system = "You answer questions about a library's opening hours and loans. " + "Keep answers short. " * 90
+    asks = []
+    with reame.Engine(qwen_model, n_ctx=1024, n_slots=4) as eng:
+        for q in ("When do you open?", "Can I renew a loan?", "Is there wifi?", "Where is the entrance?"):
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            tokens = eng.chat_prompt(msgs)
+            asks.append((tokens, eng.prefix_boundary(msgs, tokens)))
+        head = asks[0][1][0]
+        solo = []
+        for tokens, snap in asks:
+            with reame.Engine(qwen_model, n_ctx=1024, n_slots=1) as one:
+                solo.append(one.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=16),
+                                         snap_at=snap)[0].wait().tokens)
+        reqs = [eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=16), snap_at=snap)[0]
+                for tokens, snap in asks]
+        res = [r.wait() for r in reqs]
+        st = eng.stats()
+    assert [r.tokens for r in res] == solo
+    assert st["shared_prefixes"] == 3 and sorted(r.n_cached_tok for r in res) == [0, head, head, head]
+    assert st["prefill_tokens"] == sum(len(t) for t, _ in asks) - 3 * head
+
+
+# == 20. Engine parts: the stores as plug-ins ==================================
+
+
+_WARM_SYSTEM = "You answer questions about a library's opening hours and loans. " + "Keep answers short. " * 90
+
+
+def test_warm_ahead_makes_the_head_resident_before_the_first_request(qwen_model):
+    """Engine.warm prefills a chat head while idle: the first request with it reuses all of
+    it (no prefill of the head), and its tokens are a cold run's."""
+    msgs = [{"role": "system", "content": _WARM_SYSTEM}, {"role": "user", "content": "When do you open?"}]
+    with reame.Engine(qwen_model, n_ctx=1024, n_slots=2) as cold_eng:
+        tokens = cold_eng.chat_prompt(msgs)
+        cold = cold_eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=12),
+                                 snap_at=cold_eng.prefix_boundary(msgs, tokens))[0].wait()
+    with reame.Engine(qwen_model, n_ctx=1024, n_slots=2) as eng:
+        head = eng.chat_head(msgs[0])
+        assert len(head) > 256 and len(head) % eng.chunk  # several chunks, and a cut at its end
+        warm = eng.warm(head).wait(300)
+        assert warm.finish_reason == "warm" and eng.stats()["warm_prefills"] == 1
+        before = eng.stats()["prefill_tokens"]
+        res = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=12),
+                           snap_at=eng.prefix_boundary(msgs, tokens))[0].wait()
+        assert res.n_cached_tok == len(head) and eng.stats()["prefill_tokens"] - before == len(tokens) - len(head)
+        assert res.tokens == cold.tokens
+        # warming what is resident already does nothing
+        assert eng.warm(head).wait(60).finish_reason == "cancelled" and eng.stats()["warm_prefills"] == 1
+
+
+def test_warm_ahead_yields_to_a_request_within_one_chunk(qwen_model):
+    """A request arriving while warm-ahead prefills waits at most the chunk being computed:
+    with one slot, the warm-ahead gives its slot back (what it prefilled stays resident)."""
+    long_prompt = "\n".join("Line %d of a long handbook about returns and refunds." % i for i in range(70))
+    with reame.Engine(qwen_model, n_ctx=1024, n_slots=1) as eng:
+        cold = eng.complete("Say hello.", temperature=0, max_tokens=8)
+        warm = eng.warm(long_prompt)
+        assert len(warm.prompt) > 4 * eng.chunk
+        deadline = time.monotonic() + 120
+        while eng.counters.n_warm_tok == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        w0 = eng.counters.n_warm_tok
+        assert 0 < w0 < len(warm.prompt) - eng.chunk
+        req = eng.submit("Say hello.", temperature=0, max_tokens=8)
+        next(iter(req))  # its first token: the warm-ahead has computed at most one more chunk since
+        w1 = eng.counters.n_warm_tok
+        assert w1 - w0 <= eng.chunk, (w0, w1)
+        assert req.wait().tokens == cold.tokens
+        assert warm.wait(60).finish_reason == "cancelled"
+        assert eng.stats()["warm_prefills"] == 0
+
+
+def test_idle_warm_ahead_from_the_head_history_and_after_a_restart(qwen_model, tmp_path):
+    """Idle, the engine prefills the chat heads requests came with most (not resident any
+    more); after a restart it restores them from the disk tier before any request."""
+    kv = str(tmp_path / "kv")
+    other = _WARM_SYSTEM.replace("library", "swimming pool")
+
+    def ask(eng, system, q):
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        tokens = eng.chat_prompt(msgs)
+        return eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=4),
+                            snap_at=eng.prefix_boundary(msgs, tokens))[0].wait()
+
+    def wait_for(cond):
+        deadline = time.monotonic() + 120
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert cond()
+
+    with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv) as eng:
+        eng.warmer.idle_s = 0.2
+        head = eng.chat_head({"role": "system", "content": _WARM_SYSTEM})
+        ask(eng, _WARM_SYSTEM, "When do you open?")
+        ask(eng, _WARM_SYSTEM, "Can I renew a loan?")
+        ask(eng, other, "Is there a kids pool?")  # its head takes the only slot
+        wait_for(lambda: eng.stats()["warm_prefills"] == 1)
+        assert ask(eng, _WARM_SYSTEM, "Where is the entrance?").n_cached_tok == len(head)
+    assert os.path.exists(os.path.join(kv, os.listdir(kv)[0], "heads.json"))
+    with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv) as eng:
+        eng.warmer.idle_s = 0.2
+        wait_for(lambda: eng.stats()["warm_prefills"] == 1)
+        assert eng.stats()["disk_hits"] == 1 and eng.stats()["warm_tokens"] == 0  # restored whole, not computed
+        res = ask(eng, _WARM_SYSTEM, "Do you open on Sundays?")
+        assert res.n_cached_tok == len(head)
+    heads = os.path.join(kv, os.listdir(kv)[0], "heads.json")
+    for bad in (b"[[", b'{"a": 1}', b"[1, 2]", json.dumps([["", [10 ** 9, 5], 9, 0]]).encode(), b"[" * 100000):
+        with open(heads, "wb") as f:  # damaged or crafted: ignored (logged), never a token outside the vocabulary
+            f.write(bad)
+        with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv) as eng:
+            eng.warmer.idle_s = 0.2
+            assert eng.heads.top(8, 1) == []
+            time.sleep(0.5)
+            assert eng.stats()["warm_prefills"] == 0 and eng.complete("Hi", temperature=0, max_tokens=2).tokens
+    with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv, warm_ahead=False) as eng:
+        eng.warmer.idle_s = 0.2
+        time.sleep(1.5)
+        assert eng.stats()["warm_prefills"] == 0 and not eng.slots.resident  # off: nothing prefilled ahead
+
+
+def test_serve_warm_file(tmp_path):
+    """serve --warm FILE: the heads are prefilled at start (progress in the log), and the
+    first request finds its head cached; a bad file is refused at start, naming its line."""
+    import re
+    warm = tmp_path / "warm.jsonl"
+    warm.write_text("# heads to warm\n" + json.dumps({"system": _WARM_SYSTEM}) + "\nThe quarterly report says\n")
+    env = dict(os.environ, REAME_HOME=str(tmp_path / "home"))
+    p = subprocess.Popen([sys.executable, "reame.py", "serve", _model_path("gemma3-270m"), "--port", "0", "--parallel", "2",
+                          "--warm", str(warm)], cwd=HERE, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line, log_lines = "", []
+        while "2/2 prompts ready" not in line:
+            line = p.stderr.readline()
+            assert line, "server exited: " + "".join(log_lines[-20:])
+            log_lines.append(line)
+        port = int(re.search(r":(\d+) ", next(x for x in log_lines if "serving" in x)).group(1))
+        body = {"messages": [{"role": "system", "content": _WARM_SYSTEM}, {"role": "user", "content": "Hi"}],
+                "temperature": 0, "max_tokens": 4}
+        status, payload = _http(types.SimpleNamespace(port=port), "POST", "/v1/chat/completions", body, key=None)
+        assert status == 200, payload
+        assert json.loads(payload)["usage"]["prompt_tokens_details"]["cached_tokens"] > 256
+    finally:
+        p.terminate()
+        p.wait(60)
+    warm.write_text('{"system": 3}\n')
+    out = subprocess.run([sys.executable, "reame.py", "serve", _model_path("gemma3-270m"), "--port", "0", "--warm", str(warm)],
+                         cwd=HERE, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "line 1" in out.stderr
+
+
+# == 21. Engine: the scheduler thread and continuous batching ==================
+
+
+def test_greedy_is_deterministic(qwen):
+    p = _chat(qwen, "Write a haiku about the sea.")
+    a = qwen.complete(p, temperature=0, max_tokens=24)
+    b = qwen.complete(p, temperature=0, max_tokens=24)
+    assert a.tokens == b.tokens and a.text == b.text
+    assert a.n_gen_tok == len(a.tokens) > 0
+    assert a.text.strip()
+
+
+def test_qwen_answers_sensibly(qwen):
+    r = qwen.complete(_chat(qwen, "What is the capital of France? Answer in one word."), temperature=0, max_tokens=10)
+    assert "Paris" in r.text
+    assert r.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("fixture", ["qwen", "gemma"])
+def test_batched_equals_alone(fixture, request):
+    """4 sequences decoded together in one batch give exactly the tokens each gives alone."""
+    eng = request.getfixturevalue(fixture)
+    prompts = [_chat(eng, p) for p in PROMPTS]
+    alone = [eng.complete(p, temperature=0, max_tokens=32).tokens for p in prompts]
+    steps0 = eng.counters.n_steps
+    reqs = [eng.submit(p, temperature=0, max_tokens=32) for p in prompts]
+    together = [r.wait().tokens for r in reqs]
+    assert together == alone
+    # they really shared steps: 4 x 32 tokens in far fewer than 4 x 32 steps
+    assert eng.counters.n_steps - steps0 < 2 * 32 + 8
+
+
+def test_every_decode_of_the_process_runs_on_one_thread(qwen, monkeypatch):
+    """Two engines (two scheduler threads) decode on the one compute thread: libgomp
+    gives each thread that starts parallel work its own team, and two teams on the
+    cores slowed every step of both engines (a 1.5B: 34 ms instead of 19 ms)."""
+    seen = set()
+    orig = reame.Context._decode_now
+
+    def record(self, b, rowwise):
+        seen.add(threading.current_thread().name)
+        return orig(self, b, rowwise)
+
+    monkeypatch.setattr(reame.Context, "_decode_now", record)
+    with reame.Engine(_model_path("gemma3-270m"), n_ctx=256, n_slots=1) as other:
+        a = other.submit("Say hi.", reame.SamplingParams(temperature=0, max_tokens=4))
+        b = qwen.submit("Say hi.", reame.SamplingParams(temperature=0, max_tokens=4))
+        assert a.wait().n_gen_tok and b.wait().n_gen_tok
+    assert seen == {"reame-compute"}
+
+
+def test_utf8_streams_whole_characters(qwen):
+    p = _chat(qwen, "Translate to Chinese and add two emoji at the end: 'I love sunny mornings.'")
+    req = qwen.submit(p, temperature=0, max_tokens=40)
+    pieces = list(req)
+    res = req.wait()
+    assert pieces and all("\ufffd" not in x for x in pieces)
+    assert "".join(pieces) == res.text
+    assert any(ord(c) > 0x2E80 for c in res.text), res.text  # CJK or emoji really came out
+    assert res.text == qwen.model.detokenize(res.tokens)
+
+
+def test_stop_strings_cut_exactly(qwen):
+    p = _chat(qwen, "List the days of the week, one per line.")
+    full = qwen.complete(p, temperature=0, max_tokens=60)
+    assert "Wednesday" in full.text, full.text
+    cut = qwen.complete(p, temperature=0, max_tokens=60, stop=("Wednesday",))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.index("Wednesday")]
+    # a stop string split across tokens, never seen in the output
+    s = full.text[full.text.index("Tuesday") + 2: full.text.index("Tuesday") + 6]
+    cut2 = qwen.complete(p, temperature=0, max_tokens=60, stop=("zzzz", s))
+    assert cut2.text == full.text[:full.text.index(s)]
+
+
+def test_max_tokens_gives_length(gemma):
+    r = gemma.complete("The quick brown fox", temperature=0, max_tokens=5)
+    assert r.finish_reason in ("length", "stop")
+    if r.finish_reason == "length":
+        assert r.n_gen_tok == 5
+
+
+def test_cancel_frees_the_slot():
+    eng = reame.Engine(_model_path("gemma3-270m"), n_ctx=512, n_slots=1)
+    try:
+        req = eng.submit("Once upon a time", temperature=0.8, seed=1, max_tokens=400)
+        it = iter(req)
+        next(it)
+        req.cancel()
+        res = req.wait(30)
+        assert res.finish_reason == "cancelled"
+        assert res.n_gen_tok < 400
+        # the only slot is free again: the next request runs to completion
+        r2 = eng.complete("Hello", temperature=0, max_tokens=4)
+        assert r2.finish_reason in ("length", "stop")
+        deadline = time.monotonic() + 5  # (the counts are the scheduler's after its step: a moment after the answer)
+        while (eng.stats()["active"] or eng.stats()["kv_cells_active"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = eng.stats()
+        assert st["active"] == 0 and st["kv_cells_active"] == 0
+        # the slot's KV is kept only as the memory tier's cache of the last prompt
+        assert eng.ctx.seq_pos_max(0) == st["kv_cells_cached"] - 1 < 16
+    finally:
+        eng.close()
+
+
+def test_prompt_too_long_is_a_request_error(gemma):
+    with pytest.raises(reame.RequestError) as e:
+        gemma.submit(list(range(10, 2000)))
+    assert "context" in str(e.value)
+    with pytest.raises(reame.RequestError):
+        gemma.submit([])
+
+
+def test_batched_equals_alone_long_prompts(gemma):
+    """Past 512 KV cells llama.cpp's CPU attention changes kernels; output must not."""
+    base = "Here is a long story about a kingdom by the sea, its kings, its ships and its people. " * 40
+    prompts = [_chat(gemma, base + q) for q in ["Summarize it.", "Who rules?", "List the ships.", "What next?"]]
+    assert all(len(p) > 600 for p in prompts)
+    alone = [gemma.complete(p, temperature=0, max_tokens=24).tokens for p in prompts]
+    reqs = [gemma.submit(p, temperature=0, max_tokens=24) for p in prompts]
+    assert [r.wait().tokens for r in reqs] == alone
+
+
+def test_n_choices_engine(qwen):
+    """n choices: one prefill, KV copied by seq_cp; greedy choices equal the single answer."""
+    p = _chat(qwen, "Name three primary colors.")
+    alone = qwen.complete(p, temperature=0, max_tokens=16)
+    pre = qwen.stats()
+    outs = [r.wait() for r in qwen.submit_n(p, reame.SamplingParams(temperature=0, max_tokens=16), 3)]
+    post = qwen.stats()
+    assert post["prefills"] == pre["prefills"] + 1
+    assert [o.tokens for o in outs] == [alone.tokens] * 3 and [o.index for o in outs] == [0, 1, 2]
+    # greedy choices are twins all the way: one row a step, the other two sample from it
+    assert post["decode_tokens"] - pre["decode_tokens"] <= len(alone.tokens)
+    assert post["twin_tokens"] - pre["twin_tokens"] >= 2 * len(alone.tokens)
+    with pytest.raises(reame.RequestError):
+        qwen.submit_n(p, None, 5)  # more choices than slots
+
+
+def test_twins_go_on_when_the_first_choice_is_cancelled(qwen):
+    """Cancelling the first of n greedy choices, whose rows its twins read, leaves the
+    others to finish on a copy of its KV, with the tokens they would have had."""
+    p = _chat(qwen, "Count from one to twenty in words, separated by commas.")
+    alone = qwen.complete(p, temperature=0, max_tokens=32)
+    reqs = qwen.submit_n(p, reame.SamplingParams(temperature=0, max_tokens=32), 3)
+    seen = 0
+    while seen < 4:  # a few tokens in, cancel choice 0
+        kind, _, i = reqs[0].events.get(timeout=120)
+        seen += kind == "text" and i == 0
+    reqs[0].cancel()
+    assert reqs[0].wait(120).finish_reason == "cancelled"
+    assert [r.wait(120).tokens for r in reqs[1:]] == [alone.tokens] * 2
+
+
+def test_greedy_same_without_numpy(gemma):
+    """numpy only accelerates: without it the greedy tokens are the same."""
+    prompt = "The three largest cities of Italy are"
+    want = gemma.complete(prompt, temperature=0, max_tokens=16).tokens
+    code = ("import sys, json\nsys.modules['numpy'] = None\nimport reame\n"
+            "e = reame.Engine(reame.resolve_model('gemma3-270m', pull=False), n_ctx=1024, n_slots=4)\n"
+            "print(json.dumps(e.complete(%r, temperature=0, max_tokens=16).tokens))\ne.close()\n" % prompt)
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
+
+
 # == 23. The Conclave: best-of-N in one batch, voted ===========================
 
 
@@ -2546,6 +2696,37 @@ def test_conclave_vote_majority_ties_and_unextractable():
     assert not vote(["8", "7", "9", "7"], 5)[2]                        # one more "8": a tie 8 wins
     assert not vote(["7", None, "8"], 5)[2] and vote(["7", "7", None, "8"], 5)[2]
     assert vote(["1", "2", "3", "4", "5"], 5) == ("1", {"1": 1, "2": 1, "3": 1, "4": 1, "5": 1}, True)
+
+
+def test_vote_regex_matches_like_re():
+    """The linear-time matcher finds what re.finditer finds (leftmost first, greedy or
+    lazy, empty matches, a repeated group's last capture), on random patterns."""
+    import random
+    import re
+
+    def ref(p, t):
+        last = None
+        for last in re.finditer(p, t):
+            pass
+        return last.group(1).strip() if last is not None and last.group(1) is not None else None
+    rng = random.Random(7)
+    atoms = ["a", "b", ".", "[ab]", "[^a]", "\\d", "\\w", "\\s", "\\b", "^", "$", "(a)", "(ab|b)", "(a*)", "(|a)",
+             "x?", "(?:a|)", "(b*?)"]
+    quant = ["", "*", "+", "?", "*?", "+?", "??", "{1,2}", "{0,2}?", "{2}"]
+    n = 0
+    for _ in range(1500):
+        p = "(" + "".join(rng.choice(atoms) + rng.choice(quant) for _ in range(rng.randint(1, 4))) + ")" + \
+            rng.choice(["", "*", "+?"])
+        try:
+            re.compile(p)
+            reame.check_extractor("regex:" + p)
+        except (re.error, reame.RequestError):
+            continue
+        for _ in range(3):
+            t = "".join(rng.choice("ab 1x\n") for _ in range(rng.randint(0, 12)))
+            assert reame.extract_answer(t, "regex:" + p) == ref(p, t), (p, t)
+            n += 1
+    assert n > 2000
 
 
 @pytest.fixture(scope="module")
@@ -2580,30 +2761,659 @@ def test_conclave_one_prefill_shared_steps_early_stop(qwen5):
         reame.run_conclave(eng, prompt, reame.SamplingParams(temperature=0), 3)
 
 
-# == 27. HTTP server (real socket on port 0, real model) =======================
+# == 24. Request bodies: OpenAI JSON to engine arguments =======================
+# Socketless: request bodies -> ApiRequest / SamplingParams, or the 400 naming the field.
 
 
-@pytest.fixture(scope="module")
-def server(gemma):
-    srv = reame.Server(gemma, "gemma3-270m", host="127.0.0.1", port=0, api_keys=["k1", "k2"])
-    t = threading.Thread(target=srv.serve_forever, name="test-server", daemon=True)
+def _api(body: dict, chat: bool = False, **kw):
+    """request_from_body as the server calls it: 4 slots, max_tokens capped at 256."""
+    args = dict(chat=chat, owner="", n_slots=4, max_tokens_cap=256, spec_default=reame.SpecOptions())
+    args.update(kw)
+    return reame.request_from_body(body, **args)
+
+
+_HI = [{"role": "user", "content": "Hi"}]
+_PERSON_SCHEMA = {"type": "object", "required": ["name", "age"],
+                  "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
+        "city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+_TIME = {"type": "function", "function": {"name": "get_time", "description": "The local time in a city.",
+                                          "parameters": {"type": "object", "required": ["city"],
+                                                         "properties": {"city": {"type": "string"}}}}}
+
+# (what, body, chat, request_from_body's other arguments, what the ApiRequest holds: a field,
+# "params.x" for its SamplingParams' x, "limit" for the most tokens it may answer a 10-token
+# prompt with in a 1024-token context). Completions bodies get "prompt": "Hi", chat bodies
+# "messages": _HI, where they have neither.
+_GOOD_BODIES = [
+    ("defaults", {}, False, {}, {
+        "params": reame.SamplingParams(max_tokens_cap=256), "limit": 256, "n": 1, "best_of": 1,
+        "stream": False, "include_usage": False, "session_id": None, "spec": None, "archive": "shared",
+        "replay": True, "prompt": "Hi", "messages": [], "chat": False}),
+    ("null is the default", {"temperature": None, "top_p": None, "stop": None, "max_tokens": None, "n": None,
+                             "seed": None, "stream": None, "reame": None, "response_format": None}, False, {},
+     {"params": reame.SamplingParams(max_tokens_cap=256), "n": 1, "stream": False}),
+    ("unknown top-level fields are ignored", {"user": "x", "metadata": {"k": "v"}, "logit_bias": {"1": 5},
+                                             "frobnicate": [1]}, False, {},
+     {"params": reame.SamplingParams(max_tokens_cap=256)}),
+    ("a prompt of one string in a list", {"prompt": ["Hi there"]}, False, {}, {"prompt": "Hi there"}),
+    ("max_tokens", {"max_tokens": 5}, False, {}, {"params.max_tokens": 5, "limit": 5}),
+    ("max_completion_tokens", {"max_completion_tokens": 7}, False, {}, {"params.max_tokens": 7, "limit": 7}),
+    ("max_tokens over max_completion_tokens", {"max_tokens": 5, "max_completion_tokens": 7}, False, {},
+     {"params.max_tokens": 5, "limit": 5}),
+    ("max_tokens past the cap: the ask kept, the cap bounds it", {"max_tokens": 5000}, False, {},
+     {"params.max_tokens": 5000, "params.max_tokens_cap": 256, "limit": 256}),
+    ("no cap: the context bounds it", {}, False, {"max_tokens_cap": None}, {"params.max_tokens": None, "limit": 1014}),
+    ("integers where floats go", {"temperature": 0, "top_p": 1, "min_p": 0, "repeat_penalty": 2,
+                                  "presence_penalty": -2, "frequency_penalty": 2}, False, {},
+     {"params.temperature": 0.0, "params.top_p": 1.0, "params.min_p": 0.0, "params.repeat_penalty": 2.0,
+      "params.presence_penalty": -2.0, "params.frequency_penalty": 2.0}),
+    ("the ends of the ranges", {"temperature": 2.0, "top_p": 1e-9, "min_p": 1.0, "top_k": 0, "seed": 0,
+                                "repeat_penalty": 100, "max_tokens": 1}, False, {},
+     {"params.temperature": 2.0, "params.top_p": 1e-9, "params.min_p": 1.0, "params.top_k": 0, "params.seed": 0,
+      "params.repeat_penalty": 100.0, "params.max_tokens": 1}),
+    ("the largest seed", {"seed": 2 ** 32 - 2}, False, {}, {"params.seed": 2 ** 32 - 2}),
+    ("stop as a string", {"stop": "END"}, False, {}, {"params.stop": ("END",)}),
+    ("stop as a list of four", {"stop": ["a", "b", "\n\n", "END"]}, False, {},
+     {"params.stop": ("a", "b", "\n\n", "END")}),
+    ("stream with usage", {"stream": True, "stream_options": {"include_usage": True}}, False, {},
+     {"stream": True, "include_usage": True}),
+    ("stream_options without usage", {"stream": True, "stream_options": {}}, False, {},
+     {"stream": True, "include_usage": False}),
+    ("n up to 16, past the 4 slots", {"n": 16}, False, {}, {"n": 16}),
+    ("n up to the slots, past 16", {"n": 20}, False, {"n_slots": 20}, {"n": 20}),
+    ("best_of samples at SAMPLED_TEMPERATURE unless told", {"best_of": 3}, False, {},
+     {"best_of": 3, "n": 1, "params.temperature": reame.SAMPLED_TEMPERATURE, "vote": "last_number",
+      "early_stop": True, "candidates": False}),
+    ("best_of with a temperature and the extension's fields",
+     {"best_of": 16, "temperature": 0.5, "reame": {"vote": r"regex:answer is (\d+)", "early_stop": False,
+                                                    "candidates": True}}, True, {},
+     {"best_of": 16, "params.temperature": 0.5, "vote": r"regex:answer is (\d+)", "early_stop": False,
+      "candidates": True}),
+    ("response_format text", {"response_format": {"type": "text"}}, False, {},
+     {"params.grammar": None, "params.schema": None}),
+    ("response_format json_object", {"response_format": {"type": "json_object"}}, False, {},
+     {"params.grammar": reame.JSON_OBJECT_GRAMMAR, "params.schema": None}),
+    ("response_format json_schema", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "p", "schema": _PERSON_SCHEMA}}}, True, {},
+     {"params.grammar": reame.json_schema_grammar(_PERSON_SCHEMA), "params.schema": _PERSON_SCHEMA}),
+    ("json_object with a schema (llama-server's extension)", {"response_format": {
+        "type": "json_object", "schema": _PERSON_SCHEMA}}, False, {},
+     {"params.grammar": reame.json_schema_grammar(_PERSON_SCHEMA), "params.schema": _PERSON_SCHEMA}),
+    ("a raw GBNF grammar", {"grammar": 'root ::= "a"'}, False, {}, {"params.grammar": 'root ::= "a"'}),
+    ("a raw grammar with response_format text", {"grammar": 'root ::= "a"', "response_format": {"type": "text"}},
+     False, {}, {"params.grammar": 'root ::= "a"'}),
+    ("the speculation override", {"reame": {"spec": "on", "spec_max": 8, "spec_sources": ["lookup", "suggest.json"]}},
+     False, {}, {"spec": reame.SpecOptions("on", 8, ("lookup", "suggest.json"))}),
+    ("an empty extension object", {"reame": {}}, False, {}, {"spec": None, "archive": "shared", "replay": True}),
+    ("the caller's archive scope", {}, False, {"owner": "0123abcd"}, {"archive": "0123abcd"}),
+    ("archive and replay off", {"reame": {"archive": False, "replay": False}}, False, {"owner": "0123abcd"},
+     {"archive": None, "replay": False}),
+    ("a session id in the body", {"session_id": "s1"}, True, {}, {"session_id": "s1"}),
+    ("a session id in the header wins", {"session_id": "s1"}, True, {"session_header": "s2"}, {"session_id": "s2"}),
+    ("completions logprobs", {"logprobs": 2}, False, {}, {"params.top_logprobs": 2}),
+    ("completions logprobs 0", {"logprobs": 0}, False, {}, {"params.top_logprobs": 0}),
+    ("chat logprobs with top_logprobs", {"logprobs": True, "top_logprobs": 20}, True, {},
+     {"params.top_logprobs": 20}),
+    ("chat logprobs alone", {"logprobs": True}, True, {}, {"params.top_logprobs": 0}),
+    ("chat logprobs false", {"logprobs": False}, True, {}, {"params.top_logprobs": None}),
+    ("chat roles: developer is system; text parts joined",
+     {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [
+         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}, {"role": "assistant", "content": "c"}]},
+     True, {}, {"chat": True, "prompt": "", "messages": [{"role": "system", "content": "Be brief."},
+                                                          {"role": "user", "content": "ab"},
+                                                          {"role": "assistant", "content": "c"}]}),
+    ("tool_choice none without tools", {"tool_choice": "none"}, True, {}, {"tools": [], "tool_choice": "none"}),
+    ("tools: auto by default", {"tools": [_WEATHER]}, True, {"tool_format": "hermes"},
+     {"tools": [_WEATHER], "tool_choice": "auto", "tool_format": "hermes", "parallel_tool_calls": True,
+      "params.grammar": None}),
+    ("tools: a named function is forced by a grammar", {"tools": [_WEATHER, _TIME], "tool_choice": {
+        "type": "function", "function": {"name": "get_time"}}, "parallel_tool_calls": False}, True,
+     {"tool_format": "hermes"},
+     {"tool_choice": "get_time", "parallel_tool_calls": False,
+      "params.grammar": reame.tools_grammar("hermes", [_WEATHER, _TIME], "get_time", False),
+      "params.schema": reame.tool_call_schema("hermes", [_WEATHER, _TIME], "get_time")}),
+]
+
+
+def _with_input(body: dict, chat: bool) -> dict:
+    if chat:
+        return body if "messages" in body else dict(body, messages=_HI)
+    return body if "prompt" in body else dict(body, prompt="Hi")
+
+
+@pytest.mark.parametrize("what,body,chat,kw,want", _GOOD_BODIES, ids=[g[0] for g in _GOOD_BODIES])
+def test_request_from_body_reads(what, body, chat, kw, want):
+    api = _api(_with_input(body, chat), chat, **kw)
+    for field, value in want.items():
+        if field == "limit":
+            got = api.params.token_limit(10, 1024)
+        else:
+            got = getattr(api.params, field[7:]) if field.startswith("params.") else getattr(api, field)
+        assert got == value and isinstance(got, bool) == isinstance(value, bool), (field, got, value)
+
+
+# (what, body, chat, request_from_body's other arguments, the field the 400 names, its code)
+_BAD_BODIES = [
+    # types: a bool is not a number (nor a number a bool), a string is not a number
+    ("temperature true", {"temperature": True}, False, {}, "temperature", "invalid_type"),
+    ("top_p true", {"top_p": True}, False, {}, "top_p", "invalid_type"),
+    ("top_k false", {"top_k": False}, False, {}, "top_k", "invalid_type"),
+    ("presence_penalty true", {"presence_penalty": True}, False, {}, "presence_penalty", "invalid_type"),
+    ("max_tokens true", {"max_tokens": True}, False, {}, "max_tokens", "invalid_type"),
+    ("max_completion_tokens true", {"max_completion_tokens": True}, False, {}, "max_completion_tokens",
+     "invalid_type"),
+    ("n true", {"n": True}, False, {}, "n", "invalid_type"),
+    ("seed true", {"seed": True}, False, {}, "seed", "invalid_type"),
+    ("completions logprobs true", {"logprobs": True}, False, {}, "logprobs", "invalid_type"),
+    ("temperature a string", {"temperature": "hot"}, False, {}, "temperature", "invalid_value"),
+    ("temperature a list", {"temperature": [1]}, False, {}, "temperature", "invalid_value"),
+    ("top_k a float", {"top_k": 1.5}, False, {}, "top_k", "invalid_value"),
+    ("seed a float", {"seed": 1.0}, False, {}, "seed", "invalid_value"),
+    ("max_tokens a float", {"max_tokens": 2.0}, False, {}, "max_tokens", "invalid_value"),
+    ("max_tokens a string", {"max_tokens": "10"}, False, {}, "max_tokens", "invalid_value"),
+    ("stream 1", {"stream": 1}, False, {}, "stream", "invalid_value"),
+    ("stream a string", {"stream": "yes"}, False, {}, "stream", "invalid_value"),
+    ("stream_options a string", {"stream_options": "x"}, False, {}, "stream_options", "invalid_value"),
+    ("chat logprobs a number", {"logprobs": 2}, True, {}, "logprobs", "invalid_value"),
+    # ranges
+    ("temperature above 2", {"temperature": 2.01}, False, {}, "temperature", "invalid_value"),
+    ("temperature below 0", {"temperature": -0.1}, False, {}, "temperature", "invalid_value"),
+    ("temperature huge", {"temperature": 1e308}, False, {}, "temperature", "invalid_value"),
+    ("top_p 0", {"top_p": 0}, False, {}, "top_p", "invalid_value"),
+    ("top_p above 1", {"top_p": 1.5}, False, {}, "top_p", "invalid_value"),
+    ("min_p above 1", {"min_p": 1.1}, False, {}, "min_p", "invalid_value"),
+    ("min_p below 0", {"min_p": -0.1}, False, {}, "min_p", "invalid_value"),
+    ("top_k below 0", {"top_k": -1}, False, {}, "top_k", "invalid_value"),
+    ("top_k 2^31", {"top_k": 2 ** 31}, False, {}, "top_k", "invalid_value"),
+    ("repeat_penalty 0", {"repeat_penalty": 0}, False, {}, "repeat_penalty", "invalid_value"),
+    ("repeat_penalty above 100", {"repeat_penalty": 101}, False, {}, "repeat_penalty", "invalid_value"),
+    ("presence_penalty above 2", {"presence_penalty": 3}, False, {}, "presence_penalty", "invalid_value"),
+    ("frequency_penalty below -2", {"frequency_penalty": -3}, False, {}, "frequency_penalty", "invalid_value"),
+    ("seed below 0", {"seed": -1}, False, {}, "seed", "invalid_value"),
+    ("seed 2^32-1", {"seed": 2 ** 32 - 1}, False, {}, "seed", "invalid_value"),
+    ("seed huge", {"seed": 10 ** 30}, False, {}, "seed", "invalid_value"),
+    ("max_tokens 0", {"max_tokens": 0}, False, {}, "max_tokens", "invalid_value"),
+    ("max_tokens below 0", {"max_tokens": -10 ** 30}, False, {}, "max_tokens", "invalid_value"),
+    ("max_completion_tokens 0", {"max_completion_tokens": 0}, False, {}, "max_completion_tokens",
+     "invalid_value"),
+    ("n 0", {"n": 0}, False, {}, "n", "invalid_value"),
+    ("n past 16 with 4 slots", {"n": 17}, False, {}, "n", "invalid_value"),
+    ("n past the 20 slots", {"n": 21}, False, {"n_slots": 20}, "n", "invalid_value"),
+    ("best_of 0", {"best_of": 0}, False, {}, "best_of", "invalid_value"),
+    ("best_of past 16", {"best_of": 17}, False, {}, "best_of", "invalid_value"),
+    ("completions logprobs past 20", {"logprobs": 21}, False, {}, "logprobs", "invalid_value"),
+    ("completions logprobs below 0", {"logprobs": -1}, False, {}, "logprobs", "invalid_value"),
+    ("chat top_logprobs past 20", {"logprobs": True, "top_logprobs": 21}, True, {}, "top_logprobs",
+     "invalid_value"),
+    # stop
+    ("stop a number", {"stop": 1}, False, {}, "stop", "invalid_value"),
+    ("stop an object", {"stop": {}}, False, {}, "stop", "invalid_value"),
+    ("stop a list with a number", {"stop": [1]}, False, {}, "stop", "invalid_type"),
+    ("stop a list with null", {"stop": [None]}, False, {}, "stop", "invalid_type"),
+    ("stop an empty string", {"stop": [""]}, False, {}, "stop", "invalid_value"),
+    ("stop five strings", {"stop": ["a", "b", "c", "d", "e"]}, False, {}, "stop", "invalid_value"),
+    # fields that go together, or not
+    ("best_of with n", {"best_of": 2, "n": 2}, False, {}, "best_of", "invalid_value"),
+    ("best_of at temperature 0", {"best_of": 2, "temperature": 0}, False, {}, "temperature", "invalid_value"),
+    ("best_of with a session", {"best_of": 2, "session_id": "s"}, True, {}, "best_of", "invalid_value"),
+    ("n with a session", {"n": 2, "session_id": "s"}, True, {}, "n", "invalid_value"),
+    ("top_logprobs without logprobs", {"top_logprobs": 2}, True, {}, "top_logprobs", "invalid_value"),
+    ("logprobs with best_of", {"logprobs": True, "best_of": 2}, True, {}, "logprobs", "invalid_value"),
+    # response_format and grammar
+    ("response_format a string", {"response_format": "json"}, False, {}, "response_format", "invalid_value"),
+    ("response_format of an unknown type", {"response_format": {"type": "xml"}}, False, {},
+     "response_format.type", "invalid_value"),
+    ("json_schema without its schema", {"response_format": {"type": "json_schema"}}, False, {},
+     "response_format.json_schema", "invalid_value"),
+    ("json_schema whose schema is not an object", {"response_format": {"type": "json_schema", "json_schema": {
+        "schema": "x"}}}, False, {}, "response_format.json_schema", "invalid_value"),
+    ("a grammar and a JSON response_format", {"grammar": 'root ::= "a"', "response_format": {
+        "type": "json_object"}}, False, {}, "grammar", "invalid_value"),
+    ("a grammar that is not a string", {"grammar": 5}, False, {}, "grammar", "invalid_value"),
+    # the "reame" extension object: only its own fields, each of the right kind
+    ("reame not an object", {"reame": "on"}, False, {}, "reame", "invalid_value"),
+    ("reame with an unknown field", {"reame": {"bogus": 1}}, False, {}, "reame.bogus", "invalid_value"),
+    ("reame with a known and an unknown field", {"reame": {"spec": "on", "specs": "on"}}, False, {},
+     "reame.specs", "invalid_value"),
+    ("reame.spec unknown", {"reame": {"spec": "sometimes"}}, False, {}, "spec", "invalid_value"),
+    ("reame.spec_max 0", {"reame": {"spec_max": 0}}, False, {}, "spec_max", "invalid_value"),
+    ("reame.spec_max past 32", {"reame": {"spec_max": 33}}, False, {}, "spec_max", "invalid_value"),
+    ("reame.spec_sources unknown", {"reame": {"spec_sources": ["oracle"]}}, False, {}, "reame.spec_sources",
+     "invalid_value"),
+    ("reame.archive not a bool", {"reame": {"archive": "no"}}, False, {}, "archive", "invalid_value"),
+    ("reame.replay not a bool", {"reame": {"replay": 0}}, False, {}, "replay", "invalid_value"),
+    ("reame.vote unknown", {"best_of": 2, "reame": {"vote": "nope"}}, False, {}, "vote", "invalid_value"),
+    ("reame.early_stop not a bool", {"best_of": 2, "reame": {"early_stop": "x"}}, False, {}, "early_stop",
+     "invalid_value"),
+    # the input: a prompt string, or messages
+    ("no prompt", {"prompt": None}, False, {}, "prompt", "invalid_value"),
+    ("a prompt that is a number", {"prompt": 5}, False, {}, "prompt", "invalid_value"),
+    ("a prompt of two strings", {"prompt": ["a", "b"]}, False, {}, "prompt", "invalid_value"),
+    ("a prompt of token ids", {"prompt": [1, 2]}, False, {}, "prompt", "invalid_value"),
+    ("no messages", {"messages": None}, True, {}, "messages", "invalid_value"),
+    ("no message", {"messages": []}, True, {}, "messages", "invalid_value"),
+    ("messages a string", {"messages": "hi"}, True, {}, "messages", "invalid_value"),
+    ("a message that is a number", {"messages": [1]}, True, {}, "messages[0]", "invalid_value"),
+    ("a role that is a number", {"messages": [{"role": 1, "content": "x"}]}, True, {}, "messages[0]",
+     "invalid_value"),
+    ("an unknown role", {"messages": [{"role": "wizard", "content": "x"}]}, True, {}, "messages[0].role",
+     "invalid_value"),
+    ("a capitalized role", {"messages": [{"role": "System", "content": "x"}]}, True, {}, "messages[0].role",
+     "invalid_value"),
+    ("a tool turn without a tool format", {"messages": [{"role": "tool", "content": "x"}]}, True, {},
+     "messages[0].role", "invalid_value"),
+    ("content a number", {"messages": [{"role": "user", "content": 3}]}, True, {}, "messages[0].content",
+     "invalid_value"),
+    ("no content", {"messages": [{"role": "user"}]}, True, {}, "messages[0].content", "invalid_value"),
+    ("an image part", {"messages": [{"role": "user", "content": [{"type": "image"}]}]}, True, {},
+     "messages[0].content", "invalid_value"),
+    ("a text part that is a number", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     True, {}, "messages[0].content", "invalid_value"),
+    # tools
+    ("tools with a model that has no tool format", {"tools": [_WEATHER]}, True, {}, "tools",
+     "tools_not_supported"),
+    ("tool_choice required without tools", {"tool_choice": "required"}, True, {}, "tool_choice",
+     "invalid_value"),
+    ("tool_choice unknown", {"tools": [_WEATHER], "tool_choice": "sometimes"}, True, {"tool_format": "hermes"},
+     "tool_choice", "invalid_value"),
+    ("tool_choice naming no tool", {"tools": [_WEATHER], "tool_choice": {"type": "function", "function": {
+        "name": "nope"}}}, True, {"tool_format": "hermes"}, "tool_choice", "invalid_value"),
+    ("a tool with a bad name", {"tools": [{"type": "function", "function": {"name": "bad name"}}]}, True,
+     {"tool_format": "hermes"}, "tools", "invalid_value"),
+    ("tools with best_of", {"tools": [_WEATHER], "best_of": 2}, True, {"tool_format": "hermes"}, "tools",
+     "invalid_value"),
+    ("a forced tool call and a response_format", {"tools": [_WEATHER], "tool_choice": "required",
+                                                  "response_format": {"type": "json_object"}}, True,
+     {"tool_format": "hermes"}, "tool_choice", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("what,body,chat,kw,field,code", _BAD_BODIES, ids=[b[0] for b in _BAD_BODIES])
+def test_request_from_body_refuses(what, body, chat, kw, field, code):
+    """A 400 whose code is the reason and which names the field at fault: in ``param``
+    (OpenAI's error.param) where the error carries one, else in its message."""
+    body = {k: v for k, v in _with_input(body, chat).items() if v is not None}
+    with pytest.raises(reame.RequestError) as e:
+        _api(body, chat, **kw)
+    err = e.value
+    assert (err.status, err.code) == (400, code), (err.status, err.code, err.message)
+    assert err.param == field or (err.param is None and "'%s'" % field in err.message), (err.param, err.message)
+    if code == "invalid_type":  # the type checks name the field in param
+        assert err.param == field
+
+
+def test_params_from_body_is_request_from_bodys_sampling():
+    """params_from_body: the SamplingParams of a body (with the server's cap on max_tokens),
+    the same as request_from_body's wherever best_of, logprobs and tools leave them alone."""
+    assert reame.params_from_body({}, 100) == reame.SamplingParams(max_tokens_cap=100)
+    assert reame.params_from_body({"max_tokens": 5, "stop": "x", "temperature": 0, "seed": 3}, 100) == \
+        reame.SamplingParams(max_tokens=5, stop=("x",), temperature=0.0, seed=3, max_tokens_cap=100)
+    p = reame.params_from_body({"max_completion_tokens": 500}, 100)
+    assert (p.max_tokens, p.token_limit(10, 1024), p.token_limit(1000, 1024)) == (500, 100, 24)
+    for what, body, chat, kw, _ in _GOOD_BODIES:
+        if not {"best_of", "logprobs", "tools"} & set(body):
+            cap = kw.get("max_tokens_cap", 256)
+            assert reame.params_from_body(body, cap) == _api(_with_input(body, chat), chat, **kw).params, what
+    with pytest.raises(reame.RequestError) as e:
+        reame.params_from_body({"temperature": True}, 100)
+    assert e.value.param == "temperature" and e.value.code == "invalid_type"
+
+
+def test_llama3_tool_format_as_its_template_writes_it(qwen, monkeypatch):
+    """Llama 3.1's JSON tool calling (no Llama GGUF here: the format itself, rendered by
+    llama.cpp's built-in llama3 formatter): tools as indented JSON in the first user turn,
+    a call as the whole answer, results as ipython turns; forced calls by a grammar; a
+    streamed answer held back only when it opens as a call."""
+    from types import SimpleNamespace
+    assert reame.tool_format(SimpleNamespace(chat_template='{{ "<|start_header_id|>" }} ipython')) == "llama3"
+    assert reame.tool_format(qwen.model) == "hermes" and reame.tool_format(SimpleNamespace(chat_template="x")) is None
+    msgs = reame._messages_from_body({"messages": [
+        {"role": "user", "content": "Weather in Paris? "},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]}, tools_ok=True)
+    monkeypatch.setattr(qwen.model, "chat_template", "llama3")
+    text = qwen.model.apply_chat_template(reame.tool_messages("llama3", msgs, [_WEATHER]))
+    tools_json = json.dumps(_WEATHER, indent=4)
+    assert text == (
+        "<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\nCutting Knowledge Date: December 2023\n"
+        "Today Date: 26 Jul 2024<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nGiven the following "
+        "functions, please respond with a JSON for a function call with its proper arguments that best answers the "
+        "given prompt.\n\nRespond in the format {\"name\": function name, \"parameters\": dictionary of argument "
+        "name and its value}.Do not use variables.\n\n" + tools_json + "\n\nWeather in Paris?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"get_weather\", \"parameters\": "
+        "{\"city\": \"Paris\", \"unit\": \"celsius\"}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n"
+        "18 C<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"), text
+    content, calls = reame.parse_tool_calls("llama3", ' {"name": "get_weather", "parameters": {"city": "Rome"}}')
+    assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+    assert reame.parse_tool_calls("llama3", "It is sunny.") == ("It is sunny.", [])
+    api = reame.request_from_body({"messages": [{"role": "user", "content": "Hi"}], "tools": [_WEATHER, _TIME],
+                                   "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+                                  chat=True, owner="", n_slots=4, max_tokens_cap=64,
+                                  spec_default=reame.SpecOptions(), tool_format="llama3")
+    assert api.params.grammar.startswith('root ::= "{\\"name\\": " ( "\\"get_time\\", \\"parameters\\": "')
+    reame.gbnf_check(api.params.grammar)
+    assert set(api.params.schema["properties"]) == {"name", "parameters"}
+    held = reame._ToolText("llama3")
+    assert [held.feed(t) for t in (" ", '{"na', 'me": "x"}')] == ["", "", ""] and held.rest == ' {"name": "x"}'
+    prose = reame._ToolText("llama3")
+    assert [prose.feed(t) for t in ("\n", "It", " is")] == ["", "\nIt", " is"]
+
+
+# == 25. Sessions: conversations the server keeps ==============================
+
+
+def test_server_sessions(server, gemma):
+    """A second turn sends only the new message and answers with the earlier context.
+    cache_reuse=exact: it reuses the whole prefilled chunks and equals a stateless
+    request with the whole history; cache_reuse=all: it computes only the new tokens.
+    Another key can neither see nor continue the session."""
+    sys_msg = {"role": "system", "content": "You are a helpful assistant. " * 40}
+    new_turn = {"role": "user", "content": "What is my name?"}
+    for mode in ("exact", "all"):
+        sid = "s-ada-" + mode
+        gemma.cache_reuse = mode
+        try:
+            first = {"messages": [sys_msg, {"role": "user", "content": "My name is Ada. Say OK."}],
+                     "temperature": 0, "max_tokens": 8, "session_id": sid}
+            status, payload = _http(server, "POST", "/v1/chat/completions", first)
+            assert status == 200, payload
+            u1 = json.loads(payload)["usage"]
+            pre = gemma.stats()["prefill_tokens"]
+            status, payload = _http(server, "POST", "/v1/chat/completions",
+                                    {"messages": [new_turn], "temperature": 0, "max_tokens": 8},
+                                    headers={"X-Reame-Session": sid})
+            assert status == 200, payload
+            out = json.loads(payload)
+            u2 = out["usage"]
+            cached = u2["prompt_tokens_details"]["cached_tokens"]
+            computed = gemma.stats()["prefill_tokens"] - pre
+            # the prompt held the whole history; only the uncached part was computed
+            assert u2["prompt_tokens"] > u1["prompt_tokens"] + u1["completion_tokens"]
+            assert computed == u2["prompt_tokens"] - cached
+            if mode == "exact":  # whole 128-token chunks of the first prompt
+                assert cached == u1["prompt_tokens"] // gemma.chunk * gemma.chunk > 0
+            else:  # everything but the new turn's own tokens (and the template around them)
+                assert cached >= u1["prompt_tokens"] + u1["completion_tokens"] - 2 and computed < 20
+            status, payload = _http(server, "GET", "/v1/sessions/" + sid)
+            sess = json.loads(payload)
+            assert status == 200 and len(sess["messages"]) == 5 and sess["tokens"] > u2["prompt_tokens"]
+            assert sess["messages"][:2] == first["messages"] and sess["messages"][3] == new_turn
+            assert sess["messages"][4] == out["choices"][0]["message"]
+            if mode == "exact":  # the same answer as a stateless request with the whole history
+                status, payload = _http(server, "POST", "/v1/chat/completions",
+                                        {"messages": sess["messages"][:4], "temperature": 0, "max_tokens": 8})
+                assert json.loads(payload)["choices"][0]["message"] == out["choices"][0]["message"]
+        finally:
+            gemma.cache_reuse = "exact"
+        # ids are per key: k2 cannot see k1's session, and its own "sid" is another conversation
+        assert _http(server, "GET", "/v1/sessions/" + sid, key="k2")[0] == 404
+        assert _http(server, "DELETE", "/v1/sessions/" + sid, key="k2")[0] == 404
+        assert _http(server, "POST", "/v1/chat/completions", {"messages": [new_turn], "session_id": sid,
+                                                              "max_tokens": 2}, key="k2")[0] == 200
+        status, payload = _http(server, "GET", "/v1/sessions/" + sid, key="k2")
+        assert status == 200 and json.loads(payload)["messages"][0] == new_turn
+        assert len(json.loads(payload)["messages"]) == 2
+        assert _http(server, "DELETE", "/v1/sessions/" + sid, key="k2")[0] == 200
+        status, payload = _http(server, "GET", "/v1/sessions/" + sid)
+        assert status == 200 and len(json.loads(payload)["messages"]) == 5  # k1's, untouched
+        assert _http(server, "DELETE", "/v1/sessions/" + sid)[0] == 200
+        assert _http(server, "GET", "/v1/sessions/" + sid)[0] == 404
+        # a deleted session is not silently restarted
+        assert _http(server, "POST", "/v1/chat/completions", {"messages": [new_turn], "session_id": sid,
+                                                              "max_tokens": 2})[0] == 404
+    deadline = time.monotonic() + 10
+    while any(r.tag for r in list(gemma.slots.resident.values())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(r.tag for r in list(gemma.slots.resident.values()))  # their resident KV went with them
+
+
+def test_server_sessions_survive_a_restart(gemma, tmp_path):
+    """With a session directory, a conversation continues on a new server (a restart),
+    still scoped to its key; the files are 0600."""
+    store = str(tmp_path / "sessions")
+
+    def start():
+        srv = reame.Server(gemma, "g", host="127.0.0.1", port=0, api_keys=["k1", "k2"], session_dir=store)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return srv
+    a = start()
+    try:
+        first = {"messages": [{"role": "user", "content": "My name is Ada."}], "max_tokens": 4,
+                 "temperature": 0, "session_id": "persist"}
+        assert _http(a, "POST", "/v1/chat/completions", first)[0] == 200
+    finally:
+        a.shutdown()
+    files = list(pathlib.Path(store).rglob("*.json"))
+    assert len(files) == 1 and files[0].stat().st_mode & 0o777 == 0o600
+    b = start()
+    try:
+        status, payload = _http(b, "POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "What is my name?"}], "max_tokens": 4, "temperature": 0,
+            "session_id": "persist"})
+        assert status == 200, payload
+        status, payload = _http(b, "GET", "/v1/sessions/persist")
+        msgs = json.loads(payload)["messages"]
+        assert len(msgs) == 4 and msgs[0] == first["messages"][0]
+        assert _http(b, "GET", "/v1/sessions/persist", key="k2")[0] == 404
+        assert _http(b, "DELETE", "/v1/sessions/persist")[0] == 200
+        assert not list(pathlib.Path(store).rglob("*.json"))
+    finally:
+        b.shutdown()
+
+
+def test_a_session_is_free_when_its_answer_ends(server):
+    """The next turn may come the moment the last byte of the answer arrives (a client
+    that sends it on data: [DONE] got a 409 while the server still held the session)."""
+    sid = "s-quick-%s" % os.urandom(4).hex()
+    for i in range(6):
+        body = {"prompt": "Count: %d" % i, "max_tokens": 2, "session_id": sid, "stream": i % 2 == 0}
+        status, payload = _http(server, "POST", "/v1/completions", body)
+        assert status == 200, (i, payload[:200])
+    assert _http(server, "DELETE", "/v1/sessions/" + sid)[0] == 200
+
+
+# == 26. HTTP requests: routes and answers =====================================
+# Socketless first: the handler runs over in-memory streams, as CPython's test_httpservers
+# drives BaseHTTPRequestHandler: the request's bytes come from a BytesIO, the answer goes to
+# a buffer. The Server has no engine ("loading"): its listening socket is bound on port 0,
+# but no request goes through it.
+
+
+class _MemoryConnection:
+    """A connection whose bytes are in memory: the handler reads the request through
+    makefile() (a BytesIO) and writes its answer through sendall() (http.server's
+    unbuffered writer), so no socket is involved."""
+
+    def __init__(self, data: bytes):
+        self.data, self.sent, self.shut = data, bytearray(), False
+
+    def makefile(self, mode, bufsize=-1):
+        assert "r" in mode, mode
+        return io.BytesIO(self.data)
+
+    def sendall(self, data) -> None:
+        self.sent += data
+
+    def settimeout(self, timeout) -> None:
+        pass
+
+    def setsockopt(self, *args) -> None:
+        pass
+
+    def shutdown(self, how) -> None:  # (the slow-client watchdog's; must not come here)
+        self.shut = True
+
+
+def _parse_responses(data: bytes) -> list:
+    """The HTTP responses in data, in order: [(status, headers with lower-case names, body)]."""
+    out = []
+    while data:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        assert sep, data[:200]
+        lines = head.decode("latin-1").split("\r\n")
+        m = re.match(r"HTTP/1\.1 (\d{3}) ", lines[0])
+        assert m, lines[0]
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers.setdefault(name.strip().lower(), value.strip())
+        n = int(headers["content-length"])
+        out.append((int(m.group(1)), headers, rest[:n]))
+        data = rest[n:]
+    return out
+
+
+def _exchange(srv, data: bytes) -> list:
+    """What the server's handler answers on one connection whose bytes are data."""
+    conn = _MemoryConnection(data)
+    srv.httpd.RequestHandlerClass(conn, ("127.0.0.1", 40000), srv.httpd)
+    assert not conn.shut
+    return _parse_responses(bytes(conn.sent))
+
+
+def _one(srv, data: bytes) -> tuple:
+    responses = _exchange(srv, data)
+    assert len(responses) == 1, responses
+    return responses[0]
+
+
+def _openai_error(resp, status: int, code: str) -> dict:
+    """The error of an answer that must be OpenAI's error JSON with this status and code."""
+    got, headers, body = resp
+    assert got == status and headers["content-type"] == "application/json", (got, headers, body[:300])
+    err = json.loads(body)["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"], err
+    assert err["code"] == code and err["type"] == ("authentication_error" if status == 401 else
+                                                   "invalid_request_error" if status < 500 else "server_error"), err
+    return err
+
+
+class _UntouchableEngine:
+    """An engine the handler must not consult: a request it refuses for its framing or its
+    body is refused before the engine is asked anything."""
+
+    def __getattr__(self, name):
+        raise AssertionError("the handler asked the engine for %r before refusing the request" % name)
+
+
+@pytest.fixture
+def memory_server():
+    """An engine-less Server with the keys k1 and k2, closed afterwards (serve_forever runs
+    in a thread only so that shutdown(), which waits for it to end, returns)."""
+    srv = reame.Server(None, "m", host="127.0.0.1", port=0, api_keys=["k1", "k2"], secret=b"s" * 32,
+                       max_body_in_flight=64 << 10)
+    t = threading.Thread(target=srv.serve_forever, name="test-memory-server", daemon=True)
     t.start()
     yield srv
     srv.shutdown()
+    t.join(10)
 
 
-def _http(srv, method, path, body=None, key="k1", raw=None, headers=None):
-    import http.client
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
-    h = dict(headers or {})
-    if key:
-        h["Authorization"] = "Bearer " + key
-    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    conn.request(method, path, body=data, headers=h)
-    resp = conn.getresponse()
-    payload = resp.read()
-    conn.close()
-    return resp.status, payload
+def test_handler_health_says_loading_and_keeps_the_connection(memory_server):
+    responses = _exchange(memory_server, _raw_head("GET", "/health") * 2)
+    assert [(s, json.loads(b)) for s, _, b in responses] == [(503, {"status": "loading"})] * 2
+    assert all(h.get("connection") != "close" for _, h, _ in responses)  # HTTP/1.1: one connection, two answers
+
+
+@pytest.mark.parametrize("auth", [None, "Bearer wrong", "Bearer k1x", "Bearer ", "Basic azE=", "k1", "Bearerk1"])
+def test_handler_refuses_a_missing_or_wrong_key(memory_server, auth):
+    for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+                         ("POST", "/v1/chat/completions"), ("POST", "/v1/embeddings"), ("GET", "/v1/sessions/s"),
+                         ("DELETE", "/v1/sessions/s")):
+        body = b'{"prompt": "Hi"}' if method == "POST" else b""
+        resp = _one(memory_server, _raw_head(method, path, body=body, headers=[("Authorization", auth)] if auth else []))
+        _openai_error(resp, 401, "invalid_api_key")
+        assert resp[1]["www-authenticate"] == "Bearer", resp[1]
+
+
+def test_handler_answers_503_while_loading(memory_server):
+    """A good key gets past the door; with no engine yet every API route answers 503."""
+    for key, method, path, body in (("k1", "GET", "/v1/models", b""), ("k2", "GET", "/metrics", b""),
+                                    ("k1", "POST", "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2}'),
+                                    ("k2", "POST", "/v1/chat/completions", json.dumps({"messages": _HI}).encode()),
+                                    ("k1", "POST", "/v1/embeddings", b'{"input": "Hi"}'),
+                                    ("k1", "GET", "/v1/sessions/s", b"")):
+        _openai_error(_one(memory_server, _raw_head(method, path, key, body)), 503, "loading")
+    resp = _one(memory_server, _raw_head("GET", "/v1/models", headers=[("Authorization", "bEaReR k2")]))
+    _openai_error(resp, 503, "loading")  # the scheme is case-insensitive
+
+
+def test_handler_unknown_routes_and_methods(memory_server):
+    for method, path in (("GET", "/v1/nope"), ("POST", "/v1/nope"), ("GET", "/"), ("GET", "/v1"),
+                         ("GET", "/v2/completions"), ("GET", "/v1/completions/x"), ("GET", "/healthz")):
+        err = _openai_error(_one(memory_server, _raw_head(method, path, "k1")), 404, "not_found")
+        assert path in err["message"]
+    for method, path in (("DELETE", "/v1/models"), ("PUT", "/health"), ("GET", "/v1/completions"),
+                         ("PATCH", "/v1/chat/completions"), ("POST", "/v1/sessions/s"), ("OPTIONS", "/metrics")):
+        err = _openai_error(_one(memory_server, _raw_head(method, path, "k1")), 405, "method_not_allowed")
+        assert method in err["message"]
+
+
+def test_handler_refuses_what_it_cannot_frame(memory_server):
+    """Chunked bodies and odd Content-Lengths are refused and the connection closed: what
+    follows them is never read as another request."""
+    inner = _raw_head("GET", "/health")
+    chunked = _raw_head("POST", "/v1/completions", "k1", b"5\r\n{\"a\":\r\n0\r\n\r\n", length=False,
+                        headers=[("Transfer-Encoding", "chunked")])
+    _openai_error(_one(memory_server, chunked + inner), 411, "http_411")  # (one answer: inner is not read)
+    for lengths in (["+5"], ["5_0"], ["0x10"], [" 1 2"], ["-5"], ["99999999999999"], ["5", "5"], ["5", "7"]):
+        head = _raw_head("POST", "/v1/completions", "k1", b'{"a":', length=False,
+                         headers=[("Content-Length", v) for v in lengths])
+        _openai_error(_one(memory_server, head + inner), 400, "http_400")
+    # http.server's own refusals are OpenAI JSON too, not its HTML page
+    many = _raw_head("GET", "/health", headers=[("X-H%d" % i, "v") for i in range(101)])
+    _openai_error(_one(memory_server, many), 431, "http_431")
+
+
+def test_handler_answers_a_refused_request_once(memory_server):
+    """A request refused before its body is read (wrong key, no route, wrong method) closes
+    the connection: its body, here a request with a good key, is never answered."""
+    inner = _raw_head("GET", "/v1/models", "k1")
+    for key, path, status in (("wrong", "/v1/completions", 401), ("k1", "/v1/nope", 404), ("k1", "/health", 405)):
+        status_got, headers, _ = _one(memory_server, _raw_head("POST", path, key, inner) + inner)
+        assert (status_got, headers["connection"]) == (status, "close")
+
+
+def test_handler_refuses_bad_bodies_before_the_engine(memory_server):
+    """With a key and an engine: bodies that are not a JSON object, a Content-Length past
+    8 MiB (refused from the head alone: no body byte is read), a body past the server's
+    in-flight budget, a body cut short: each a clear error, the engine never asked."""
+    memory_server.engine = _UntouchableEngine()
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
+        for raw in (b"{not json", b"\xff\xfe\x00", b"[1, 2]", b"null", b"42", b'"str"', b'{"prompt": "a",}',
+                    b"{" * 5000 + b"}" * 5000, b'{"prompt": "\xc3\x28"}'):
+            err = _openai_error(_one(memory_server, _raw_head("POST", path, "k1", raw)), 400, "invalid_json")
+            assert "JSON" in err["message"], (path, raw[:20])
+    head = _raw_head("POST", "/v1/completions", "k1", b"", length=False, headers=[("Content-Length", str(9 << 20))])
+    resp = _one(memory_server, head)  # the head only: a handler that read the body would find it short
+    _openai_error(resp, 413, "body_too_large")
+    assert resp[1]["connection"] == "close"
+    big = json.dumps({"prompt": "Hi " * 40000}).encode()  # 120 KB, past this server's 64 KB in flight
+    resp = _one(memory_server, _raw_head("POST", "/v1/completions", "k1", big))
+    _openai_error(resp, 503, "busy")
+    assert resp[1]["retry-after"] == "1" and resp[1]["connection"] == "close"
+    short = _raw_head("POST", "/v1/completions", "k1", b'{"prompt": "Hi"}', length=False,
+                      headers=[("Content-Length", "100")]) + b'{"prompt": "Hi"}'
+    resp = _one(memory_server, short)
+    _openai_error(resp, 400, "invalid_request")
+    assert resp[1]["connection"] == "close"
+    assert memory_server.body_in_flight == 0  # every budget reserved was given back
+    memory_server.engine = None
+
+
+def test_handler_counts_its_answers(memory_server):
+    before = dict(memory_server.n_requests)
+    _exchange(memory_server, _raw_head("GET", "/v1/models") + _raw_head("GET", "/v1/nope"))
+    _exchange(memory_server, _raw_head("GET", "/v1/models", "k1"))
+    got = {k: v - before.get(k, 0) for k, v in memory_server.n_requests.items()}
+    assert {k: v for k, v in got.items() if v} == {401: 1, 404: 1, 503: 1}
+
+
+# Over a real socket on port 0, with gemma3-270m: the module's server fixture.
 
 
 def test_server_chat_matches_in_process_greedy(server, gemma):
@@ -2699,22 +3509,6 @@ def test_server_max_completion_tokens_obeys_the_caps(server):
         assert status == 200 and json.loads(payload)["usage"]["completion_tokens"] <= 3, (field, payload)
 
 
-def test_server_bearer_is_case_insensitive_and_binds_ipv6(gemma):
-    import http.client
-    srv = reame.Server(gemma, "g", host="::1", port=0, api_keys=["k1"])
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        for scheme in ("Bearer", "bearer", "BEARER"):
-            conn = http.client.HTTPConnection("::1", srv.port, timeout=30)
-            conn.request("GET", "/v1/models", headers={"Authorization": scheme + " k1"})
-            resp = conn.getresponse()
-            resp.read()
-            conn.close()
-            assert resp.status == 200, scheme
-    finally:
-        srv.shutdown()
-
-
 @pytest.mark.parametrize("method,path,body,raw,status", [
     ("POST", "/v1/completions", None, b"{not json", 400),
     ("POST", "/v1/completions", None, b"\xff\xfe\x00", 400),
@@ -2739,21 +3533,88 @@ def test_server_bad_requests_get_json_4xx(server, method, path, body, raw, statu
     assert _http(server, "GET", "/health", key=None)[0] == 200  # still up
 
 
-def test_server_body_too_large(server):
-    """Refused from the Content-Length alone, before reading the body."""
-    import socket
-    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n"
-              b"Content-Length: %d\r\n\r\n{" % (9 << 20))
-    reply = b""
-    while b"}}" not in reply:
-        chunk = s.recv(4096)
-        if not chunk:
-            break
-        reply += chunk
-    s.close()
-    assert reply.startswith(b"HTTP/1.1 413")
-    assert "error" in json.loads(reply.split(b"\r\n\r\n", 1)[1])
+def _malformed_requests():
+    """About 200 bad requests: (method, path, raw body, extra headers)."""
+    cases = [("POST", "/v1/completions", raw, {}) for raw in (
+        b"", b"{", b"{not json", b"[1, 2]", b"null", b"42", b'"str"', b"\xff\xfe\x00", b'{"prompt": "\xc3\x28"}',
+        b'{"prompt": "a",}', b"{" * 5000 + b"}" * 5000, b'{"prompt": NaN}', b'\x00\x00')]
+    fields = {
+        "max_tokens": [-1, 0, 10 ** 30, -10 ** 30, 1.5, "10", True, [], {}],
+        "max_completion_tokens": [-5, 0, "x", 2.5],
+        "temperature": [-1, 3, 1e308, -1e308, "hot", True, [], {}],
+        "top_p": [0, -0.5, 1.5, "x", 10 ** 30],
+        "top_k": [-1, 10 ** 30, 1.5, "x", -10 ** 30],
+        "min_p": [-0.1, 1.1, "x"],
+        "repeat_penalty": [0, -1, "x", 10 ** 30],
+        "presence_penalty": [-3, 3, "x"],
+        "frequency_penalty": [-3, 3, "x"],
+        "seed": [-1, 10 ** 30, 1.5, "x", True],
+        "n": [0, -1, 10 ** 9, 1.5, "2"],
+        "stop": [1, [1], ["a"] * 10, [""], {}, [None]],
+        "stream": ["yes", 1, []],
+        "stream_options": ["x", 1, []],
+        "session_id": ["", "a b", "x" * 200, 5, [], "../etc"],
+        "prompt": [None, 5, [], [1, 2], {}, True, ["a", "b"]],
+    }
+    for name, values in fields.items():
+        for v in values:
+            body = {"prompt": "Hi", "max_tokens": 2}
+            body[name] = v
+            if name == "prompt" and v is None:
+                body.pop("prompt")
+            cases.append(("POST", "/v1/completions", json.dumps(body).encode(), {}))
+    chat_bad = [None, [], {}, "hi", [1], [{"role": 1, "content": "x"}], [{"content": "x"}],
+                [{"role": "user", "content": 5}], [{"role": "user", "content": [{"type": "image"}]}],
+                [{"role": "user", "content": [{"type": "text", "text": 5}]}], [{"role": "user"}]]
+    for m in chat_bad:
+        body = {"max_tokens": 2}
+        if m is not None:
+            body["messages"] = m
+        cases.append(("POST", "/v1/chat/completions", json.dumps(body).encode(), {}))
+    for name in ("temperature", "max_tokens", "n", "top_p", "top_k", "seed"):
+        cases.append(("POST", "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "Hi"}], name: "bad"}).encode(), {}))
+    cases += [("POST", "/v1/completions", json.dumps({"prompt": "word " * 3000}).encode(), {}),
+              ("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 5000}).encode(), {})]
+    for path in ("/", "/v1", "/v1/nope", "/v2/completions", "/v1/completions/x", "/%00", "/" + "a" * 5000,
+                 "/v1/sessions/", "/v1/sessions/nope", "/metrics/x", "/v1/models/x"):
+        for method in ("GET", "POST", "DELETE", "PUT", "PATCH"):
+            cases.append((method, path, b"{}" if method in ("POST", "PUT", "PATCH") else None, {}))
+    for path in ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics"):
+        for method in ("PUT", "PATCH", "DELETE", "OPTIONS"):
+            cases.append((method, path, None, {}))
+    cases += [("POST", "/v1/completions", b'{"prompt": "a"}', {"Content-Length": "-5"}),
+              ("POST", "/v1/completions", b'{"prompt": "a"}', {"Content-Length": "abc"}),
+              ("POST", "/v1/completions", b'{"prompt": "a"}', {"Authorization": "Bearer wrong"}),
+              ("POST", "/v1/completions", b'{"prompt": "a"}', {"Authorization": "Basic azE="}),
+              ("GET", "/v1/models", None, {"Authorization": ""})]
+    return cases
+
+
+def test_server_survives_malformed_requests(server):
+    import http.client
+    cases = _malformed_requests()
+    assert len(cases) >= 180
+    for method, path, raw, headers in cases:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        h = {"Authorization": "Bearer k1"}
+        h.update(headers)
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        for k, v in h.items():
+            conn.putheader(k, v)
+        if raw is not None and "Content-Length" not in headers:
+            conn.putheader("Content-Length", str(len(raw)))
+        conn.endheaders(raw if raw else None)
+        resp = conn.getresponse()
+        payload = resp.read()
+        conn.close()
+        case = (method, path[:40], (raw or b"")[:60], headers)
+        assert 400 <= resp.status < 500, (case, resp.status, payload[:200])
+        err = json.loads(payload)["error"]
+        assert err["message"] and err["type"], case
+    assert _http(server, "GET", "/health", key=None)[0] == 200
+    status, payload = _http(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert status == 200, payload
 
 
 def test_server_client_disconnect_frees_slot(server, gemma):
@@ -2863,56 +3724,6 @@ def test_server_embeddings_with_openai_client(server, gemma):
     assert _http(server, "POST", "/v1/embeddings", {"input": "x"}, key=None)[0] == 401
 
 
-_WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
-        "city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
-_TIME = {"type": "function", "function": {"name": "get_time", "description": "The local time in a city.",
-                                          "parameters": {"type": "object", "required": ["city"],
-                                                         "properties": {"city": {"type": "string"}}}}}
-
-
-def test_llama3_tool_format_as_its_template_writes_it(qwen, monkeypatch):
-    """Llama 3.1's JSON tool calling (no Llama GGUF here: the format itself, rendered by
-    llama.cpp's built-in llama3 formatter): tools as indented JSON in the first user turn,
-    a call as the whole answer, results as ipython turns; forced calls by a grammar; a
-    streamed answer held back only when it opens as a call."""
-    from types import SimpleNamespace
-    assert reame.tool_format(SimpleNamespace(chat_template='{{ "<|start_header_id|>" }} ipython')) == "llama3"
-    assert reame.tool_format(qwen.model) == "hermes" and reame.tool_format(SimpleNamespace(chat_template="x")) is None
-    msgs = reame._messages_from_body({"messages": [
-        {"role": "user", "content": "Weather in Paris? "},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]}, tools_ok=True)
-    monkeypatch.setattr(qwen.model, "chat_template", "llama3")
-    text = qwen.model.apply_chat_template(reame.tool_messages("llama3", msgs, [_WEATHER]))
-    tools_json = json.dumps(_WEATHER, indent=4)
-    assert text == (
-        "<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\nCutting Knowledge Date: December 2023\n"
-        "Today Date: 26 Jul 2024<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nGiven the following "
-        "functions, please respond with a JSON for a function call with its proper arguments that best answers the "
-        "given prompt.\n\nRespond in the format {\"name\": function name, \"parameters\": dictionary of argument "
-        "name and its value}.Do not use variables.\n\n" + tools_json + "\n\nWeather in Paris?<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"get_weather\", \"parameters\": "
-        "{\"city\": \"Paris\", \"unit\": \"celsius\"}}<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n"
-        "18 C<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"), text
-    content, calls = reame.parse_tool_calls("llama3", ' {"name": "get_weather", "parameters": {"city": "Rome"}}')
-    assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
-    assert reame.parse_tool_calls("llama3", "It is sunny.") == ("It is sunny.", [])
-    api = reame.request_from_body({"messages": [{"role": "user", "content": "Hi"}], "tools": [_WEATHER, _TIME],
-                                   "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
-                                  chat=True, owner="", n_slots=4, max_tokens_cap=64,
-                                  spec_default=reame.SpecOptions(), tool_format="llama3")
-    assert api.params.grammar.startswith('root ::= "{\\"name\\": " ( "\\"get_time\\", \\"parameters\\": "')
-    reame.gbnf_check(api.params.grammar)
-    assert set(api.params.schema["properties"]) == {"name", "parameters"}
-    held = reame._ToolText("llama3")
-    assert [held.feed(t) for t in (" ", '{"na', 'me": "x"}')] == ["", "", ""] and held.rest == ' {"name": "x"}'
-    prose = reame._ToolText("llama3")
-    assert [prose.feed(t) for t in ("\n", "It", " is")] == ["", "\nIt", " is"]
-
-
 def test_server_tool_calls_with_openai_client(qwen, server):
     """Tools on Qwen2.5 (the Hermes <tool_call> format), through the openai client:
     required and named calls whose arguments validate against the function's schema,
@@ -2971,12 +3782,6 @@ def test_server_tool_calls_with_openai_client(qwen, server):
     assert status == 400 and json.loads(payload)["error"]["code"] == "tools_not_supported", payload
 
 
-def _sse(payload: bytes) -> list:
-    events = [line[6:] for line in payload.decode().split("\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]", events[-3:]
-    return [json.loads(e) for e in events[:-1]]
-
-
 def test_server_n_choices_share_one_prefill(server, gemma):
     """n=3 runs one prefill, decodes the choices in shared steps, and seeds them apart."""
     body = {"prompt": "Write a short poem about the sea.", "max_tokens": 16, "temperature": 1.0, "seed": 7, "n": 3}
@@ -3001,243 +3806,113 @@ def test_server_n_choices_share_one_prefill(server, gemma):
     assert _http(server, "POST", "/v1/completions", dict(body, n=99))[0] == 400
 
 
-def test_server_sessions(server, gemma):
-    """A second turn sends only the new message and answers with the earlier context.
-    cache_reuse=exact: it reuses the whole prefilled chunks and equals a stateless
-    request with the whole history; cache_reuse=all: it computes only the new tokens.
-    Another key can neither see nor continue the session."""
-    sys_msg = {"role": "system", "content": "You are a helpful assistant. " * 40}
-    new_turn = {"role": "user", "content": "What is my name?"}
-    for mode in ("exact", "all"):
-        sid = "s-ada-" + mode
-        gemma.cache_reuse = mode
-        try:
-            first = {"messages": [sys_msg, {"role": "user", "content": "My name is Ada. Say OK."}],
-                     "temperature": 0, "max_tokens": 8, "session_id": sid}
-            status, payload = _http(server, "POST", "/v1/chat/completions", first)
-            assert status == 200, payload
-            u1 = json.loads(payload)["usage"]
-            pre = gemma.stats()["prefill_tokens"]
-            status, payload = _http(server, "POST", "/v1/chat/completions",
-                                    {"messages": [new_turn], "temperature": 0, "max_tokens": 8},
-                                    headers={"X-Reame-Session": sid})
-            assert status == 200, payload
-            out = json.loads(payload)
-            u2 = out["usage"]
-            cached = u2["prompt_tokens_details"]["cached_tokens"]
-            computed = gemma.stats()["prefill_tokens"] - pre
-            # the prompt held the whole history; only the uncached part was computed
-            assert u2["prompt_tokens"] > u1["prompt_tokens"] + u1["completion_tokens"]
-            assert computed == u2["prompt_tokens"] - cached
-            if mode == "exact":  # whole 128-token chunks of the first prompt
-                assert cached == u1["prompt_tokens"] // gemma.chunk * gemma.chunk > 0
-            else:  # everything but the new turn's own tokens (and the template around them)
-                assert cached >= u1["prompt_tokens"] + u1["completion_tokens"] - 2 and computed < 20
-            status, payload = _http(server, "GET", "/v1/sessions/" + sid)
-            sess = json.loads(payload)
-            assert status == 200 and len(sess["messages"]) == 5 and sess["tokens"] > u2["prompt_tokens"]
-            assert sess["messages"][:2] == first["messages"] and sess["messages"][3] == new_turn
-            assert sess["messages"][4] == out["choices"][0]["message"]
-            if mode == "exact":  # the same answer as a stateless request with the whole history
-                status, payload = _http(server, "POST", "/v1/chat/completions",
-                                        {"messages": sess["messages"][:4], "temperature": 0, "max_tokens": 8})
-                assert json.loads(payload)["choices"][0]["message"] == out["choices"][0]["message"]
-        finally:
-            gemma.cache_reuse = "exact"
-        # ids are per key: k2 cannot see k1's session, and its own "sid" is another conversation
-        assert _http(server, "GET", "/v1/sessions/" + sid, key="k2")[0] == 404
-        assert _http(server, "DELETE", "/v1/sessions/" + sid, key="k2")[0] == 404
-        assert _http(server, "POST", "/v1/chat/completions", {"messages": [new_turn], "session_id": sid,
-                                                              "max_tokens": 2}, key="k2")[0] == 200
-        status, payload = _http(server, "GET", "/v1/sessions/" + sid, key="k2")
-        assert status == 200 and json.loads(payload)["messages"][0] == new_turn
-        assert len(json.loads(payload)["messages"]) == 2
-        assert _http(server, "DELETE", "/v1/sessions/" + sid, key="k2")[0] == 200
-        status, payload = _http(server, "GET", "/v1/sessions/" + sid)
-        assert status == 200 and len(json.loads(payload)["messages"]) == 5  # k1's, untouched
-        assert _http(server, "DELETE", "/v1/sessions/" + sid)[0] == 200
-        assert _http(server, "GET", "/v1/sessions/" + sid)[0] == 404
-        # a deleted session is not silently restarted
-        assert _http(server, "POST", "/v1/chat/completions", {"messages": [new_turn], "session_id": sid,
-                                                              "max_tokens": 2})[0] == 404
-    deadline = time.monotonic() + 10
-    while any(r.tag for r in list(gemma.slots.resident.values())) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(r.tag for r in list(gemma.slots.resident.values()))  # their resident KV went with them
-
-
-def test_server_sessions_survive_a_restart(gemma, tmp_path):
-    """With a session directory, a conversation continues on a new server (a restart),
-    still scoped to its key; the files are 0600."""
-    store = str(tmp_path / "sessions")
-
-    def start():
-        srv = reame.Server(gemma, "g", host="127.0.0.1", port=0, api_keys=["k1", "k2"], session_dir=store)
-        threading.Thread(target=srv.serve_forever, daemon=True).start()
-        return srv
-    a = start()
-    try:
-        first = {"messages": [{"role": "user", "content": "My name is Ada."}], "max_tokens": 4,
-                 "temperature": 0, "session_id": "persist"}
-        assert _http(a, "POST", "/v1/chat/completions", first)[0] == 200
-    finally:
-        a.shutdown()
-    files = list(pathlib.Path(store).rglob("*.json"))
-    assert len(files) == 1 and files[0].stat().st_mode & 0o777 == 0o600
-    b = start()
-    try:
-        status, payload = _http(b, "POST", "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "What is my name?"}], "max_tokens": 4, "temperature": 0,
-            "session_id": "persist"})
+def test_server_speculation_override(server):
+    """The per-request extension object: forced lookup gives the same greedy text; bad values are 400s."""
+    text = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog."
+    base = {"messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": 24}
+    outs = []
+    for ext in (None, {"spec": "on", "spec_max": 8, "spec_sources": ["lookup"]}, {"spec": "off"}):
+        body = dict(base, reame=ext) if ext else base
+        status, payload = _http(server, "POST", "/v1/chat/completions", body)
         assert status == 200, payload
-        status, payload = _http(b, "GET", "/v1/sessions/persist")
-        msgs = json.loads(payload)["messages"]
-        assert len(msgs) == 4 and msgs[0] == first["messages"][0]
-        assert _http(b, "GET", "/v1/sessions/persist", key="k2")[0] == 404
-        assert _http(b, "DELETE", "/v1/sessions/persist")[0] == 200
-        assert not list(pathlib.Path(store).rglob("*.json"))
-    finally:
-        b.shutdown()
+        outs.append(json.loads(payload)["choices"][0]["message"]["content"])
+    assert outs[0] == outs[1] == outs[2]
+    for ext, field in (({"spec": "sometimes"}, "spec"), ({"spec_max": 0}, "spec_max"), ({"bogus": 1}, "bogus"),
+                       ({"spec_sources": ["oracle"]}, "spec_sources"), ("on", "reame")):
+        status, payload = _http(server, "POST", "/v1/chat/completions", dict(base, reame=ext))
+        assert status == 400 and field in json.loads(payload)["error"]["message"], (ext, payload)
 
 
-def test_server_sixteen_clients_some_leaving(server, gemma):
-    """16 concurrent streams, 4 of them hang up mid-stream: the other 12 get whole,
-    valid answers; then no slot is active, the KV is back to idle, the server answers."""
-    import socket
-    body = {"max_tokens": 24, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    prompts = ["Tell me about %s." % w for w in ("rivers", "cats", "bread", "stars", "trains", "snow", "glass",
-                                                 "owls", "paper", "bees", "tea", "maps", "salt", "clocks",
-                                                 "moss", "kites")]
-    want = {p: gemma.complete(p, temperature=0, max_tokens=24).text for p in prompts[:3]}
-    results, errors = {}, []
-
-    def client(i, p):
-        try:
-            data = json.dumps(dict(body, prompt=p)).encode()
-            s = socket.create_connection(("127.0.0.1", server.port), timeout=120)
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n"
-                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
-            got = b""
-            while True:
-                c = s.recv(65536)
-                if not c:
-                    break
-                got += c
-                if i % 4 == 3 and got.count(b"data: ") >= 3:
-                    break  # hang up mid-stream
-            s.close()
-            results[p] = got
-        except Exception as e:  # noqa: BLE001
-            errors.append(repr(e))
-
-    threads = [threading.Thread(target=client, args=(i, p)) for i, p in enumerate(prompts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
-    for i, p in enumerate(prompts):
-        if i % 4 == 3:
-            continue
-        head, _, rest = results[p].partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 200"), head
-        chunks = _sse(rest)
-        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-        assert chunks[-1]["usage"]["completion_tokens"] > 0
-        if p in want:
-            assert text == want[p]
-    deadline = time.monotonic() + 60
-    while (gemma.stats()["active"] or gemma.stats()["waiting"]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.3)
-    st = gemma.stats()
-    assert st["active"] == 0 and st["waiting"] == 0 and st["kv_cells_active"] == 0
-    assert st["kv_cells_cached"] <= st["kv_cells_total"]
-    assert _http(server, "GET", "/v1/models")[0] == 200
-
-
-def _malformed_requests():
-    """About 200 bad requests: (method, path, raw body, extra headers)."""
-    cases = [("POST", "/v1/completions", raw, {}) for raw in (
-        b"", b"{", b"{not json", b"[1, 2]", b"null", b"42", b'"str"', b"\xff\xfe\x00", b'{"prompt": "\xc3\x28"}',
-        b'{"prompt": "a",}', b"{" * 5000 + b"}" * 5000, b'{"prompt": NaN}', b'\x00\x00')]
-    fields = {
-        "max_tokens": [-1, 0, 10 ** 30, -10 ** 30, 1.5, "10", True, [], {}],
-        "max_completion_tokens": [-5, 0, "x", 2.5],
-        "temperature": [-1, 3, 1e308, -1e308, "hot", True, [], {}],
-        "top_p": [0, -0.5, 1.5, "x", 10 ** 30],
-        "top_k": [-1, 10 ** 30, 1.5, "x", -10 ** 30],
-        "min_p": [-0.1, 1.1, "x"],
-        "repeat_penalty": [0, -1, "x", 10 ** 30],
-        "presence_penalty": [-3, 3, "x"],
-        "frequency_penalty": [-3, 3, "x"],
-        "seed": [-1, 10 ** 30, 1.5, "x", True],
-        "n": [0, -1, 10 ** 9, 1.5, "2"],
-        "stop": [1, [1], ["a"] * 10, [""], {}, [None]],
-        "stream": ["yes", 1, []],
-        "stream_options": ["x", 1, []],
-        "session_id": ["", "a b", "x" * 200, 5, [], "../etc"],
-        "prompt": [None, 5, [], [1, 2], {}, True, ["a", "b"]],
-    }
-    for name, values in fields.items():
-        for v in values:
-            body = {"prompt": "Hi", "max_tokens": 2}
-            body[name] = v
-            if name == "prompt" and v is None:
-                body.pop("prompt")
-            cases.append(("POST", "/v1/completions", json.dumps(body).encode(), {}))
-    chat_bad = [None, [], {}, "hi", [1], [{"role": 1, "content": "x"}], [{"content": "x"}],
-                [{"role": "user", "content": 5}], [{"role": "user", "content": [{"type": "image"}]}],
-                [{"role": "user", "content": [{"type": "text", "text": 5}]}], [{"role": "user"}]]
-    for m in chat_bad:
-        body = {"max_tokens": 2}
-        if m is not None:
-            body["messages"] = m
-        cases.append(("POST", "/v1/chat/completions", json.dumps(body).encode(), {}))
-    for name in ("temperature", "max_tokens", "n", "top_p", "top_k", "seed"):
-        cases.append(("POST", "/v1/chat/completions", json.dumps(
-            {"messages": [{"role": "user", "content": "Hi"}], name: "bad"}).encode(), {}))
-    cases += [("POST", "/v1/completions", json.dumps({"prompt": "word " * 3000}).encode(), {}),
-              ("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 5000}).encode(), {})]
-    for path in ("/", "/v1", "/v1/nope", "/v2/completions", "/v1/completions/x", "/%00", "/" + "a" * 5000,
-                 "/v1/sessions/", "/v1/sessions/nope", "/metrics/x", "/v1/models/x"):
-        for method in ("GET", "POST", "DELETE", "PUT", "PATCH"):
-            cases.append((method, path, b"{}" if method in ("POST", "PUT", "PATCH") else None, {}))
-    for path in ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics"):
-        for method in ("PUT", "PATCH", "DELETE", "OPTIONS"):
-            cases.append((method, path, None, {}))
-    cases += [("POST", "/v1/completions", b'{"prompt": "a"}', {"Content-Length": "-5"}),
-              ("POST", "/v1/completions", b'{"prompt": "a"}', {"Content-Length": "abc"}),
-              ("POST", "/v1/completions", b'{"prompt": "a"}', {"Authorization": "Bearer wrong"}),
-              ("POST", "/v1/completions", b'{"prompt": "a"}', {"Authorization": "Basic azE="}),
-              ("GET", "/v1/models", None, {"Authorization": ""})]
-    return cases
-
-
-def test_server_survives_malformed_requests(server):
-    import http.client
-    cases = _malformed_requests()
-    assert len(cases) >= 180
-    for method, path, raw, headers in cases:
-        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-        h = {"Authorization": "Bearer k1"}
-        h.update(headers)
-        conn.putrequest(method, path, skip_accept_encoding=True)
-        for k, v in h.items():
-            conn.putheader(k, v)
-        if raw is not None and "Content-Length" not in headers:
-            conn.putheader("Content-Length", str(len(raw)))
-        conn.endheaders(raw if raw else None)
-        resp = conn.getresponse()
-        payload = resp.read()
-        conn.close()
-        case = (method, path[:40], (raw or b"")[:60], headers)
-        assert 400 <= resp.status < 500, (case, resp.status, payload[:200])
-        err = json.loads(payload)["error"]
-        assert err["message"] and err["type"], case
-    assert _http(server, "GET", "/health", key=None)[0] == 200
-    status, payload = _http(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+def test_server_best_of(server):
+    body = {"messages": [{"role": "user", "content": "What is 2 plus 2? Answer with a number."}],
+            "max_tokens": 24, "best_of": 3, "seed": 1, "reame": {"vote": "last_number", "candidates": True}}
+    status, payload = _http(server, "POST", "/v1/chat/completions", body)
     assert status == 200, payload
+    out = json.loads(payload)
+    c = out["conclave"]
+    assert len(out["choices"]) == 1 and c["candidates_total"] == 3 and len(c["candidates"]) == 3
+    assert c["finished"] + c["cancelled"] == 3 and sum(c["votes"].values()) <= c["finished"]
+    if c["answer"] is not None:
+        assert reame.extract_answer(out["choices"][0]["message"]["content"], "last_number") == c["answer"]
+    status, payload = _http(server, "POST", "/v1/chat/completions", dict(body, stream=True))
+    events = _sse(payload)
+    assert status == 200 and any("conclave" in e for e in events if isinstance(e, dict))
+    for bad in ({"n": 2}, {"temperature": 0}, {"reame": {"vote": "nope"}}, {"best_of": 99}):
+        status, payload = _http(server, "POST", "/v1/chat/completions", dict(body, **bad))
+        assert status == 400, (bad, payload)
+    status, payload = _http(server, "GET", "/metrics")
+    assert b"reame_conclaves_total 2" in payload and b'reame_conclave_candidates_total{state="started"} 6' in payload
+
+
+def test_server_n_and_best_of_beyond_parallel(server, gemma):
+    """n and best_of past the slots (4 here, the default --parallel) run in waves: n=6
+    gives six choices, choice i sampling with seed + i in whichever wave it ran, streamed
+    the same; best_of=5 votes over five candidates."""
+    assert gemma.n_slots == 4
+    msgs = [{"role": "user", "content": "Name an animal."}]
+    body = {"messages": msgs, "max_tokens": 8, "temperature": 0.9, "seed": 7, "n": 6}
+    status, payload = _http(server, "POST", "/v1/chat/completions", body)
+    assert status == 200, payload
+    out = json.loads(payload)
+    texts = [c["message"]["content"] for c in out["choices"]]
+    assert [c["index"] for c in out["choices"]] == list(range(6))
+    alone = [json.loads(_http(server, "POST", "/v1/chat/completions", dict(body, n=1, seed=7 + i))[1])
+             ["choices"][0]["message"]["content"] for i in (0, 4, 5)]
+    assert [texts[0], texts[4], texts[5]] == alone
+    streamed = [""] * 6
+    for e in _sse(_http(server, "POST", "/v1/chat/completions", dict(body, stream=True))[1]):
+        for c in e["choices"]:
+            streamed[c["index"]] += c["delta"].get("content") or ""
+    assert streamed == texts
+    status, payload = _http(server, "POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "What is 2 plus 2? Answer with a number."}], "max_tokens": 16,
+        "best_of": 5, "seed": 3, "reame": {"candidates": True}})
+    assert status == 200, payload
+    c = json.loads(payload)["conclave"]
+    assert c["candidates_total"] == 5 and c["finished"] + c["cancelled"] == 5
+    assert sorted(x["index"] for x in c["candidates"]) == sorted(set(x["index"] for x in c["candidates"]))
+    assert _http(server, "POST", "/v1/chat/completions", dict(body, n=17))[0] == 400
+
+
+def test_server_logs_one_line_per_request_without_prompt_text(server):
+    """(A handler on the logger itself: after setup_logging it does not propagate to caplog.)"""
+    import logging
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("reame")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        _http(server, "POST", "/v1/completions", {"prompt": "secret-words-here", "max_tokens": 3})
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    text = "\n".join(r.getMessage() for r in records)
+    lines = [line for line in text.splitlines() if "/v1/completions" in line]
+    assert len(lines) == 1, lines
+    assert " 200 " in lines[0] and "prompt=" in lines[0] and "completion=" in lines[0] and "ttft=" in lines[0]
+    assert "secret" not in text and "k1" not in text
+
+
+# == 27. HTTP server: connections, tenants, limits, metrics ====================
+
+
+def test_server_bearer_is_case_insensitive_and_binds_ipv6(gemma):
+    import http.client
+    srv = reame.Server(gemma, "g", host="::1", port=0, api_keys=["k1"])
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            conn = http.client.HTTPConnection("::1", srv.port, timeout=30)
+            conn.request("GET", "/v1/models", headers={"Authorization": scheme + " k1"})
+            resp = conn.getresponse()
+            resp.read()
+            conn.close()
+            assert resp.status == 200, scheme
+    finally:
+        srv.shutdown()
 
 
 def test_server_queue_limit_429(gemma):
@@ -3301,78 +3976,6 @@ def test_server_metrics_and_loading(server, gemma):
         loading.shutdown()
 
 
-def test_server_speculation_override(server):
-    """The per-request extension object: forced lookup gives the same greedy text; bad values are 400s."""
-    text = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog."
-    base = {"messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": 24}
-    outs = []
-    for ext in (None, {"spec": "on", "spec_max": 8, "spec_sources": ["lookup"]}, {"spec": "off"}):
-        body = dict(base, reame=ext) if ext else base
-        status, payload = _http(server, "POST", "/v1/chat/completions", body)
-        assert status == 200, payload
-        outs.append(json.loads(payload)["choices"][0]["message"]["content"])
-    assert outs[0] == outs[1] == outs[2]
-    for ext, field in (({"spec": "sometimes"}, "spec"), ({"spec_max": 0}, "spec_max"), ({"bogus": 1}, "bogus"),
-                       ({"spec_sources": ["oracle"]}, "spec_sources"), ("on", "reame")):
-        status, payload = _http(server, "POST", "/v1/chat/completions", dict(base, reame=ext))
-        assert status == 400 and field in json.loads(payload)["error"]["message"], (ext, payload)
-
-
-def test_server_logs_one_line_per_request_without_prompt_text(server):
-    """(A handler on the logger itself: after setup_logging it does not propagate to caplog.)"""
-    import logging
-    records = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    logger = logging.getLogger("reame")
-    old_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        _http(server, "POST", "/v1/completions", {"prompt": "secret-words-here", "max_tokens": 3})
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-    text = "\n".join(r.getMessage() for r in records)
-    lines = [line for line in text.splitlines() if "/v1/completions" in line]
-    assert len(lines) == 1, lines
-    assert " 200 " in lines[0] and "prompt=" in lines[0] and "completion=" in lines[0] and "ttft=" in lines[0]
-    assert "secret" not in text and "k1" not in text
-
-
-def test_serve_cli_answers_and_exits_0_on_sigterm():
-    import re
-    import signal
-    import urllib.request
-    p = subprocess.Popen([sys.executable, "reame.py", "serve", "gemma3-270m", "--port", "0", "--parallel", "2"],
-                         cwd=HERE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    try:
-        line = ""
-        while "serving" not in line:  # INFO lines come first: a server logs by default
-            line = p.stderr.readline()
-            assert line, "the server exited"
-        m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-        assert m, line
-        with urllib.request.urlopen("http://127.0.0.1:%s/health" % m.group(1), timeout=30) as r:
-            assert json.loads(r.read())["status"] == "ok"
-        # a request in flight when SIGTERM arrives still gets its whole answer
-        import http.client
-        conn = http.client.HTTPConnection("127.0.0.1", int(m.group(1)), timeout=120)
-        conn.request("POST", "/v1/completions", body=json.dumps(
-            {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "stream": True}))
-        resp = conn.getresponse()
-        first = resp.fp.readline()
-        assert first.startswith(b"data: ")
-        p.send_signal(signal.SIGTERM)
-        rest = resp.read()
-        assert rest.rstrip().endswith(b"data: [DONE]")
-        assert b'"finish_reason": "length"' in rest
-        assert p.wait(60) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-
-
 def test_server_archive_scoped_per_key_and_opt_out(gemma, tmp_path):
     """Each API key drafts only from its own archive; "reame": {"archive": false} stores nothing."""
     eng = reame.Engine(gemma.model, n_ctx=1024, n_slots=2, archive=8 << 20, archive_dir=str(tmp_path))
@@ -3398,97 +4001,528 @@ def test_server_archive_scoped_per_key_and_opt_out(gemma, tmp_path):
         eng.close()
 
 
-def test_server_best_of(server):
-    body = {"messages": [{"role": "user", "content": "What is 2 plus 2? Answer with a number."}],
-            "max_tokens": 24, "best_of": 3, "seed": 1, "reame": {"vote": "last_number", "candidates": True}}
-    status, payload = _http(server, "POST", "/v1/chat/completions", body)
-    assert status == 200, payload
-    out = json.loads(payload)
-    c = out["conclave"]
-    assert len(out["choices"]) == 1 and c["candidates_total"] == 3 and len(c["candidates"]) == 3
-    assert c["finished"] + c["cancelled"] == 3 and sum(c["votes"].values()) <= c["finished"]
-    if c["answer"] is not None:
-        assert reame.extract_answer(out["choices"][0]["message"]["content"], "last_number") == c["answer"]
-    status, payload = _http(server, "POST", "/v1/chat/completions", dict(body, stream=True))
-    events = _sse(payload)
-    assert status == 200 and any("conclave" in e for e in events if isinstance(e, dict))
-    for bad in ({"n": 2}, {"temperature": 0}, {"reame": {"vote": "nope"}}, {"best_of": 99}):
-        status, payload = _http(server, "POST", "/v1/chat/completions", dict(body, **bad))
-        assert status == 400, (bad, payload)
-    status, payload = _http(server, "GET", "/metrics")
-    assert b"reame_conclaves_total 2" in payload and b'reame_conclave_candidates_total{state="started"} 6' in payload
+def test_server_sixteen_clients_some_leaving(server, gemma):
+    """16 concurrent streams, 4 of them hang up mid-stream: the other 12 get whole,
+    valid answers; then no slot is active, the KV is back to idle, the server answers."""
+    import socket
+    body = {"max_tokens": 24, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    prompts = ["Tell me about %s." % w for w in ("rivers", "cats", "bread", "stars", "trains", "snow", "glass",
+                                                 "owls", "paper", "bees", "tea", "maps", "salt", "clocks",
+                                                 "moss", "kites")]
+    want = {p: gemma.complete(p, temperature=0, max_tokens=24).text for p in prompts[:3]}
+    results, errors = {}, []
+
+    def client(i, p):
+        try:
+            data = json.dumps(dict(body, prompt=p)).encode()
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=120)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+            got = b""
+            while True:
+                c = s.recv(65536)
+                if not c:
+                    break
+                got += c
+                if i % 4 == 3 and got.count(b"data: ") >= 3:
+                    break  # hang up mid-stream
+            s.close()
+            results[p] = got
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    for i, p in enumerate(prompts):
+        if i % 4 == 3:
+            continue
+        head, _, rest = results[p].partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        chunks = _sse(rest)
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        assert chunks[-1]["usage"]["completion_tokens"] > 0
+        if p in want:
+            assert text == want[p]
+    deadline = time.monotonic() + 60
+    while (gemma.stats()["active"] or gemma.stats()["waiting"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.3)
+    st = gemma.stats()
+    assert st["active"] == 0 and st["waiting"] == 0 and st["kv_cells_active"] == 0
+    assert st["kv_cells_cached"] <= st["kv_cells_total"]
+    assert _http(server, "GET", "/v1/models")[0] == 200
 
 
-def test_server_n_and_best_of_beyond_parallel(server, gemma):
-    """n and best_of past the slots (4 here, the default --parallel) run in waves: n=6
-    gives six choices, choice i sampling with seed + i in whichever wave it ran, streamed
-    the same; best_of=5 votes over five candidates."""
-    assert gemma.n_slots == 4
-    msgs = [{"role": "user", "content": "Name an animal."}]
-    body = {"messages": msgs, "max_tokens": 8, "temperature": 0.9, "seed": 7, "n": 6}
-    status, payload = _http(server, "POST", "/v1/chat/completions", body)
-    assert status == 200, payload
-    out = json.loads(payload)
-    texts = [c["message"]["content"] for c in out["choices"]]
-    assert [c["index"] for c in out["choices"]] == list(range(6))
-    alone = [json.loads(_http(server, "POST", "/v1/chat/completions", dict(body, n=1, seed=7 + i))[1])
-             ["choices"][0]["message"]["content"] for i in (0, 4, 5)]
-    assert [texts[0], texts[4], texts[5]] == alone
-    streamed = [""] * 6
-    for e in _sse(_http(server, "POST", "/v1/chat/completions", dict(body, stream=True))[1]):
-        for c in e["choices"]:
-            streamed[c["index"]] += c["delta"].get("content") or ""
-    assert streamed == texts
-    status, payload = _http(server, "POST", "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "What is 2 plus 2? Answer with a number."}], "max_tokens": 16,
-        "best_of": 5, "seed": 3, "reame": {"candidates": True}})
-    assert status == 200, payload
-    c = json.loads(payload)["conclave"]
-    assert c["candidates_total"] == 5 and c["finished"] + c["cancelled"] == 5
-    assert sorted(x["index"] for x in c["candidates"]) == sorted(set(x["index"] for x in c["candidates"]))
-    assert _http(server, "POST", "/v1/chat/completions", dict(body, n=17))[0] == 400
+# -- 27, attacked: one request can neither crash the server nor reach another tenant --------
+# One table of attacks, _ATTACKS: each row says how to send it (in raw bytes where http.client
+# would fix the very headers it gets wrong) and what answer is acceptable. test_attack_table
+# runs each row against the module's server (gemma3-270m, port 0) while a victim stream of
+# another key decodes: the answer is acceptable, /health answers within a second, the victim
+# gets exactly the greedy text it gets alone, and afterwards every slot is free and an n=2
+# request is admitted. The rows that need a server of their own (sessions kept on disk, a
+# connection cap) run in the tests after it; the soak (below) runs the whole table, cycling,
+# against one `reame.py serve` under load.
 
-
-# == 27. HTTP server, attacked: one request can neither crash it nor reach another tenant
-# Each attack runs against a real server on port 0 (gemma3-270m) while a victim stream of
-# another key decodes: the attacker gets a clear 4xx (or 413/429/503), /health answers
-# within a second, and the victim gets exactly the greedy text it gets alone.
+_CHAT, _COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+_ATTACK_S = 30.0      # an attack's time limit (all ask for <= 48 tokens): past it, 'timeout'
+_HEALTH_MAX_S = 1.0   # /health slower than this fails a test under attack, and the soak
 
 _VICTIM = {"messages": [{"role": "user", "content": "Name three colours of the rainbow."}], "temperature": 0,
            "max_tokens": 24, "stream": True}
 
 
-def _raw(port, data: bytes, wait_s: float = 10.0) -> bytes:
-    """Send bytes on a fresh connection; everything read until the server closes it (or wait_s)."""
-    import socket
-    s = socket.create_connection(("127.0.0.1", port), timeout=wait_s)
+class _SoakError(Exception):
+    """A request the harness needed (a normal soak request, a tenant's session) that did not
+    get its answer (HTTP error, error event, cut stream)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Attack:
+    """One row of the attack table."""
+
+    name: str
+    send: Callable   # send(target) -> the response (_read_raw_response's dict, maybe with facts added)
+    accept: Callable  # accept(response) -> None if acceptable, else what is wrong
+    kind: str = ""   # "": any server; "sessions": kept on disk; "connections": a cap it may fill
+    framing: bool = False  # may end in a dropped socket: the soak notes it (a test fails on it)
+
+
+class _Target:
+    """Where the table's rows go: a server's port, its API keys for the attacker and for a
+    victim tenant, where it keeps session files (None: in memory), its connection cap, and
+    how many connections an attack must leave to others (0: it fills the cap)."""
+
+    def __init__(self, port: int, attacker: str, victim: str, sessions_dir: Optional[str] = None,
+                 max_connections: int = 256, headroom: int = 0):
+        self.port, self.attacker, self.victim = port, attacker, victim
+        self.sessions_dir, self.max_connections, self.headroom = sessions_dir, max_connections, headroom
+        self._lock = threading.Lock()
+        self._session = None  # (id, secret, directory) of the victim's session; guarded by _lock
+
+    def victim_session(self) -> tuple:
+        """(id, secret, directory name) of the victim's session, whose history holds a secret:
+        made on first use, and again if an attack removed it. The attacker first makes (and
+        deletes) a session of its own, so that a path through its own directory resolves."""
+        with self._lock:
+            if self._session is None or not self.victim_has(*self._session[:2]):
+                self._session = self._make_session()
+            return self._session
+
+    def victim_has(self, sid: str, secret: str) -> bool:
+        r = _raw_exchange(self.port, _raw_head("GET", "/v1/sessions/" + sid, self.victim))
+        return r["status"] == 200 and secret.encode() in r["body"]
+
+    def _make_session(self) -> tuple:
+        secret, sid, own = ("secret-" + os.urandom(6).hex(), "victim-" + os.urandom(4).hex(),
+                            "own-" + os.urandom(4).hex())
+        for key, s, text in ((self.attacker, own, "Hello."), (self.victim, sid, "Remember the code word %s." % secret)):
+            body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2, "temperature": 0,
+                    "session_id": s}
+            r = _raw_exchange(self.port, _raw_head("POST", _CHAT, key, json.dumps(body).encode()), timeout_s=120)
+            if r["status"] != 200:
+                raise _SoakError("making the tenants' sessions: HTTP %s %r" % (r["status"], r["body"][:200]))
+        owner = "0123456789abcdef"  # sessions in memory: a directory name of the right shape
+        if self.sessions_dir:
+            files, deadline = {}, time.monotonic() + 10  # (a session is saved once its answer is sent)
+            while len(files) < 2 and time.monotonic() < deadline:
+                files = {p.stem: p for p in pathlib.Path(self.sessions_dir).rglob("*.json") if p.stem in (sid, own)}
+                time.sleep(0.02)
+            if len(files) < 2:
+                raise _SoakError("the tenants' sessions were not saved under %s" % self.sessions_dir)
+            owner = files[sid].parent.name
+        _raw_exchange(self.port, _raw_head("DELETE", "/v1/sessions/" + own, self.attacker))  # its directory stays
+        return sid, secret, owner
+
+
+def _is_sse(resp: dict) -> bool:
+    return "text/event-stream" in resp["headers"].get("content-type", "")
+
+
+def _error_problem(body: bytes, codes=()) -> Optional[str]:
+    """None if body is OpenAI's error JSON {"error": {"message": str, "type": str, ...}} (with
+    a code among codes, if any), else what is wrong."""
     try:
-        s.sendall(data)
-        got = b""
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            try:
-                chunk = s.recv(65536)
-            except socket.timeout:
-                break
-            if not chunk:
-                break
-            got += chunk
-        return got
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return "not JSON: %r" % body[:80]
+    if not isinstance(err, dict) or not isinstance(err.get("message"), str) or not isinstance(err.get("type"), str):
+        return "no error.message / error.type: %r" % body[:80]
+    if codes and err.get("code") not in codes:
+        return "error code %r, not %s (%s)" % (err.get("code"), " or ".join(codes), err["message"][:100])
+    return None
+
+
+def _resp_choices(resp: dict) -> list:
+    """[(text, finish_reason)] per choice of a 200 answer, JSON or SSE; ValueError if it has none."""
+    if _is_sse(resp):
+        texts, finish = {}, {}
+        for ev in _sse_events(resp["body"])[0]:
+            for c in ev.get("choices") or []:
+                i = c.get("index", 0)
+                piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                texts[i] = texts.get(i, "") + (piece or "")
+                finish[i] = c.get("finish_reason") or finish.get(i)
+        if not texts:
+            raise ValueError("a stream without choices")
+        return [(texts[i], finish.get(i)) for i in sorted(texts)]
+    choices = json.loads(resp["body"]).get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise ValueError("no choices")
+    return [((c["message"].get("content") if "message" in c else c.get("text")) or "", c.get("finish_reason"))
+            for c in choices]
+
+
+# What an answer must be: each returns accept(resp) -> None, or what is wrong.
+
+def _refused(*codes, statuses=()):
+    """A refusal: a status among statuses (else any 4xx or 503) with the error JSON, its code
+    among codes (if any)."""
+    def accept(resp):
+        st = resp["status"]
+        if st not in statuses if statuses else not (400 <= st < 500 or st == 503):
+            return "HTTP %s where %s was due" % (st, " or ".join(map(str, statuses)) if statuses else "a refusal")
+        return _error_problem(resp["body"], codes)
+    return accept
+
+
+def _answered(check=None):
+    """A 200 answer with choices (a stream: no error event, and data: [DONE]); check(resp)
+    finds nothing wrong with it."""
+    def accept(resp):
+        if resp["status"] != 200:
+            return "HTTP %s where an answer was due" % resp["status"]
+        if _is_sse(resp):
+            events, done = _sse_events(resp["body"])
+            errors = [e["error"] for e in events if "error" in e]
+            if errors:
+                return "an error event: %s" % json.dumps(errors[0])[:200]
+            if not done:
+                return "a stream cut short (no data: [DONE])"
+        try:
+            _resp_choices(resp)
+            return check(resp) if check else None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return "unreadable answer (%s)" % e
+    return accept
+
+
+def _stream_error(*codes):
+    """A 200 stream that ends with an error event (its code among codes, if any), then data: [DONE]."""
+    def accept(resp):
+        if resp["status"] != 200 or not _is_sse(resp):
+            return "HTTP %s where a stream ending in an error event was due" % resp["status"]
+        events, done = _sse_events(resp["body"])
+        if not events or not isinstance(events[-1].get("error"), dict):
+            return "the stream does not end with an error event"
+        if not done:
+            return "the error event is not followed by data: [DONE]"
+        code = events[-1]["error"].get("code")
+        return None if not codes or code in codes else "error code %r, not %s" % (code, " or ".join(codes))
+    return accept
+
+
+def _refused_or_answered(check=None):
+    """Whatever a server may do with it, if it is clean: a refusal, a stream that ends with an
+    error event and data: [DONE], or an answer that check(resp) finds nothing wrong with."""
+    def accept(resp):
+        st = resp["status"]
+        if isinstance(st, int) and (400 <= st < 500 or st == 503):
+            return _refused()(resp)
+        if st == 200 and _is_sse(resp) and any("error" in e for e in _sse_events(resp["body"])[0]):
+            return _stream_error()(resp)
+        return _answered(check)(resp)
+    return accept
+
+
+def _all(*checks):
+    def accept(resp):
+        return next((why for why in (c(resp) for c in checks) if why), None)
+    return accept
+
+
+def _closes(resp) -> Optional[str]:
+    return None if resp["headers"].get("connection") == "close" else "the connection stays open after a refusal"
+
+
+def _lacks(data: bytes):
+    def accept(resp):
+        return "%r in the answer" % data if data in resp["body"] + resp["extra"] else None
+    return accept
+
+
+def _no_leak(resp) -> Optional[str]:
+    if resp.get("leaked"):
+        return "LEAK: the victim's session history in the answer to the attacker"
+    if resp.get("victim_kept") is False:
+        return "the attacker's DELETE removed the victim's session"
+    return None
+
+
+def _message_has(*words):
+    def accept(resp):
+        msg = json.loads(resp["body"])["error"]["message"]
+        return None if any(w in msg for w in words) else "the message %r names none of %s" % (msg[:100], words)
+    return accept
+
+
+def _only_texts(*allowed):
+    """check: every choice's text is one of allowed (all a grammar lets through)."""
+    def check(resp):
+        bad = [t for t, _ in _resp_choices(resp) if t not in allowed]
+        return None if not bad else "text %r is outside the grammar" % bad[0][:60]
+    return check
+
+
+def _nullable_person(resp) -> Optional[str]:
+    """check: every choice is a JSON object of exactly name (a string or null) and age (an
+    integer or null)."""
+    for text, _ in _resp_choices(resp):
+        obj = json.loads(text)
+        if not (isinstance(obj, dict) and set(obj) == {"name", "age"} and isinstance(obj["name"], (str, type(None)))
+                and (obj["age"] is None or type(obj["age"]) is int)):
+            return "answer %r does not match the schema" % text[:80]
+    return None
+
+
+def _judge(attack: _Attack, resp: dict) -> tuple:
+    """(label, problem) of an attack's answer: the label its status ("dropped", "timeout",
+    ...); problem None when the row accepts it. Never acceptable: no answer, a second answer
+    to one request (the body was read as another request), an "internal error"."""
+    st = resp["status"]
+    if not isinstance(st, int):
+        return str(st), "no response (%s)" % st
+    label = str(st)
+    if b"HTTP/1." in resp["extra"]:
+        return label, "DESYNC: part of the body was answered as another request: %r" % resp["extra"][:60]
+    if st == 200 and _is_sse(resp):
+        errors = [e["error"] for e in _sse_events(resp["body"])[0] if isinstance(e.get("error"), dict)]
+        label += "+sse-error" if errors else ""
+    else:
+        try:
+            errors = [json.loads(resp["body"])["error"]] if st != 200 else []
+        except (ValueError, KeyError, TypeError):
+            errors = []
+    if any("internal error" in str(e.get("message", "")).lower() for e in errors if isinstance(e, dict)):
+        return label, "internal error: %s" % json.dumps(errors[0])[:160]
+    return label, attack.accept(resp)
+
+
+# How rows send: one request each, on a fresh connection.
+
+def _send(data: Callable, linger_s: float = 0.0, timeout_s: float = _ATTACK_S) -> Callable:
+    """send(target) for the bytes data(target) (linger_s: also read what follows the answer)."""
+    return lambda t: _raw_exchange(t.port, data(t), timeout_s=timeout_s, linger_s=linger_s)
+
+
+def _post(path: str, body, key: Optional[str] = None) -> Callable:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return _send(lambda t: _raw_head("POST", path, key or t.attacker, data))
+
+
+def _session_attack(method: str, path_fmt: str) -> Callable:
+    """The attacker GETs or DELETEs "/v1/sessions/" + path_fmt ({sid}: the victim's session
+    id, {owner}: its directory): facts for _no_leak added to the answer."""
+    def send(t):
+        sid, secret, owner = t.victim_session()
+        r = _raw_exchange(t.port, _raw_head(method, "/v1/sessions/" + path_fmt.format(sid=sid, owner=owner),
+                                            t.attacker), timeout_s=_ATTACK_S)
+        r["leaked"] = secret.encode() in r["body"] + r["extra"]
+        if method == "DELETE":
+            r["victim_kept"] = t.victim_has(sid, secret)
+        return r
+    return send
+
+
+def _idle_connections(t) -> dict:
+    """The target's cap less its headroom in connections that send nothing (non-blocking
+    connects, all in flight together), then GET /health on one more."""
+    import selectors
+    n = t.max_connections - t.headroom
+    socks, sel = [], selectors.DefaultSelector()
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", t.port))
+            socks.append(s)
+            sel.register(s, selectors.EVENT_WRITE)
+        opened, deadline = 0, time.monotonic() + 2.0
+        while sel.get_map() and time.monotonic() < deadline:
+            for key, _ in sel.select(max(0.0, deadline - time.monotonic())):
+                sel.unregister(key.fileobj)
+                opened += key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+        r = _raw_exchange(t.port, _raw_head("GET", "/health"), timeout_s=_ATTACK_S)
     finally:
-        s.close()
+        sel.close()
+        for s in socks:
+            s.close()
+    return dict(r, n_idle=opened, cap_full=t.headroom == 0)
 
 
-def _post_head(path, body: bytes, key="k1", extra=b"") -> bytes:
-    return (b"POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n%s\r\n" % (path.encode(), key.encode(), len(body), extra)) + body
+def _health_beside_idle(resp) -> Optional[str]:
+    """/health, within 5 x _HEALTH_MAX_S, with the idle connections open: a 503 with
+    Retry-After when they fill the cap, else a 200."""
+    if resp["wall_s"] > 5 * _HEALTH_MAX_S:
+        return "/health took %.1f s with %d idle connections open" % (resp["wall_s"], resp["n_idle"])
+    if resp["cap_full"]:
+        return _refused("too_many_connections", statuses=(503,))(resp) or (
+            None if resp["headers"].get("retry-after") else "a 503 without Retry-After")
+    return None if resp["status"] == 200 else "/health with %d idle connections open: %s" % (
+        resp["n_idle"], resp["status"])
+
+
+def _exponential_schema() -> dict:
+    """Objects nested 6 deep whose type is ["object"] x 4: expanded per type naively, the
+    grammar grows 4^6; the schema is under 700 bytes."""
+    node = {"type": "string"}
+    for _ in range(6):
+        node = {"type": ["object", "object", "object", "object"], "properties": {"a": node}, "required": ["a"]}
+    return node
+
+
+def _deep_arrays() -> dict:
+    node = {"type": "string"}
+    for _ in range(200):
+        node = {"type": "array", "items": node}
+    return node
+
+
+def _small_completion(size: int = 0) -> bytes:
+    """A valid one-token completion request body, padded with spaces to size bytes."""
+    body = json.dumps({"prompt": "Hi", "max_tokens": 1, "temperature": 0}).encode()
+    return body + b" " * max(0, size - len(body))
+
+
+_DEAD_END = 'root ::= "a" <[999999]>'  # parses; after "a" no token (no such id), nor the end, is allowed
+# A class that matches no character: llama.cpp still lets through tokens that are the first
+# bytes of a character (a partial UTF-8 sequence might complete into one), so the text is
+# "a" and replacement characters until max_tokens: answered, not refused.
+_EMPTY_CLASS = r'root ::= "a" [^\x00-\U0010FFFF]'
+
+
+def _attack_table() -> list:
+    """The attacks, in the soak's run order: what only answers wrong first, what may crash or
+    freeze a server last."""
+    def chat(text, **kw):
+        return dict({"messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": 8}, **kw)
+
+    def comp(prompt, **kw):
+        return dict({"prompt": prompt, "temperature": 0, "max_tokens": 8}, **kw)
+
+    def inner(t):  # a request with a good key, hidden in a body
+        return _raw_head("GET", "/v1/models", t.victim)
+
+    a = []
+    # sessions: the attacker reads or deletes the victim's session: by its id, through its
+    # directory, or with ids that are no ids; nothing of it is shown, nothing removed
+    for label, path_fmt, statuses in (("other-key", "{sid}", (404,)), ("traversal", "../{owner}/{sid}", (400, 404)),
+                                      ("traversal-encoded", "..%2F{owner}%2F{sid}", (400, 404)),
+                                      ("up-and-out", "../../victim", (400, 404)), ("dotdot", "..", (400, 404)),
+                                      ("dot", ".", (400, 404)), ("slash", "a/b", (400, 404)),
+                                      ("long", "x" * 200, (400, 404)), ("nul", "%00", (400, 404))):
+        for method in ("GET", "DELETE"):
+            a.append(_Attack("session-%s-%s" % (label, method.lower()), _session_attack(method, path_fmt),
+                             _all(_refused(statuses=statuses), _no_leak), kind="sessions"))
+    # framing: a refused request's body is never read as the next request (smuggling behind
+    # a proxy); a body is framed only by one Content-Length of digits
+    for label, path, wrong_key, status in (("401", _COMPLETIONS, True, 401), ("404", "/v1/nope", False, 404),
+                                           ("405", "/health", False, 405)):
+        a.append(_Attack("smuggle-in-%s-body" % label, _send(lambda t, p=path, w=wrong_key: _raw_head(
+            "POST", p, "wrong-key" if w else t.attacker, inner(t), headers=(("Connection", "keep-alive"),)),
+            linger_s=1.5), _all(_refused(statuses=(status,)), _closes, _lacks(b'"object": "list"')), framing=True))
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(_small_completion()), _small_completion())
+    a.append(_Attack("transfer-encoding-chunked", _send(lambda t: _raw_head(
+        "POST", _COMPLETIONS, t.attacker, chunked, length=False, headers=(("Transfer-Encoding", "chunked"),))
+        + inner(t), linger_s=1.5), _refused(statuses=(411,)), framing=True))
+    for value in ("5_0", "+50", "0x10", " 1 2", "99999999999999"):
+        a.append(_Attack("content-length-" + value.strip().replace(" ", "_"), _send(lambda t, v=value: _raw_head(
+            "POST", _COMPLETIONS, t.attacker, _small_completion(54), length=False, headers=(("Content-Length", v),))
+            + inner(t), linger_s=1.5), _refused(statuses=(400, 413)), framing=True))
+    a.append(_Attack("content-length-twice", _send(lambda t: _raw_head(
+        "POST", _COMPLETIONS, t.attacker, _small_completion(), headers=(
+            ("Content-Length", str(len(_small_completion()))),)), linger_s=1.5), _refused(statuses=(400,)),
+        framing=True))
+    a.append(_Attack("content-length-twice-differ", _send(lambda t: _raw_head(
+        "POST", _COMPLETIONS, t.attacker, _small_completion(64), length=False, headers=(
+            ("Content-Length", "64"), ("Content-Length", "71"))), linger_s=1.5), _refused(), framing=True))
+    # bodies past 8 MiB: refused from the Content-Length alone, or after all of it came
+    a.append(_Attack("body-over-8mib-announced", _send(lambda t: _raw_head(
+        "POST", _COMPLETIONS, t.attacker, b"{", length=False, headers=(("Content-Length", str(9 << 20)),))),
+        _refused(statuses=(413,)), framing=True))
+    big = b'{"prompt": "' + b"x" * (8 << 20) + b'", "max_tokens": 1}'
+    a.append(_Attack("body-over-8mib-sent", _post(_COMPLETIONS, big), _refused(), framing=True))
+    # connections that send nothing: /health still answers (a 503 when they fill the cap)
+    a.append(_Attack("idle-connections", _idle_connections, _health_beside_idle, kind="connections", framing=True))
+    # bodies that parse but ask too much
+    a.append(_Attack("json-nested-100k", _post(_COMPLETIONS, b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}"),
+                     _refused()))
+    a.append(_Attack("stop-list-5000", _post(_COMPLETIONS, comp(
+        "Count: 1, 2, 3,", stop=["stop-%05d-%s" % (i, "x" * 80) for i in range(5000)])), _refused_or_answered()))
+    a.append(_Attack("stop-strings-long", _post(_COMPLETIONS, comp("Count: 1, 2, 3,", stop=[c * 250000 for c in "yzw"])),
+                     _refused_or_answered()))
+    a.append(_Attack("max-tokens-huge", _post(_CHAT, chat("Say OK.", max_tokens=10 ** 18)), _refused_or_answered()))
+    a.append(_Attack("unknown-fields", _post(_CHAT, chat(
+        "Say OK.", logit_bias={"1": 100, "2": -100}, logprobs=True, top_logprobs=5, user="x", metadata={"k": "v"},
+        frobnicate={"x": [1, 2, 3]})), _refused_or_answered()))
+    # schemas: "type": ["string", "null"] raised inside Il Suggeritore's JSON reader, and the
+    # scheduler failed every request in flight; a type list per level grew the grammar 4^depth
+    nullable = {"type": "object", "properties": {"name": {"type": ["string", "null"]},
+                                                 "age": {"type": ["integer", "null"]}}, "required": ["name", "age"]}
+    a.append(_Attack("schema-nullable", _post(_CHAT, chat("Give a person as JSON.", max_tokens=40, response_format={
+        "type": "json_schema", "json_schema": {"name": "p", "schema": nullable}})), _answered(_nullable_person)))
+    a.append(_Attack("schema-exponential", _post(_COMPLETIONS, {"prompt": "{", "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": _exponential_schema()}}}), _answered()))
+    for label, schema in (("deep-arrays", _deep_arrays()), ("type-list-of-non-names", {"type": [1, "x"]}),
+                          ("ref-not-a-string", {"$ref": ["#"]}), ("defs-not-an-object", {"$ref": "#/$defs/a",
+                                                                                          "$defs": ["a"]})):
+        a.append(_Attack("schema-" + label, _post(_COMPLETIONS, {"prompt": "{", "max_tokens": 2, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}), _refused("invalid_schema")))
+    # grammars: nesting past the bound; one that parses but that nothing can continue after
+    # "a" (llama.cpp's sampler chain aborted the process on it): that request alone ends
+    a.append(_Attack("grammar-deep-parens", _post(_COMPLETIONS, {
+        "prompt": "Hi", "max_tokens": 4, "grammar": "root ::= " + "(" * 200000 + '"a"' + ")" * 200000}),
+        _all(_refused("invalid_grammar"), _message_has("deep", "KB"))))
+    a.append(_Attack("grammar-empty-class", _post(_COMPLETIONS, comp("a", grammar=_EMPTY_CLASS, repeat_penalty=1.1)),
+                     _refused_or_answered()))
+    for label, extra in (("", {}), ("-penalty", {"repeat_penalty": 1.1}), ("-sampled", {"temperature": 0.8, "seed": 3}),
+                         ("-n2", {"n": 2, "temperature": 0.8, "seed": 3})):
+        body = dict({"prompt": "Say a", "max_tokens": 8, "temperature": 0, "grammar": _DEAD_END}, **extra)
+        a.append(_Attack("grammar-dead-end" + label, _post(_COMPLETIONS, body), _refused("grammar_dead_end")))
+        a.append(_Attack("grammar-dead-end%s-stream" % label, _post(_COMPLETIONS, dict(body, stream=True)),
+                         _stream_error("grammar_dead_end")))
+    a.append(_Attack("grammar-dead-end-n4-penalty-stream", _post(_COMPLETIONS, comp(
+        "a", grammar=_DEAD_END, n=4, repeat_penalty=1.1, stream=True)), _refused_or_answered(_only_texts("", "a"))))
+    # a vote regex runs in a linear-time matcher: (a+)+$ over a long run of a's did
+    # exponential backtracking while holding the GIL
+    a.append(_Attack("vote-regex-redos", _post(_CHAT, {
+        "messages": [{"role": "user", "content": "Write the letter a forty times."}], "max_tokens": 48, "best_of": 2,
+        "temperature": 0.7, "seed": 1, "reame": {"vote": "regex:(a+)+$"}}), _answered()))
+    a.append(_Attack("vote-regex-redos-grammar", _post(_COMPLETIONS, {
+        "prompt": "aaaa", "grammar": 'root ::= "a"{40,60} "!"', "best_of": 2, "temperature": 0.8, "seed": 1,
+        "max_tokens": 48, "reame": {"vote": "regex:(a+)+$"}}), _refused_or_answered()))
+    return a
+
+
+_ATTACKS = _attack_table()
+
+
+def _attack(name: str) -> _Attack:
+    return next(a for a in _ATTACKS if a.name == name)
+
+
+_SOLO: dict = {}  # server port -> the victim's solo text (greedy: the one right answer)
 
 
 def _under_attack(server, attack):
     """Run attack() while a victim stream (key k2) decodes and /health is polled: the
-    victim's text equals its solo text, /health always answered within 1 s."""
-    _, solo = _http(server, "POST", "/v1/chat/completions", _VICTIM, key="k2")
-    solo_text = "".join(c["choices"][0]["delta"].get("content") or "" for c in _sse(solo) if c["choices"])
+    victim's text equals its solo text, /health always answered within _HEALTH_MAX_S."""
+    if server.port not in _SOLO:
+        _, solo = _http(server, "POST", "/v1/chat/completions", _VICTIM, key="k2")
+        _SOLO[server.port] = "".join(c["choices"][0]["delta"].get("content") or "" for c in _sse(solo) if c["choices"])
     out, health, stop = {}, [], threading.Event()
 
     def victim():
@@ -3510,9 +4544,9 @@ def _under_attack(server, attack):
         threads[0].join(120)
         stop.set()
         threads[1].join(10)
-    assert out.get("status") == 200 and out["text"] == solo_text
+    assert out.get("status") == 200 and out["text"] == _SOLO[server.port]
     assert health and all(s == 200 for s, _ in health), health
-    assert max(t for _, t in health) < 1.0, max(t for _, t in health)
+    assert max(t for _, t in health) < _HEALTH_MAX_S, max(t for _, t in health)
     return got
 
 
@@ -3535,104 +4569,95 @@ def _idle(eng, timeout_s=60):
     assert sorted(eng.slots.free) == list(range(eng.n_slots))  # every slot back
 
 
-def test_attack_deeply_nested_grammar_is_a_400(server, gemma):
-    deep = "root ::= " + "(" * 200000 + '"a"' + ")" * 200000
-    body = {"prompt": "Hi", "max_tokens": 4, "grammar": deep}
-    status, payload = _under_attack(server, lambda: _http(server, "POST", "/v1/completions", body))
-    _assert_clean_error(status, payload, "invalid_grammar")
-    assert "deep" in json.loads(payload)["error"]["message"] or "KB" in json.loads(payload)["error"]["message"]
-    with pytest.raises(reame.RequestError):  # the engine's own path is guarded too (not only HTTP)
+@pytest.mark.parametrize("attack", [a for a in _ATTACKS if not a.kind], ids=lambda a: a.name)
+def test_attack_table(server, gemma, attack):
+    target = _Target(server.port, attacker="k1", victim="k2")
+    resp = _under_attack(server, lambda: attack.send(target))
+    label, problem = _judge(attack, resp)
+    assert problem is None, "%s: %s (%s: %r)" % (attack.name, problem, label, resp["body"][:300])
+    _idle(gemma)
+    status, payload = _http(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "n": 2})
+    assert status == 200 and len(json.loads(payload)["choices"]) == 2, payload  # n >= 2 still admitted
+
+
+def test_attack_judge_refuses_what_it_must():
+    """The table's judge is not lenient: each answer here is wrong for its row."""
+    def resp(status, body=b"", headers=None, extra=b"", **facts):
+        return dict({"status": status, "body": body, "headers": headers or {}, "extra": extra, "wall_s": 0.1}, **facts)
+    err = json.dumps({"error": {"message": "no", "type": "invalid_request_error", "code": "x"}}).encode()
+    sse = {"content-type": "text/event-stream"}
+    chosen = json.dumps({"choices": [{"text": "a", "finish_reason": "stop"}]}).encode()
+    cases = [
+        ("grammar-deep-parens", resp(400, err)),                                     # not invalid_grammar
+        ("grammar-deep-parens", resp(200, chosen)),                                  # answered
+        ("grammar-dead-end", resp(500, json.dumps({"error": {"message": "internal error", "type": "server_error",
+                                                              "code": "internal_error"}}).encode())),
+        ("grammar-dead-end-stream", resp(200, b'data: {"error": {"code": "grammar_dead_end"}}\n\n', sse)),  # no [DONE]
+        ("schema-exponential", resp(200, b"data: " + chosen + b"\n\n", sse)),        # cut short
+        ("schema-nullable", resp(200, json.dumps({"choices": [{"message": {"content": '{"name": 5, "age": 1}'}}]})
+                                 .encode())),
+        ("smuggle-in-401-body", resp(401, err, {"connection": "close"}, extra=b"HTTP/1.1 200 OK\r\n")),
+        ("smuggle-in-401-body", resp(401, err)),                                     # left open
+        ("content-length-5_0", resp("dropped")),
+        ("session-other-key-get", resp(404, err, leaked=True)),
+        ("session-other-key-delete", resp(404, err, victim_kept=False)),
+        ("session-dot-get", resp(200, b"{}")),
+        ("idle-connections", resp(200, b"{}", n_idle=8, cap_full=True)),
+        ("idle-connections", resp(200, b"{}", n_idle=8, cap_full=False, wall_s=9.0)),
+        ("stop-list-5000", resp(200, b'{"choices": []}')),
+    ]
+    for name, r in cases:
+        assert _judge(_attack(name), r)[1], (name, r)
+    assert _judge(_attack("grammar-dead-end"), resp(400, json.dumps({"error": {
+        "message": "dead end", "type": "invalid_request_error", "code": "grammar_dead_end"}}).encode())) == ("400", None)
+    names = [a.name for a in _ATTACKS]
+    assert len(names) == len(set(names)) and len(names) >= 50
+
+
+def test_attack_deep_grammar_is_refused_by_the_engine_too(gemma):
+    """(grammar-deep-parens over HTTP is in the table) The engine's own path is guarded too."""
+    with pytest.raises(reame.RequestError):
         gemma.complete("Hi", reame.SamplingParams(grammar="root ::= " + "(" * 5000 + '"a"' + ")" * 5000))
     _idle(gemma)
 
 
-@pytest.mark.parametrize("extra", [{}, {"repeat_penalty": 1.1}, {"temperature": 0.8, "seed": 3},
-                                   {"n": 2, "temperature": 0.8, "seed": 3}])
-def test_attack_dead_end_grammar_ends_only_its_request(server, gemma, extra):
-    """A grammar that parses but that nothing can continue after "a": llama.cpp's sampler
-    chain aborted the process on it; now that request alone ends with a 400."""
-    body = dict({"prompt": "Say a", "max_tokens": 8, "temperature": 0, "grammar": 'root ::= "a" <[999999]>'},
-                **extra)
-    status, payload = _under_attack(server, lambda: _http(server, "POST", "/v1/completions", body))
-    _assert_clean_error(status, payload, "grammar_dead_end")
-    status, payload = _http(server, "POST", "/v1/completions", dict(body, stream=True))
-    events = _sse(payload)
-    assert status == 200 and events[-1]["error"]["code"] == "grammar_dead_end"
-    _idle(gemma)
-    status, payload = _http(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "n": 2})
-    assert status == 200 and len(json.loads(payload)["choices"]) == 2  # n >= 2 still admitted
-
-
-def test_attack_nullable_schema_fails_nobody(server, gemma):
-    """"type": ["string", "null"] raised inside Il Suggeritore's JSON reader, and the
-    scheduler failed every request in flight; now it is drafted like any schema."""
-    schema = {"type": "object", "properties": {"name": {"type": ["string", "null"]},
-                                               "age": {"type": ["integer", "null"]}}, "required": ["name", "age"]}
-    body = {"messages": [{"role": "user", "content": "Give a person as JSON."}], "temperature": 0, "max_tokens": 40,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
-    status, payload = _under_attack(server, lambda: _http(server, "POST", "/v1/chat/completions", body))
-    assert status == 200, payload
-    obj = json.loads(json.loads(payload)["choices"][0]["message"]["content"])
-    assert set(obj) == {"name", "age"} and (obj["name"] is None or isinstance(obj["name"], str))
-    _idle(gemma)
-
-
-def test_attack_exponential_schema_is_linear(server):
-    node = {"type": "string"}
-    for _ in range(6):  # each level names its child four times through a type list
-        node = {"type": ["object", "object", "object", "object"], "properties": {"a": node}, "required": ["a"]}
+def test_attack_exponential_schema_grammar_is_linear():
+    """(schema-exponential over HTTP is in the table) The grammar of a type list per level
+    grows linearly with the depth, and is made at once."""
+    node = _exponential_schema()
     assert len(json.dumps(node)) < 700
     t0 = time.monotonic()
     g = reame.json_schema_grammar(json.loads(json.dumps(node)))
     assert time.monotonic() - t0 < 0.5 and len(g) < 4000
-    body = {"prompt": "{", "max_tokens": 2, "response_format": {"type": "json_schema",
-                                                                "json_schema": {"name": "x", "schema": node}}}
-    status, payload = _under_attack(server, lambda: _http(server, "POST", "/v1/completions", body))
-    assert status == 200, payload
-    deep = {"type": "string"}
-    for _ in range(200):
-        deep = {"type": "array", "items": deep}
-    _assert_clean_error(*_http(server, "POST", "/v1/completions", dict(body, response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "schema": deep}})), "invalid_schema")
-    for bad in ({"type": [1, "x"]}, {"$ref": ["#"]}, {"$ref": "#/$defs/a", "$defs": ["a"]}):
-        _assert_clean_error(*_http(server, "POST", "/v1/completions", dict(body, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": bad}})), "invalid_schema")
 
 
 def test_attack_session_ids_cannot_leave_the_callers_scope(gemma, tmp_path):
-    """GET/DELETE validate the id like a new turn does; ids are per key; nothing outside
-    the caller's own directory is read, listed or deleted."""
+    """The table's session rows against a server that keeps sessions on disk: GET/DELETE
+    validate the id like a new turn does; ids are per key; nothing outside the caller's own
+    directory is read, listed or deleted."""
     store = tmp_path / "sessions"
     srv = reame.Server(gemma, "g", host="127.0.0.1", port=0, api_keys=["k1", "k2"], session_dir=str(store),
                        secret=b"s" * 32)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        first = {"messages": [{"role": "user", "content": "My name is Ada."}], "max_tokens": 4, "temperature": 0,
-                 "session_id": "mine"}
-        assert _http(srv, "POST", "/v1/chat/completions", first)[0] == 200
-        deadline = time.monotonic() + 10  # (saved once the answer is sent)
-        while not list(store.rglob("mine.json")) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        theirs = next(store.rglob("mine.json"))
+        target = _Target(srv.port, attacker="k2", victim="k1", sessions_dir=str(store))
+        sid, secret, owner = target.victim_session()
+        theirs = next(store.rglob(sid + ".json"))
+        assert theirs.parent.name == owner and secret.encode() in theirs.read_bytes()
         outside = tmp_path / "victim.json"
         outside.write_text('{"chat": true, "messages": [], "text": "", "tokens": 0, "created": 0}')
         os.utime(outside, (1, 1))  # looks expired: the old GET deleted such files
         before = {p: p.read_bytes() for p in tmp_path.rglob("*.json")}
-        other_dir = theirs.parent.name
-        for sid in ("../%s/mine" % other_dir, "..%2F" + other_dir + "%2Fmine", "../../victim", "..", ".",
-                    "a/b", "x" * 200, "%00"):
-            for method in ("GET", "DELETE"):
-                status, payload = _http(srv, method, "/v1/sessions/" + sid, key="k2")
-                assert status in (400, 404), (sid, method, status)
-                assert b"Ada" not in payload
-        # the same id under another key is another conversation; k1's is not visible to k2
-        assert _http(srv, "GET", "/v1/sessions/mine", key="k2")[0] == 404
-        assert _http(srv, "DELETE", "/v1/sessions/mine", key="k2")[0] == 404
+        rows = [a for a in _ATTACKS if a.kind == "sessions"]
+        assert len(rows) == 18
+        for attack in rows:
+            label, problem = _judge(attack, attack.send(target))
+            assert problem is None, (attack.name, label, problem)
         assert {p: p.read_bytes() for p in tmp_path.rglob("*.json")} == before
         assert theirs.stat().st_mode & 0o777 == 0o600 and theirs.parent.stat().st_mode & 0o777 == 0o700
         assert not list(store.rglob("*.tmp"))
         # the directory names are keyed hashes, not sha256(key)
-        assert other_dir != hashlib.sha256(b"k1").hexdigest()[:16]
+        assert owner != hashlib.sha256(b"k1").hexdigest()[:16]
     finally:
         srv.shutdown()
 
@@ -3651,47 +4676,24 @@ def test_attack_one_key_cannot_push_out_anothers_sessions(gemma):
         srv.shutdown()
 
 
-def test_attack_http_framing(server):
-    port = server.port
-    inner = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n\r\n"
-    # a refused request's body is never read as a second request (smuggling behind a proxy)
-    for path, key in (("/v1/completions", "wrong"), ("/v1/nope", "k1"), ("/health", "k1")):
-        got = _raw(port, _post_head(path, inner, key=key))
-        assert got.count(b"HTTP/1.1 ") == 1 and b'"object": "list"' not in got, got[:300]
-        assert b"Connection: close" in got
-    got = _raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n0\r\n\r\n" + inner)
-    assert got.startswith(b"HTTP/1.1 411") and got.count(b"HTTP/1.1 ") == 1, got[:200]
-    for cl in (b"5_0", b"+50", b"0x10", b" 1 2", b"99999999999999"):
-        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k1\r\nContent-Length: %s\r\n\r\n"
-                % cl)
-        got = _raw(port, head + b'{"prompt": "Hi", "max_tokens": 1}' + b" " * 20 + inner)
-        assert got.count(b"HTTP/1.1 ") == 1 and got.split(b" ")[1] in (b"400", b"413"), (cl, got[:200])
-    body = b'{"prompt": "Hi", "max_tokens": 1}'
-    got = _raw(port, _post_head("/v1/completions", body, extra=b"Content-Length: %d\r\n" % len(body)))
-    assert got.startswith(b"HTTP/1.1 400") and got.count(b"HTTP/1.1 ") == 1
-    # well-framed keep-alive requests still share a connection
-    got = _raw(port, inner + inner, wait_s=3)
-    assert got.count(b"HTTP/1.1 200") == 2
+def test_attack_framing_leaves_well_framed_keep_alive_alone(server):
+    """(The framing attacks are in the table.) Well-framed keep-alive requests still share a connection."""
+    inner = _raw_head("GET", "/v1/models", "k1")
+    got = _raw_exchange(server.port, inner + inner, linger_s=3)
+    assert got["status"] == 200 and got["extra"].count(b"HTTP/1.1 200") == 1, got
     assert _http(server, "GET", "/health", key=None)[0] == 200
 
 
 def test_attack_connection_and_body_caps(gemma):
-    import socket
     srv = reame.Server(gemma, "g", host="127.0.0.1", port=0, max_connections=8, max_body_in_flight=64 << 10)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    idle = []
     try:
-        for _ in range(8):
-            idle.append(socket.create_connection(("127.0.0.1", srv.port)))
-        time.sleep(0.3)
-        got = _raw(srv.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert got.startswith(b"HTTP/1.1 503") and b"Retry-After" in got
-        assert json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "too_many_connections"
-        for c in idle:
-            c.close()
-        idle = []
-        time.sleep(0.5)
+        attack = _attack("idle-connections")  # 8 idle connections fill the cap: /health gets a 503
+        label, problem = _judge(attack, attack.send(_Target(srv.port, "k", "k", max_connections=8, headroom=0)))
+        assert problem is None and label == "503", (label, problem)
+        deadline = time.monotonic() + 5  # (their handlers see them closed, and give their places back)
+        while _raw_exchange(srv.port, _raw_head("GET", "/health"))["status"] != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert _http(srv, "GET", "/health", key=None)[0] == 200
         big = json.dumps({"prompt": "Hi " * 40000, "max_tokens": 1}).encode()
         status, payload = _http(srv, "POST", "/v1/completions", raw=big)
@@ -3703,8 +4705,6 @@ def test_attack_connection_and_body_caps(gemma):
             time.sleep(0.01)
         assert srv.body_in_flight == 0
     finally:
-        for c in idle:
-            c.close()
         srv.shutdown()
 
 
@@ -3723,11 +4723,10 @@ def test_attack_connection_resets_leave_no_traceback(server, capfd):
 
 
 def test_attack_disconnected_non_stream_request_is_cancelled(server, gemma):
-    import socket
     _idle(gemma)
     body = json.dumps({"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0.8, "seed": 1}).encode()
     s = socket.create_connection(("127.0.0.1", server.port))
-    s.sendall(_post_head("/v1/completions", body))
+    s.sendall(_raw_head("POST", "/v1/completions", "k1", body))
     deadline = time.monotonic() + 30
     while not gemma.stats()["active"] and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -3738,9 +4737,9 @@ def test_attack_disconnected_non_stream_request_is_cancelled(server, gemma):
     assert gemma.counters.n_steps - steps < 200  # cancelled, not run to its 400 tokens
 
 
-def test_attack_regex_vote_cannot_freeze_the_server(server):
-    """A vote regex runs in a linear-time matcher: (a+)+$ over a long run of a's did
-    exponential backtracking while holding the GIL."""
+def test_attack_regex_vote_runs_in_linear_time():
+    """(vote-regex-redos over HTTP is in the table) A vote regex runs in a linear-time
+    matcher: (a+)+$ over a long run of a's did exponential backtracking holding the GIL."""
     evil = "a" * 5000 + "b"
     t0 = time.monotonic()
     assert reame.extract_answer(evil, "regex:(a+)+$") is None
@@ -3749,10 +4748,6 @@ def test_attack_regex_vote_cannot_freeze_the_server(server):
     for bad in (r"regex:(a)\1", "regex:(?=a)(a)", "regex:(?i)(a)", "regex:" + "(a)" * 200):
         with pytest.raises(reame.RequestError):
             reame.check_extractor(bad)
-    body = {"messages": [{"role": "user", "content": "Write the letter a forty times."}], "max_tokens": 48,
-            "best_of": 2, "temperature": 0.7, "seed": 1, "reame": {"vote": "regex:(a+)+$"}}
-    status, payload = _under_attack(server, lambda: _http(server, "POST", "/v1/chat/completions", body))
-    assert status == 200, payload
 
 
 def test_attack_failures_inside_one_sequence_fail_only_it(gemma, monkeypatch):
@@ -3837,20 +4832,6 @@ def test_attack_crafted_archive_segment(qwen_model, tmp_path):
         eng.close()
 
 
-def test_palimpsest_index_follows_the_disk_bound(tmp_path):
-    path = str(tmp_path / "v" / "shared")
-    for i in range(40):
-        reame.pal_append(path, reame.pal_record(list(range(i * 1000, i * 1000 + 20000)), 0), 2 << 20)
-    sa = reame._ScopeArchive(path)
-    sa.refresh()
-    first = len(sa.index.tokens)
-    for i in range(40, 200):
-        reame.pal_append(path, reame.pal_record(list(range(i * 1000, i * 1000 + 20000)), 0), 2 << 20)
-        sa.refresh()
-    on_disk = sum(os.path.getsize(os.path.join(path, f)) for f in reame.pal_segments(path)) // 4
-    assert len(sa.index.tokens) <= 1.3 * on_disk + 20001 and len(sa.index.tokens) < 3 * first
-
-
 def test_attack_prefix_cache_is_per_key(gemma):
     """cached_tokens and timing would tell one key another's prompt prefix: with keys,
     each key reuses only its own prefixes unless the server shares them (--shared-cache)."""
@@ -3932,68 +4913,773 @@ def test_attack_files_under_reame_home(qwen_model, tmp_path, monkeypatch, capsys
         d.close()
 
 
-def test_vote_regex_matches_like_re():
-    """The linear-time matcher finds what re.finditer finds (leftmost first, greedy or
-    lazy, empty matches, a repeated group's last capture), on random patterns."""
-    import random
-    import re
+# -- 27, the soak: the attack table against one `reame.py serve` under load --------------
+# `python3 test_reame.py soak [--seconds 600] [--model gemma3-270m] [--attacks A,B]`, a
+# pass/fail run (exit status 1 on a failure); test_soak_runs_clean runs it for 20 seconds.
+# One `reame.py serve MODEL --parallel 4 --ctx 1024 --max-connections 64` with two API keys
+# (two tenants) on a fresh temporary REAME_HOME whose models folder is a link to the pulled
+# models (nothing downloads, nothing else is shared). First each of 12 normal greedy requests
+# (temperature 0, max_tokens 16-48: chat and completions, streamed and not, n=2, a
+# json_schema, two-turn sessions, over both keys) is sent alone and its answer kept. Then for
+# the run's seconds: 8 clients loop over them in a seeded random order and every answer must
+# equal its solo answer exactly (a stream: its deltas joined per choice); 2 attackers run the
+# attack table in its order, cycling, each answer judged by its row (a dropped socket is only
+# noted for the framing rows: a server may close on a request it cannot frame); one thread
+# abandons requests (a stream closed after its first chunk, a request closed before its
+# answer, half a request head, a body shorter than its Content-Length); /health is probed
+# every 0.5 s from a process of its own (so the client threads' GIL is not in its latency; a
+# probe slower than a quarter of the limit lists what was in flight) and must answer 200
+# within 1 s. Afterwards /metrics must read no active or queued sequence and no KV cell in
+# use (waited for up to 60 s), and the process must be the one started. A server that exits
+# is recorded with what was in flight and ends the run; one that hangs makes its requests
+# time out, and is killed at the end.
 
-    def ref(p, t):
-        last = None
-        for last in re.finditer(p, t):
-            pass
-        return last.group(1).strip() if last is not None and last.group(1) is not None else None
-    rng = random.Random(7)
-    atoms = ["a", "b", ".", "[ab]", "[^a]", "\\d", "\\w", "\\s", "\\b", "^", "$", "(a)", "(ab|b)", "(a*)", "(|a)",
-             "x?", "(?:a|)", "(b*?)"]
-    quant = ["", "*", "+", "?", "*?", "+?", "??", "{1,2}", "{0,2}?", "{2}"]
-    n = 0
-    for _ in range(1500):
-        p = "(" + "".join(rng.choice(atoms) + rng.choice(quant) for _ in range(rng.randint(1, 4))) + ")" + \
-            rng.choice(["", "*", "+?"])
+_SOAK_KEYS = ("soak-key-tenant-a", "soak-key-tenant-b")  # two tenants: sessions are scoped per key
+_SOAK_CTX, _SOAK_PARALLEL, _SOAK_MAX_CONNECTIONS = 1024, 4, 64
+_SOAK_CLIENTS, _SOAK_ATTACKERS = 8, 2
+_SOAK_HEADROOM = 24      # connections idle-connections leaves to the soak's own clients and prober
+_SOAK_REQUEST_S = 120.0  # a normal request's time limit (8 clients share 4 slots on a small machine)
+_SOAK_DRAIN_S = 60.0     # after the load: time for threads to finish and for /metrics to read idle
+
+
+class _ServeProcess:
+    """``reame.py serve`` as a subprocess on a free loopback port (--port 0: the port comes
+    from its "serving" line), logging to a file; close() stops it, by its own handle."""
+
+    def __init__(self, model: str, log_path: str, args=(), env=None):
+        self.log_path, self.port = log_path, None
+        self.args = [sys.executable, os.path.join(HERE, "reame.py"), "serve", model, "--host", "127.0.0.1",
+                     "--port", "0", *args]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until /health answers 200 (the model loaded); RuntimeError if it exits or is late."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError("reame serve exited with %s; log tail:\n%s" % (self.proc.returncode, self.log_tail()))
+            if self.port is None:
+                with open(self.log_path, "rb") as f:
+                    m = re.search(rb"serving .*?http://127\.0\.0\.1:(\d+)", f.read())
+                self.port = int(m.group(1)) if m else None
+            elif _raw_exchange(self.port, _raw_head("GET", "/health"), timeout_s=5)["status"] == 200:
+                return
+            time.sleep(0.25)
+        raise RuntimeError("reame serve not ready after %.0f s; log tail:\n%s" % (timeout_s, self.log_tail()))
+
+    def log_tail(self, n: int = 30) -> str:
         try:
-            re.compile(p)
-            reame.check_extractor("regex:" + p)
-        except (re.error, reame.RequestError):
-            continue
-        for _ in range(3):
-            t = "".join(rng.choice("ab 1x\n") for _ in range(rng.randint(0, 12)))
-            assert reame.extract_answer(t, "regex:" + p) == ref(p, t), (p, t)
-            n += 1
-    assert n > 2000
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 300 * n))
+                return b"\n".join(f.read().splitlines()[-n:]).decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
 
 
-def test_queued_requests_hold_bounded_snapshots(qwen_model, tmp_path):
-    """Past the hold budget a queued request notes where its snapshot is and the scheduler
-    loads it at admission: the same exact answer, nothing held afterwards."""
-    kv = str(tmp_path / "kv")
-    cold, st = _disk_answer(qwen_model, kv, "Where is order 17?")
-    assert st["disk_snapshots"] >= 1
-    eng = reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv)
+def _soak_requests() -> list:
+    """The soak's normal requests: greedy (temperature 0) and short, so each has one right
+    answer, the one it gets alone; over both keys, both endpoints, streamed and not, n=2, a
+    json_schema, and two-turn sessions (each run gets a fresh session id, so the second turn
+    always continues the same first one)."""
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": person}}
+
+    def chat(text, max_tokens, **kw):
+        return dict({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                     "temperature": 0}, **kw)
+
+    def comp(prompt, max_tokens, **kw):
+        return dict({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, **kw)
+
+    usage = {"include_usage": True}
+    return [
+        {"name": "chat", "key": 0, "path": _CHAT, "turns": [chat("Name three primary colors.", 24)]},
+        {"name": "chat-stream", "key": 1, "path": _CHAT,
+         "turns": [chat("Write one sentence about the sea.", 32, stream=True)]},
+        {"name": "chat-system-stream", "key": 0, "path": _CHAT, "turns": [dict(chat(
+            "What is 12 times 7?", 16, stream=True, stream_options=usage), messages=[
+                {"role": "system", "content": "You answer in one short line."},
+                {"role": "user", "content": "What is 12 times 7?"}])]},
+        {"name": "completion", "key": 1, "path": _COMPLETIONS, "turns": [comp("The capital of France is", 16)]},
+        {"name": "completion-stream", "key": 0, "path": _COMPLETIONS,
+         "turns": [comp("def fibonacci(n):\n", 48, stream=True, stream_options=usage)]},
+        {"name": "chat-n2", "key": 1, "path": _CHAT, "turns": [chat("Give me a name for a cat.", 20, n=2)]},
+        {"name": "completion-n2-stream", "key": 0, "path": _COMPLETIONS,
+         "turns": [comp("A list of fruits: apple,", 16, n=2, stream=True)]},
+        {"name": "chat-json-schema", "key": 0, "path": _CHAT,
+         "turns": [chat("Describe a person as JSON.", 40, response_format=schema)]},
+        {"name": "chat-json-schema-stream", "key": 1, "path": _CHAT,
+         "turns": [chat("Invent a fictional person; answer as JSON.", 40, response_format=schema, stream=True)]},
+        {"name": "completion-long", "key": 1, "path": _COMPLETIONS,
+         "turns": [comp("Once upon a time, in a small village,", 48)]},
+        {"name": "chat-session", "key": 1, "path": _CHAT, "session": True,
+         "turns": [chat("My name is Ada. Say hello to me.", 24), chat("What is my name?", 16)]},
+        {"name": "completion-session-stream", "key": 0, "path": _COMPLETIONS, "session": True,
+         "turns": [comp("Q: What is 2 + 2?\nA:", 16, stream=True), comp("\nQ: And 3 + 3?\nA:", 16, stream=True)]},
+    ]
+
+
+def _soak_call(port: int, key: str, path: str, body: dict, timeout_s: float = _SOAK_REQUEST_S) -> str:
+    """One normal request; its answer as text: the choices' texts (a stream's deltas
+    concatenated per choice) joined by \\x1e in index order. _SoakError unless it ended
+    cleanly (200; a stream: no error event, and [DONE])."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    texts = {}
     try:
-        for budget in (1, 256 << 20):
-            eng.disk_hold_bytes = budget
-            _drop_cache(eng)
-            tokens, snap = _ship_chat(eng, "Where is order 17?")
-            hits = eng.slots.n_disk_hits
-            r = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=10), snap_at=snap)[0]
-            assert budget > 1 or r.disk is None or r.disk[1] is None  # noted, not read
-            warm = r.wait(60)
-            assert warm.tokens == cold.tokens and eng.slots.n_disk_hits == hits + 1 and warm.n_cached_tok >= 256
-            assert eng.stats()["disk_held_bytes"] == 0
+        conn.request("POST", path, body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json", "Authorization": "Bearer " + key})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise _SoakError("HTTP %d: %s" % (resp.status, resp.read(300).decode("utf-8", "replace")))
+        if not body.get("stream"):
+            for c in json.loads(resp.read()).get("choices") or []:
+                texts[c.get("index", 0)] = (c["message"].get("content") if "message" in c else c.get("text")) or ""
+        else:
+            while True:
+                line = resp.readline()
+                if not line:
+                    raise _SoakError("the stream ended without data: [DONE]")
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    raise _SoakError("error event: %s" % json.dumps(chunk["error"])[:300])
+                for c in chunk.get("choices") or []:
+                    piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                    texts[c.get("index", 0)] = texts.get(c.get("index", 0), "") + (piece or "")
+    except (OSError, http.client.HTTPException, ValueError, KeyError, AttributeError) as e:
+        raise _SoakError("%s: %s" % (type(e).__name__, str(e)[:200])) from None
     finally:
-        eng.close()
+        conn.close()
+    return "\x1e".join(texts[i] for i in sorted(texts))
 
 
-def test_a_session_is_free_when_its_answer_ends(server):
-    """The next turn may come the moment the last byte of the answer arrives (a client
-    that sends it on data: [DONE] got a 409 while the server still held the session)."""
-    sid = "s-quick-%s" % os.urandom(4).hex()
-    for i in range(6):
-        body = {"prompt": "Count: %d" % i, "max_tokens": 2, "session_id": sid, "stream": i % 2 == 0}
-        status, payload = _http(server, "POST", "/v1/completions", body)
-        assert status == 200, (i, payload[:200])
-    assert _http(server, "DELETE", "/v1/sessions/" + sid)[0] == 200
+def _soak_answer(port: int, req: dict) -> str:
+    """A normal request's answer; a session's turns (on a fresh session id) joined by \\x1d,
+    the session deleted afterwards (best effort: the server's session table stays small)."""
+    key = _SOAK_KEYS[req["key"]]
+    if not req.get("session"):
+        return _soak_call(port, key, req["path"], req["turns"][0])
+    sid = "soak-%s" % os.urandom(6).hex()
+    try:
+        return "\x1d".join(_soak_call(port, key, req["path"], dict(b, session_id=sid)) for b in req["turns"])
+    finally:
+        _raw_exchange(port, _raw_head("DELETE", "/v1/sessions/" + sid, key), timeout_s=10)
+
+
+# Disconnects: requests the client abandons; the server must notice (or finish) and free the slot.
+
+def _disconnect(port: int, data: bytes, wait_for: Optional[bytes] = None, hold_s: float = 0.0) -> str:
+    """Send data, wait until wait_for arrives (or hold_s passes), close. Returns what happened."""
+    try:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    except OSError as e:
+        return "refused (%s)" % e
+    try:
+        sock.sendall(data)
+        if wait_for is not None:
+            buf, deadline = b"", time.monotonic() + 30
+            while wait_for not in buf:
+                got = _recv(sock, deadline)
+                if not got:
+                    return "closed by the server first"
+                buf += got
+        time.sleep(hold_s)
+        return "made"
+    except OSError as e:
+        return "error (%s)" % type(e).__name__
+    finally:
+        sock.close()
+
+
+_DISCONNECTS = (  # name, disconnect(port) -> "made" or what happened instead
+    ("stream-closed-after-first-chunk", lambda p: _disconnect(p, _raw_head("POST", _CHAT, _SOAK_KEYS[0], json.dumps(
+        {"messages": [{"role": "user", "content": "Tell a long story about a lighthouse."}], "max_tokens": 64,
+         "temperature": 0, "stream": True}).encode()), wait_for=b"data: ")),
+    ("closed-before-answer", lambda p: _disconnect(p, _raw_head("POST", _COMPLETIONS, _SOAK_KEYS[1], json.dumps(
+        {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}).encode()), hold_s=0.3)),
+    ("half-request-head", lambda p: _disconnect(
+        p, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bea", hold_s=1.0)),
+    ("body-shorter-than-content-length", lambda p: _disconnect(p, _raw_head(
+        "POST", _COMPLETIONS, _SOAK_KEYS[0], b'{"prompt": "Hi", "max_tokens": 1}', length=False,
+        headers=(("Content-Length", "200"),)), hold_s=0.3)),
+)
+
+
+class _SoakLog:
+    """What the soak's threads saw, under one lock. Once closed (the load stopped, or the
+    server died) nothing more is recorded: errors from requests cut by the end or the crash
+    are not the server's answers, and are only counted (ignored)."""
+
+    def __init__(self, alive: Callable):
+        self.alive = alive
+        self.lock = threading.Lock()
+        self.closed = False    # guarded by lock, as is everything below
+        self.ignored = 0
+        self.normal = {}       # name -> {"ok", "mismatch", "error", "examples"}
+        self.attacks = {}      # name -> {"runs", "statuses": {label: n}, "problems": {problem: n}}
+        self.disconnects = {}  # name -> {what happened: n}
+        self.health = []       # latency of each good /health
+        self.slow_probes = []  # (latency, what was in flight) of probes over a quarter of the limit
+        self.health_failures = []
+        self.in_flight = {}    # thread name -> (what, name, t0): what a crash interrupted
+        self.recent = collections.deque(maxlen=64)  # (t_end, what, name): what ended just before it
+
+    def _open(self) -> bool:
+        if self.closed or not self.alive():
+            self.ignored += 1
+            return False
+        return True
+
+    def normal_result(self, name: str, outcome: str, detail: Optional[str] = None) -> None:
+        with self.lock:
+            if self._open():
+                d = self.normal.setdefault(name, {"ok": 0, "mismatch": 0, "error": 0, "examples": []})
+                d[outcome] += 1
+                if detail and len(d["examples"]) < 3:
+                    d["examples"].append(detail)
+
+    def attack_result(self, name: str, label: str, problem: Optional[str]) -> None:
+        with self.lock:
+            if self._open():
+                d = self.attacks.setdefault(name, {"runs": 0, "statuses": {}, "problems": {}})
+                d["runs"] += 1
+                d["statuses"][label] = d["statuses"].get(label, 0) + 1
+                if problem:
+                    d["problems"][problem] = d["problems"].get(problem, 0) + 1
+
+    def disconnect_result(self, name: str, what: str) -> None:
+        with self.lock:
+            if self._open():
+                d = self.disconnects.setdefault(name, {})
+                d[what] = d.get(what, 0) + 1
+
+    def health_result(self, latency: float, failure: Optional[str]) -> None:
+        with self.lock:
+            if not self._open():
+                return
+            if failure is None:
+                self.health.append(latency)
+            else:
+                self.health_failures.append("%s after %.2f s" % (failure, latency))
+
+    def begin(self, what: str, name: str) -> None:
+        with self.lock:
+            self.in_flight[threading.current_thread().name] = (what, name, time.monotonic())
+
+    def end(self) -> None:
+        with self.lock:
+            what, name, _ = self.in_flight.pop(threading.current_thread().name, (None, None, None))
+            if what is not None:
+                self.recent.append((time.monotonic(), what, name))
+
+
+def _soak_client(i: int, port: int, reqs: list, solo: dict, lg: _SoakLog, stop: threading.Event, seed: int) -> None:
+    """Loop over the normal requests in a seeded random order; each answer must be its solo answer."""
+    rng = random.Random(seed * 1000 + i)
+    while not stop.is_set():
+        req = rng.choice(reqs)
+        lg.begin("request", req["name"])
+        try:
+            got = _soak_answer(port, req)
+        except _SoakError as e:
+            time.sleep(0.5)  # a server that is dying cuts requests before it can be reaped: then
+            lg.normal_result(req["name"], "error", str(e))  # this is not recorded (the crash is)
+            continue
+        finally:
+            lg.end()
+        if got == solo[req["name"]]:
+            lg.normal_result(req["name"], "ok")
+        else:
+            lg.normal_result(req["name"], "mismatch", "solo %r, under load %r" % (solo[req["name"]][:120], got[:120]))
+
+
+def _soak_attacker(target: _Target, attacks: list, cursor: list, lg: _SoakLog, stop: threading.Event) -> None:
+    """Take the next attack of the shared cycle (attackers together run the table in order)."""
+    while not stop.is_set() and attacks:
+        with lg.lock:
+            attack = attacks[cursor[0] % len(attacks)]
+            cursor[0] += 1
+        lg.begin("attack", attack.name)
+        try:
+            label, problem = _judge(attack, attack.send(target))
+        except Exception as e:  # noqa: BLE001 - a harness bug must show, not kill the thread
+            label, problem = "harness-error", "%s: %s" % (type(e).__name__, e)
+        finally:
+            lg.end()
+        lg.attack_result(attack.name, label, problem)
+        time.sleep(0.1)
+
+
+def _soak_disconnecter(port: int, lg: _SoakLog, stop: threading.Event) -> None:
+    k = 0
+    while not stop.is_set():
+        name, fn = _DISCONNECTS[k % len(_DISCONNECTS)]
+        k += 1
+        lg.begin("disconnect", name)
+        try:
+            what = fn(port)
+        finally:
+            lg.end()
+        lg.disconnect_result(name, what)
+        stop.wait(0.5)  # a non-streamed request's slot stays busy until its answer: keep them few
+
+
+# The /health prober runs in a process of its own: in the soak's, its latency would include
+# waiting for the GIL behind the client threads, which is the client's delay, not the server's.
+_PROBE_CHILD = r"""
+import http.client, sys, time
+port, every_s = int(sys.argv[1]), float(sys.argv[2])
+while True:
+    t0 = time.perf_counter()
+    failure = "-"
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        r.read()
+        if r.status != 200:
+            failure = "HTTP_%d" % r.status
+    except (OSError, http.client.HTTPException) as e:
+        failure = type(e).__name__
+    finally:
+        conn.close()
+    dt = time.perf_counter() - t0
+    print("%.6f %s" % (dt, failure), flush=True)
+    time.sleep(max(0.5 if failure != "-" else 0.0, every_s - dt))
+"""
+
+
+def _soak_prober(port: int, lg: _SoakLog, stop: threading.Event, every_s: float = 0.5) -> None:
+    """GET /health every every_s on a fresh connection, from a child process: latency, or
+    what went wrong; a probe slower than a quarter of the limit notes what was in flight."""
+    child = subprocess.Popen([sys.executable, "-c", _PROBE_CHILD, str(port), str(every_s)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        for line in child.stdout:
+            if stop.is_set():
+                break
+            dt_s, failure = line.split()
+            dt = float(dt_s)
+            if dt > _HEALTH_MAX_S / 4:
+                with lg.lock:
+                    flight = sorted({"%s %s" % (w, n) for w, n, _ in lg.in_flight.values()})
+                    lg.slow_probes.append((round(dt, 3), flight))
+            lg.health_result(dt, None if failure == "-" else failure)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _metrics(port: int, key: str) -> dict:
+    """/metrics as {name: value} for its unlabelled lines ({} if it cannot be read)."""
+    r = _raw_exchange(port, _raw_head("GET", "/metrics", key), timeout_s=10)
+    out = {}
+    if r["status"] == 200:
+        for line in r["body"].decode("utf-8", "replace").splitlines():
+            parts = line.split()
+            if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
+                try:
+                    out[parts[0]] = float(parts[1])
+                except ValueError:
+                    pass
+    return out
+
+
+def _wait_soak_idle(srv: _ServeProcess, timeout_s: float = _SOAK_DRAIN_S) -> dict:
+    """/metrics once reame_active_sequences and reame_queued_requests read 0 (or the last
+    reading at timeout_s, {} if none could be read, or the server exited)."""
+    deadline, m = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline and srv.alive():
+        m = _metrics(srv.port, _SOAK_KEYS[0]) or m
+        if m.get("reame_active_sequences") == 0 and m.get("reame_queued_requests") == 0:
+            return m
+        time.sleep(0.5)
+    return m
+
+
+def _soak_crash(srv: _ServeProcess, lg: _SoakLog, t_load: float) -> dict:
+    """The server's exit, with what was in flight when it was seen gone, and the attacks and
+    disconnects that ended in the 2 s before (the request that killed it may be answered
+    'dropped' before the exit is seen)."""
+    with lg.lock:
+        lg.closed = True
+        now = time.monotonic()
+        flight = sorted({"%s %s" % (what, name) for what, name, _ in lg.in_flight.values()})
+        flight += sorted({"%s %s (just ended)" % (what, name) for t, what, name in lg.recent
+                          if now - t < 2.0 and what != "request"})
+    return {"returncode": srv.proc.returncode, "at_s": round(time.monotonic() - t_load, 1), "in_flight": flight,
+            "log_tail": srv.log_tail(15)}
+
+
+def _count_tracebacks(path: str) -> dict:
+    """Python tracebacks in the server log by their last line (the exception): not failures by
+    themselves (a client that left mid-write makes one in http.server), but where to look."""
+    out = {}
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return out
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last)"):
+            j = i + 1
+            while j < len(lines) and (lines[j].startswith(" ") or not lines[j].strip()):
+                j += 1
+            last = lines[j][:100] if j < len(lines) else "?"
+            out[last] = out.get(last, 0) + 1
+    return out
+
+
+def run_soak(seconds: float, model: str = "gemma3-270m", attacks: Optional[list] = None, seed: int = 0,
+             log_dir: Optional[str] = None, say: Callable = lambda msg: None) -> dict:
+    """The soak (see above): a report, whose "failures" list everything that failed it
+    ("passed": none did). attacks: the names of the table's rows to run (None: all);
+    log_dir: where the server's log goes (default: a new temporary folder, kept)."""
+    reame.resolve_model(model, pull=False)  # pulled already: the soak never downloads
+    home = tempfile.mkdtemp(prefix="reame-soak-home-")
+    os.symlink(reame.Config.from_env().models_dir, os.path.join(home, "models"))
+    log_dir = log_dir or tempfile.mkdtemp(prefix="reame-soak-logs-")
+    chosen = [a for a in _ATTACKS if attacks is None or a.name in attacks]
+    reqs = _soak_requests()
+    srv = _ServeProcess(model, os.path.join(log_dir, "reame-serve.log"), env=dict(os.environ, REAME_HOME=home),
+                        args=("--parallel", str(_SOAK_PARALLEL), "--ctx", str(_SOAK_CTX), "--max-connections",
+                              str(_SOAK_MAX_CONNECTIONS), "--grace", "1", "--no-replay",  # computed, not replayed
+                              *[x for k in _SOAK_KEYS for x in ("--api-key", k)]))
+    lg = _SoakLog(srv.alive)
+    out = {"config": {"model": model, "cmd": "REAME_HOME=%s %s" % (home, " ".join(srv.args)), "seconds": seconds,
+                      "clients": _SOAK_CLIENTS, "attackers": _SOAK_ATTACKERS, "attacks": [a.name for a in chosen],
+                      "log": srv.log_path, "seed": seed},
+           "solo": {}, "solo_errors": {}, "crash": None, "stuck": [], "metrics_end": {}}
+    stop = threading.Event()
+    threads = []
+    t_load = time.monotonic()
+    try:
+        srv.wait_ready()
+        target = _Target(srv.port, _SOAK_KEYS[0], _SOAK_KEYS[1], sessions_dir=os.path.join(home, "sessions"),
+                         max_connections=_SOAK_MAX_CONNECTIONS, headroom=_SOAK_HEADROOM)
+        say("reame serve pid %d on port %d (REAME_HOME %s); solo answers" % (srv.proc.pid, srv.port, home))
+        for req in reqs:
+            try:
+                out["solo"][req["name"]] = _soak_answer(srv.port, req)
+            except _SoakError as e:
+                out["solo_errors"][req["name"]] = str(e)
+            if not srv.alive():
+                out["crash"] = _soak_crash(srv, lg, time.monotonic())
+                break
+        live = [r for r in reqs if r["name"] in out["solo"]]
+        if out["crash"] is None and any(a.kind == "sessions" for a in chosen):
+            try:  # before the load, so the session attacks do not wait behind it for their victim
+                target.victim_session()
+            except _SoakError as e:
+                say("%s (the session attacks will try again)" % e)
+        t_load = time.monotonic()
+        if out["crash"] is None and live:
+            say("%d s of load: %d clients, %d attackers (%d attacks), 1 disconnecter, /health every 0.5 s"
+                % (seconds, _SOAK_CLIENTS, _SOAK_ATTACKERS, len(chosen)))
+            cursor = [0]
+            work = [(_soak_client, (i, srv.port, live, out["solo"], lg, stop, seed), "soak-client-%d" % i)
+                    for i in range(_SOAK_CLIENTS)]
+            work += [(_soak_attacker, (target, chosen, cursor, lg, stop), "soak-attacker-%d" % i)
+                     for i in range(_SOAK_ATTACKERS if chosen else 0)]
+            work += [(_soak_disconnecter, (srv.port, lg, stop), "soak-disconnecter"),
+                     (_soak_prober, (srv.port, lg, stop), "soak-health")]
+            for fn, fargs, name in work:
+                t = threading.Thread(target=fn, args=fargs, name=name, daemon=True)
+                t.start()
+                threads.append(t)
+            end = t_load + seconds
+            while time.monotonic() < end and srv.alive():
+                time.sleep(0.2)
+            if not srv.alive():
+                out["crash"] = _soak_crash(srv, lg, t_load)
+                say("the server exited with %s after %.1f s" % (srv.proc.returncode, out["crash"]["at_s"]))
+        stop.set()
+        say("load stopped; waiting for the threads and for /metrics to read idle")
+        drain = time.monotonic() + _SOAK_DRAIN_S  # a dead server's sockets fail at once: no wait then
+        for t in threads:
+            t.join(max(0.0, drain - time.monotonic()))
+        with lg.lock:
+            if out["crash"] is None:
+                out["stuck"] = sorted("%s %s (%.0f s)" % (what, name, time.monotonic() - t0)
+                                      for what, name, t0 in lg.in_flight.values())
+            lg.closed = True
+        if out["crash"] is None and not srv.alive():
+            out["crash"] = _soak_crash(srv, lg, t_load)
+        out["metrics_end"] = _wait_soak_idle(srv) if out["crash"] is None else {}
+        if out["crash"] is None and not srv.alive():
+            out["crash"] = _soak_crash(srv, lg, t_load)
+        out["alive_at_end"] = srv.alive()
+    finally:
+        stop.set()
+        srv.close()
+        shutil.rmtree(home, ignore_errors=True)
+    health = sorted(lg.health)
+    out.update(normal=lg.normal, attacks=lg.attacks, disconnects=lg.disconnects, ignored_after_end=lg.ignored,
+               health={"probes": len(lg.health) + len(lg.health_failures), "max_s": health[-1] if health else None,
+                       "p99_s": health[min(len(health) - 1, int(0.99 * len(health)))] if health else None,
+                       "failures": lg.health_failures[:10], "n_failures": len(lg.health_failures),
+                       "slow": sorted(lg.slow_probes, reverse=True)[:5]})
+    out["log_tracebacks"] = _count_tracebacks(srv.log_path)
+    out["failures"] = soak_failures(out)
+    out["passed"] = not out["failures"]
+    return out
+
+
+def soak_failures(s: dict) -> list:
+    """Everything that fails the soak, one line each."""
+    f = []
+    if s["crash"]:
+        c = s["crash"]
+        f.append("CRASH: the server exited with %s after %s s of load; in flight: %s"
+                 % (c["returncode"], c["at_s"], ", ".join(c["in_flight"]) or "nothing"))
+    f += ["solo answer of %s failed: %s" % kv for kv in sorted(s["solo_errors"].items())]
+    for name, d in sorted(s["normal"].items()):
+        if d["mismatch"] or d["error"]:
+            f.append("normal %s: %d mismatched, %d errored (%s)" % (name, d["mismatch"], d["error"],
+                                                                   "; ".join(d["examples"][:1])))
+    framing = {a.name for a in _ATTACKS if a.framing}
+    for name, d in s["attacks"].items():
+        for problem, n in sorted(d["problems"].items()):
+            if name in framing and problem == "no response (dropped)":
+                continue  # noted in the table, not failed
+            f.append("attack %s: %s (x%d)" % (name, problem, n))
+    h = s["health"]
+    if h["n_failures"]:
+        f.append("/health failed %d times (%s)" % (h["n_failures"], "; ".join(h["failures"][:3])))
+    if h["max_s"] is not None and h["max_s"] > _HEALTH_MAX_S:
+        f.append("/health took up to %.2f s (limit %.1f s)" % (h["max_s"], _HEALTH_MAX_S))
+    if s.get("stuck"):
+        f.append("still running %.0f s after the load stopped: %s" % (_SOAK_DRAIN_S, ", ".join(s["stuck"])))
+    if not s["crash"]:
+        m = s.get("metrics_end") or {}
+        if not m:
+            f.append("/metrics could not be read after the load")
+        for metric in ("reame_active_sequences", "reame_queued_requests", "reame_kv_cells_used"):
+            if m and m.get(metric) != 0:
+                f.append("LEAK: %s is %s after the load" % (metric, m.get(metric)))
+        if not s.get("alive_at_end"):
+            f.append("the server was gone at the end")
+    return f
+
+
+def _fmt(x, digits: int = 1) -> str:
+    return "-" if x is None else "%.*f" % (digits, x)
+
+
+def print_soak(s: dict, w: Callable) -> None:
+    """The soak's report, for a person: w(text) writes."""
+    c = s["config"]
+    w("Soak: %s for %g s: %d clients, %d attackers, 1 disconnecter, /health every 0.5 s\n  %s\n"
+      % (c["model"], c["seconds"], c["clients"], c["attackers"], c["cmd"]))
+    w("\n%-28s %6s %11s %8s\n" % ("normal request (vs solo)", "ok", "mismatched", "errored"))
+    for name in sorted(set(s["solo"]) | set(s["solo_errors"]) | set(s["normal"])):
+        if name in s["solo_errors"]:
+            w("  %-26s solo answer failed: %s\n" % (name, s["solo_errors"][name][:80]))
+            continue
+        d = s["normal"].get(name, {"ok": 0, "mismatch": 0, "error": 0})
+        w("  %-26s %6d %11d %8d\n" % (name, d["ok"], d["mismatch"], d["error"]))
+    w("\n%-36s %5s  %-26s %s\n" % ("attack", "runs", "statuses", "problems"))
+    for name in c["attacks"]:
+        d = s["attacks"].get(name)
+        if d is None:
+            w("  %-34s %5s\n" % (name, "-"))
+            continue
+        st = ", ".join("%s x%d" % kv for kv in sorted(d["statuses"].items()))
+        probs = "; ".join("%s (x%d)" % (p[:90], n) for p, n in sorted(d["problems"].items())) or "clean"
+        w("  %-34s %5d  %-26s %s\n" % (name, d["runs"], st, probs))
+    w("\ndisconnects: %s\n" % (", ".join("%s %s" % (name, ", ".join("%s x%d" % kv for kv in sorted(d.items())))
+                                          for name, d in sorted(s["disconnects"].items())) or "none"))
+    h = s["health"]
+    w("/health (probed from its own process): %d probes, max %s s, p99 %s s, %d failures\n"
+      % (h["probes"], _fmt(h["max_s"], 3), _fmt(h["p99_s"], 3), h["n_failures"]))
+    for dt, flight in h.get("slow", ()):
+        w("  a %.3f s probe; in flight: %s\n" % (dt, ", ".join(flight) or "nothing"))
+    if s["crash"]:
+        cr = s["crash"]
+        w("server: CRASHED (exit %s) after %s s; in flight: %s\n  log tail:\n    %s\n"
+          % (cr["returncode"], cr["at_s"], ", ".join(cr["in_flight"]) or "nothing",
+             "\n    ".join(cr["log_tail"].splitlines()[-8:])))
+    else:
+        m = s.get("metrics_end") or {}
+        w("server: %s; after the load: active sequences %s, queued %s, KV cells used %s (cached %s)\n"
+          % ("alive, never restarted" if s.get("alive_at_end") else "GONE",
+             *(_fmt(m.get(k), 0) for k in ("reame_active_sequences", "reame_queued_requests",
+                                           "reame_kv_cells_used", "reame_kv_cells_cached"))))
+    tb = s.get("log_tracebacks") or {}
+    w("server log: %s (%s)\n" % (c["log"], "tracebacks: " + "; ".join(
+        "%s x%d" % kv for kv in sorted(tb.items(), key=lambda kv: -kv[1])) if tb else "no tracebacks"))
+    if s["failures"]:
+        w("\nFAILED (%d):\n" % len(s["failures"]))
+        for line in s["failures"]:
+            w("  - %s\n" % line)
+    else:
+        w("\nPASSED\n")
+
+
+# One kind of each: a session attack (its victim, its files), framing, a connection flood, a
+# dead-end stream, a schema, a body that parses but asks too much.
+_SOAK_TEST_ATTACKS = ("session-traversal-delete", "smuggle-in-401-body", "content-length-twice-differ",
+                      "idle-connections", "grammar-dead-end-n2-stream", "schema-nullable", "json-nested-100k")
+
+
+def test_soak_runs_clean(tmp_path):
+    """The soak's own code, for 20 seconds and a few of the attacks (the real run is
+    `python3 test_reame.py soak`): every normal answer its solo answer, every attack judged
+    clean, disconnects made, /health fast, the server idle and alive at the end."""
+    report = run_soak(20, "gemma3-270m", list(_SOAK_TEST_ATTACKS), seed=1, log_dir=str(tmp_path))
+    text = io.StringIO()
+    print_soak(report, text.write)
+    assert report["passed"], text.getvalue()
+    assert not report["solo_errors"] and sum(d["ok"] for d in report["normal"].values()) >= 8, text.getvalue()
+    assert len(report["attacks"]) >= 4 and sum(d["runs"] for d in report["attacks"].values()) >= 6, text.getvalue()
+    assert sum(d.get("made", 0) for d in report["disconnects"].values()) >= 2, text.getvalue()
+    assert report["health"]["probes"] >= 20 and report["metrics_end"]["reame_kv_cells_used"] == 0, text.getvalue()
+    assert soak_failures(dict(report, crash={"returncode": -9, "at_s": 1.0, "in_flight": []}))  # it can fail
+
+
+# == 28. Command line ==========================================================
+
+
+def test_cli_help_explains_every_command():
+    out = subprocess.run([sys.executable, "reame.py", "--help"], cwd=HERE, capture_output=True, text=True)
+    assert out.returncode == 0
+    for cmd in ("run", "pull", "list", "rm"):
+        assert cmd in out.stdout
+    out = subprocess.run([sys.executable, "reame.py", "run", "--help"], cwd=HERE, capture_output=True, text=True)
+    for flag in ("--threads", "--ctx", "--temperature", "--max-tokens", "--seed", "--system", "--spec", "--draft"):
+        assert flag in out.stdout
+
+
+def test_cli_unknown_model_is_a_clear_error(tmp_path):
+    env = dict(os.environ, REAME_HOME=str(tmp_path))
+    out = subprocess.run([sys.executable, "reame.py", "run", "no-such-model", "hi"], cwd=HERE,
+                         capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+    assert out.returncode == 1
+    assert "unknown model" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_run_answers_and_exits():
+    out = subprocess.run([sys.executable, "reame.py", "run", "qwen2.5-coder-0.5b", "Say hello in French.",
+                          "--temperature", "0", "--max-tokens", "12"], cwd=HERE, capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Bonjour" in out.stdout or "bonjour" in out.stdout, out.stdout
+
+
+def test_cli_run_reads_piped_stdin():
+    out = subprocess.run([sys.executable, "reame.py", "run", "qwen2.5-coder-0.5b", "--temperature", "0",
+                          "--max-tokens", "8"], cwd=HERE, capture_output=True, text=True,
+                         input="What is 2+2? Answer with a digit.", timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "4" in out.stdout
+
+
+def test_readme_test_command_is_what_ci_runs():
+    readme = open(os.path.join(HERE, "README.md")).read()
+    ci = open(os.path.join(HERE, ".ci", "run")).read()
+    blocks = [b.split("```", 1)[0].strip() for b in readme.split("```sh\n")[1:]]
+    assert len(blocks) >= 2
+    main_cmd, test_cmd = blocks[0], blocks[1]
+    assert "reame.py run" in main_cmd and "./build_llama.sh" in main_cmd
+    assert test_cmd in ci.splitlines()
+
+
+def test_interactive_chat_on_a_tty():
+    """On a terminal, `run MODEL` is a multi-turn chat with /reset and /exit."""
+    import pty
+    import select
+    pid, fd = pty.fork()
+    if pid == 0:  # child: the CLI on a pseudo-terminal
+        os.chdir(HERE)
+        os.execv(sys.executable, [sys.executable, "reame.py", "run", "qwen2.5-coder-0.5b",
+                                  "--temperature", "0", "--max-tokens", "16"])
+    out = b""
+
+    def read_until(marker, timeout=120):
+        nonlocal out
+        end = time.monotonic() + timeout
+        while marker not in out and time.monotonic() < end:
+            r, _, _ = select.select([fd], [], [], 0.5)
+            if r:
+                try:
+                    out += os.read(fd, 4096)
+                except OSError:
+                    break
+        return marker in out
+
+    try:
+        assert read_until(b">>> "), out
+        os.write(fd, b"My name is Ada. Reply with just OK.\n")
+        out = b""
+        assert read_until(b">>> "), out
+        os.write(fd, b"What is my name? One word.\n")
+        out = b""
+        assert read_until(b">>> "), out
+        assert b"Ada" in out  # the second turn saw the first: context is kept
+        os.write(fd, b"/reset\n")
+        assert read_until(b"cleared")
+        os.write(fd, b"/exit\n")
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+    finally:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def test_serve_cli_answers_and_exits_0_on_sigterm():
+    import re
+    import signal
+    import urllib.request
+    p = subprocess.Popen([sys.executable, "reame.py", "serve", "gemma3-270m", "--port", "0", "--parallel", "2"],
+                         cwd=HERE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        line = ""
+        while "serving" not in line:  # INFO lines come first: a server logs by default
+            line = p.stderr.readline()
+            assert line, "the server exited"
+        m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        assert m, line
+        with urllib.request.urlopen("http://127.0.0.1:%s/health" % m.group(1), timeout=30) as r:
+            assert json.loads(r.read())["status"] == "ok"
+        # a request in flight when SIGTERM arrives still gets its whole answer
+        import http.client
+        conn = http.client.HTTPConnection("127.0.0.1", int(m.group(1)), timeout=120)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "stream": True}))
+        resp = conn.getresponse()
+        first = resp.fp.readline()
+        assert first.startswith(b"data: ")
+        p.send_signal(signal.SIGTERM)
+        rest = resp.read()
+        assert rest.rstrip().endswith(b"data: [DONE]")
+        assert b'"finish_reason": "length"' in rest
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
 
 
 # == C kernels: the build's patches tested as C ================================
@@ -4036,3 +5722,36 @@ def test_c_kernels_batched_equal_alone(tmp_path):
         r = subprocess.run([exe], capture_output=True, text=True, timeout=600)
         print("== %s\n%s%s" % (name, r.stdout, r.stderr))
         assert r.returncode == 0 and r.stdout.rstrip().endswith("test_kernels: PASS"), "%s:\n%s" % (name, r.stdout[-4000:])
+
+
+# -- `python3 test_reame.py soak`: section 27's soak from the command line ------------------
+
+
+def _main(argv=None) -> int:
+    """`python3 test_reame.py soak ...`: the soak, a pass/fail run (exit status 1 on a failure)."""
+    p = argparse.ArgumentParser(prog="test_reame.py", description="Reame's tests run with pytest; this runs the soak.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("soak", help="one reame.py serve under load, attacks and disconnects (section 27)")
+    s.add_argument("--seconds", type=float, default=600.0, help="seconds of load (default 600)")
+    s.add_argument("--model", default="gemma3-270m", help="a pulled model (default gemma3-270m)")
+    s.add_argument("--attacks", default=None, metavar="A,B", help="only these rows of the attack table (default: all)")
+    s.add_argument("--seed", type=int, default=0, help="the normal clients' order (default 0)")
+    s.add_argument("--save-json", metavar="PATH", help="also write the whole report as JSON")
+    args = p.parse_args(argv)
+    names = None
+    if args.attacks:
+        names = [n.strip() for n in args.attacks.split(",") if n.strip()]
+        unknown = sorted(set(names) - {a.name for a in _ATTACKS})
+        if unknown:
+            p.error("unknown attack(s) %s; the table has: %s" % (", ".join(unknown), ", ".join(a.name for a in _ATTACKS)))
+    report = run_soak(args.seconds, args.model, names, args.seed,
+                      say=lambda msg: print("soak: " + msg, file=sys.stderr, flush=True))
+    print_soak(report, sys.stdout.write)
+    if args.save_json:
+        with open(args.save_json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
