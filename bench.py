@@ -9,26 +9,20 @@
     python3 bench.py --http --quick --http-clients 1,4     another scenario: --help lists them all
     python3 bench.py --model PATH --threads 4 --repeats 5 --json --save-json out.json
 
-Each scenario is a row of the table SCENARIOS (section 5): a flag, a run function whose
-docstring says what it measures, and a print function; `--help` lists them. Every number is
-client-side wall clock, taken the same way for both sides; runs alternate (Reame, server,
-Reame, ...) so drift on a noisy shared vCPU hits both, tables give medians over --repeats, and
-only a ratio from one run means anything on these machines (* marks a run during which other
-processes or the hypervisor took over 10% of one core). llama-server is built from the same
-tree (./build_llama.sh --with-server) and gets the same GGUF, threads, batch, KV cells, flash
-attention, and the KV layout and weight repacking Reame's context reports (Context.settings;
---server-kv, --server-repack); its extra work (RAM prompt cache, context checkpoints) is off
-and its sampler chain cut to top_k=1, the argmax of Reame's greedy sampler (--server-sampling).
-Benchmarks are never timed tests: standard library only (matplotlib for --workload --plot).
-Sections: 1. helpers, 2. processes, 3. clients, 4. scenarios, 5. the scenario table and main.
+Each scenario is a row of SCENARIOS (section 5): a flag, a run function whose docstring says what
+it measures, a print function. Numbers are client-side wall clock, taken alike on both sides, runs
+alternate so drift on a shared vCPU hits both, and only a ratio from one run means anything here
+(* marks a run during which others took over 10% of a core). llama-server, built from the same tree
+(./build_llama.sh --with-server), gets the same GGUF, threads, batch, KV cells, flash attention, KV
+layout and repacking as Reame's context (Context.settings), its extra work (RAM prompt cache, context
+checkpoints) off and its sampler chain cut to argmax (--server-sampling). Benchmarks are never timed
+tests: standard library only. Sections: 1. helpers, 2. processes, 3. clients, 4. scenarios, 5. main.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
-import dataclasses
 import http.client
-import inspect
 import json
 import math
 import os
@@ -45,20 +39,21 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import reame
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_SERVER = os.path.join(HERE, "_llama", "llama-server")
 REAME_SCRIPT = os.path.join(HERE, "reame.py")
+SIDES = ("reame", "server")
 NOISY_FRAC = 0.10  # other CPU use (fraction of one core) above which a run is flagged noisy
+GREEDY = {"greedy": {"samplers": ["top_k"], "top_k": 1}}  # --server-sampling: llama-server's chain cut to argmax
 
 
 # == 1. Helpers: prompts, CPU noise, table cells =============================================
 
-# Prompts that make an instruct (code) model write long answers. Each repeat and each
-# stream gets its own, so nothing one request computed can be reused by another.
+# Prompts for long answers: each repeat and stream gets its own, so no request reuses another's work.
 TOPICS = [
     "a binary search tree with insert, delete, search and in-order traversal",
     "an LRU cache with a doubly linked list and a dict, with thread safety",
@@ -75,8 +70,7 @@ TOPICS = [
     "a bank account system with transactions, overdraft rules and a ledger",
     "a CSV reader and writer with quoting, escaping and type inference",
     "a linked list with reverse, merge sort and cycle detection",
-    "a simple key-value store with write-ahead log and compaction",
-]
+    "a simple key-value store with write-ahead log and compaction"]
 _WORDS = ("alpha beta gamma delta value index count total buffer state node edge graph "
           "token batch cache queue stream frame layer model weight bias vector matrix "
           "result error handler config option parser reader writer client server request "
@@ -84,8 +78,7 @@ _WORDS = ("alpha beta gamma delta value index count total buffer state node edge
 
 
 def log(msg: str) -> None:
-    sys.stderr.write("[bench] %s\n" % msg)
-    sys.stderr.flush()
+    print("[bench] %s" % msg, file=sys.stderr, flush=True)
 
 
 def median(xs):
@@ -143,47 +136,41 @@ def long_answer_prompt(topic: str, tag: str) -> str:
 
 
 class CpuNoise:
-    """CPU time other processes (and the hypervisor, as steal) took: these machines are shared,
-    and a number well above zero means timings are noisy. From Linux /proc; the servers bench.py
-    starts (pids) count as its own."""
+    """CPU time other processes and the hypervisor (steal) took, from Linux /proc: these machines are shared.
+    The servers bench.py starts (pids) count as its own."""
 
     def __init__(self):
         self.pids, self.reaped, self._pid_s = [], set(), {}  # pid -> CPU seconds last read
-        self.t0, (self.busy0, self.steal0), self.own0 = time.monotonic(), self._system(), self._own()
+        self.m0 = self.mark()
 
-    @staticmethod
-    def _system():
-        try:
-            with open("/proc/stat") as f:
-                v = [int(x) for x in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None, None
-        hz = os.sysconf("SC_CLK_TCK")
-        user, nice, system, _idle, _iowait, irq, softirq = v[:7]
-        return (user + nice + system + irq + softirq) / hz, (v[7] if len(v) > 7 else 0) / hz
-
-    def _own(self):
-        t = os.times()
+    def mark(self) -> tuple:
+        """(now, busy CPU seconds of the machine, steal seconds, CPU seconds of this process and its servers)."""
+        now, t, hz = time.monotonic(), os.times(), os.sysconf("SC_CLK_TCK")
         for pid in self.pids:
             try:
                 with open("/proc/%d/stat" % pid) as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                self._pid_s[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+                self._pid_s[pid] = (int(fields[11]) + int(fields[12])) / hz  # utime, stime
             except (OSError, IndexError, ValueError):
                 pass
         # Once reaped, a server's time is in children_*; until then, count its last reading.
-        return (t.user + t.system + t.children_user + t.children_system
-                + sum(self._pid_s.get(p, 0.0) for p in self.pids if p not in self.reaped))
-
-    def mark(self) -> tuple:
-        return (time.monotonic(),) + self._system() + (self._own(),)
+        own = (t.user + t.system + t.children_user + t.children_system
+               + sum(self._pid_s.get(p, 0.0) for p in self.pids if p not in self.reaped))
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return now, None, None, own
+        user, nice, system, _idle, _iowait, irq, softirq = v[:7]
+        return now, (user + nice + system + irq + softirq) / hz, (v[7] if len(v) > 7 else 0) / hz, own
 
     def since(self, mark: tuple) -> Optional[float]:
         """Fraction of one core that other processes, or the hypervisor (steal), took since mark."""
         t1, busy, steal, own = self.mark()
         if busy is None or mark[1] is None:
             return None
-        return round((max(0.0, (busy - mark[1]) - (own - mark[3])) + (steal - mark[2])) / max(t1 - mark[0], 1e-9), 3)
+        other = max(0.0, (busy - mark[1]) - (own - mark[3])) + (steal - mark[2])
+        return round(other / max(t1 - mark[0], 1e-9), 3)
 
     def measure(self, fn, *args) -> dict:
         """fn(*args), a dict, with "noise": what others took while it ran."""
@@ -193,19 +180,16 @@ class CpuNoise:
         return out
 
     def report(self) -> dict:
-        busy, steal = self._system()
-        wall = time.monotonic() - self.t0
-        if busy is None:
-            return {"wall_s": wall}
-        other = max(0.0, (busy - self.busy0) - (self._own() - self.own0))
+        (t1, busy, steal, own), m = self.mark(), self.m0
+        if busy is None or m[1] is None:
+            return {"wall_s": t1 - m[0]}
+        other, wall = max(0.0, (busy - m[1]) - (own - m[3])), t1 - m[0]
         return {"wall_s": round(wall, 1), "other_cpu_s": round(other, 1), "cores": os.cpu_count(),
-                "other_cpu_frac_of_one_core": round(other / max(wall, 1e-9), 3), "steal_s": round(steal - self.steal0, 1)}
+                "other_cpu_frac_of_one_core": round(other / max(wall, 1e-9), 3), "steal_s": round(steal - m[2], 1)}
 
 
 def _fmt(x, digits=1):
-    if x is None:
-        return "-"
-    return ("%.*f" % (digits, x)) if isinstance(x, float) else str(x)
+    return "-" if x is None else ("%.*f" % (digits, x)) if isinstance(x, float) else str(x)
 
 
 def _x(r, digits=2) -> str:
@@ -219,11 +203,11 @@ def runs_cell(xs, noise, digits=1) -> str:
 
 def print_ratio_table(w, metrics: dict, width: int, legend: str) -> None:
     """metric -> {"reame", "server", "ratio", and each side's "_runs" and "_noise"}, then legend."""
-    w("%-*s %10s %10s %8s   %s\n%s\n" % (width, "metric", "Reame", "server", "ratio", "runs (Reame | server)", "-" * 100))
+    w("%-*s %10s %10s %8s   runs (Reame | server)\n%s\n" % (width, "metric", "Reame", "server", "ratio", "-" * 100))
     for name, m in metrics.items():
         d = 3 if name.startswith(("time", "TTFT")) else 1
-        w("%-*s %10s %10s %8s   %s\n" % (width, name, _fmt(m["reame"], d), _fmt(m["server"], d), _x(m["ratio"]), " | ".join(
-            runs_cell(m[side + "_runs"], m[side + "_noise"], d) for side in ("reame", "server"))))
+        w("%-*s %10s %10s %8s   %s\n" % (width, name, _fmt(m["reame"], d), _fmt(m["server"], d), _x(m["ratio"]),
+                                         " | ".join(runs_cell(m[s + "_runs"], m[s + "_noise"], d) for s in SIDES)))
     w(legend + "(* = a run during which other processes or the hypervisor took > %d%% of one core: noisy)\n"
       % (100 * NOISY_FRAC))
 
@@ -248,16 +232,9 @@ def _set_pdeathsig():
         pass
 
 
-def help_knows(help_text: str, flag: str) -> bool:
-    """Whether a --help text lists flag (llama-server's flags vary by build)."""
-    return any(tok.strip(",") == flag for line in help_text.splitlines() for tok in line.split())
-
-
 def run_clients(srv, n: int, one, barrier: bool = True) -> tuple:
-    """one(i, start) in n threads at once: (their results in order, when they were released).
-    start is a barrier they and this thread wait on, so they start together (barrier=False: None).
-    Joining checks every 0.5 s that srv is alive, so a dead server raises here instead of hanging
-    the benchmark (join returns at once when a thread ends: no latency is added)."""
+    """one(i, start) in n threads: (results, release time); start: a barrier they and this thread wait on
+    (or None). Joins check every 0.5 s that srv lives: a dead server raises here, not hangs the bench."""
     outs, errors = [None] * n, []
     start = threading.Barrier(n + 1) if barrier else None
 
@@ -284,8 +261,7 @@ def run_clients(srv, n: int, one, barrier: bool = True) -> tuple:
 
 
 class ServerProcess:
-    """A server as a subprocess on a free loopback port, logging to a file; close() always
-    stops it (by its own Popen handle, never by name)."""
+    """A server subprocess on a free loopback port, logging to a file; close() stops it by its handle."""
 
     name = "server"
 
@@ -293,8 +269,8 @@ class ServerProcess:
         self.log_path, self.noise, self.port = log_path, noise, free_port()
         self.base = "http://127.0.0.1:%d" % self.port
 
-    def _start(self, args: list, env: dict, tag: str = "") -> None:
-        self.args, self._log = args, open(self.log_path, "wb")
+    def _start(self, args: list, env: dict, tag: str = "", cmd_prefix: str = "") -> None:
+        self.args, self.cmd, self._log = args, cmd_prefix + " ".join(args), open(self.log_path, "wb")
         # Started from the main thread: prctl(PDEATHSIG) follows the thread that forked.
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env, preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None)
@@ -333,13 +309,11 @@ class ServerProcess:
             raise RuntimeError("%s exited with %s; log tail:\n%s" % (self.name, self.proc.returncode, self.log_tail()))
 
     def guarded(self, fn, *args):
-        """fn(*args) in a worker thread (timing happens inside fn): a server that dies mid-request
-        raises here instead of hanging the benchmark."""
+        """fn(*args) in a worker thread (timed inside fn): if the server dies, this raises."""
         return run_clients(self, 1, lambda i, start: fn(*args), barrier=False)[0][0]
 
     def close(self, grace_s: float = 15.0) -> Optional[int]:
-        """SIGTERM, up to grace_s to exit (Reame then finishes its snapshot writes), then SIGKILL.
-        Returns the exit code."""
+        """SIGTERM (Reame then finishes its snapshot writes), SIGKILL after grace_s: the exit code."""
         proc = self.proc
         if proc.poll() is None:
             proc.terminate()
@@ -356,9 +330,8 @@ class ServerProcess:
 
 
 class LlamaServer(ServerProcess):
-    """llama-server started to match Reame (threads, batch, KV cells and layout, repacking, flash
-    attention, full SWA cache) with its extra work off; defaults=True: as a user starts it, with
-    the model, host and port only."""
+    """llama-server matching Reame (threads, batch, KV cells and layout, repacking, flash attention, full SWA
+    cache), its extra work off; defaults=True: as a user starts it (model, host and port only)."""
 
     name = "llama-server"
 
@@ -377,29 +350,22 @@ class LlamaServer(ServerProcess):
         if not defaults:
             args += ["-t", str(threads), "-tb", str(threads), "-np", str(n_parallel),
                      "-c", str(ctx_per_slot * n_parallel), "-b", str(n_batch), "-ub", str(n_batch), "-ngl", "0"]
-            try:
+            try:  # llama-server's flags vary by build: pass only the ones its --help lists
                 out = subprocess.run([binary, "--help"], capture_output=True, timeout=60, env=env)
-                help_text = (out.stdout + out.stderr).decode("utf-8", "replace")
+                known = {tok.strip(",") for tok in (out.stdout + out.stderr).decode("utf-8", "replace").split()}
             except (OSError, subprocess.TimeoutExpired):
-                help_text = ""
+                known = set()
             # Match Reame, and switch off work Reame does not do; only flags this build knows.
             for flag, value in (("--kv-unified" if kv_unified else "--no-kv-unified", None),
                                 ("--repack" if repack else "--no-repack", None), ("--swa-full", None),
                                 ("-fa", "auto"), ("--cache-ram", cache_ram), ("--ctx-checkpoints", "0"),
                                 ("--no-cache-idle-slots", None), ("--fit", "off"), ("--no-webui", None)):
-                if help_knows(help_text, flag):
+                if flag in known:
                     args += [flag] + ([value] if value is not None else [])
-            if chat_template and help_knows(help_text, "--chat-template"):
+            if chat_template and "--chat-template" in known:
                 # A built-in template by name (the GGUF has none): llama.cpp's legacy templates, not Jinja.
-                args += ["--no-jinja"] * help_knows(help_text, "--no-jinja") + ["--chat-template", chat_template]
+                args += ["--no-jinja"] * ("--no-jinja" in known) + ["--chat-template", chat_template]
         self._start(args, env, tag)
-
-    def check_alive(self) -> None:
-        """Raise if llama-server exited or began shutting down (it then may never answer)."""
-        super().check_alive()
-        if "cleaning up before exit" in self.log_tail(5):
-            raise RuntimeError("llama-server is shutting down (did something send it SIGINT/SIGTERM?); "
-                               "log tail:\n%s" % self.log_tail())
 
 
 class ReameServer(ServerProcess):
@@ -410,18 +376,15 @@ class ReameServer(ServerProcess):
     def __init__(self, model_path: str, log_path: str, noise: Optional[CpuNoise] = None, *, threads: int,
                  n_parallel: int, ctx_per_slot: int, home: Optional[str] = None, tag: str = ""):
         super().__init__(log_path, noise)
-        env = dict(os.environ, **({"REAME_HOME": home} if home else {}))
-        # --grace 1: close() cancels what is left instead of draining for 30 s
-        self._start([sys.executable, REAME_SCRIPT, "serve", model_path, "--host", "127.0.0.1",
-                     "--port", str(self.port), "--parallel", str(n_parallel), "--threads", str(threads),
-                     "--ctx", str(ctx_per_slot), "--grace", "1"], env, tag)
-        self.cmd = ("REAME_HOME=%s " % home if home else "") + " ".join(self.args)
+        env, prefix = (dict(os.environ, REAME_HOME=home), "REAME_HOME=%s " % home) if home else (dict(os.environ), "")
+        self._start([sys.executable, REAME_SCRIPT, "serve", model_path, "--host", "127.0.0.1", "--port", str(self.port),
+                     "--parallel", str(n_parallel), "--threads", str(threads), "--ctx", str(ctx_per_slot),
+                     "--grace", "1"], env, tag, prefix)  # --grace 1: close() cancels what is left, no 30 s drain
 
 
 def matched_server(args, settings: dict, n_parallel: int, ctx_per_slot: int, log_path: str, noise: CpuNoise,
                    **kw) -> LlamaServer:
-    """llama-server with Reame's threads and batch, and the KV layout and repacking its context
-    reports (--server-kv/--server-repack match) or the ones those flags ask for."""
+    """llama-server with Reame's threads, batch, KV layout and repacking (or --server-kv/--server-repack's)."""
     kv = settings["kv_unified"] if args.server_kv == "match" else args.server_kv == "unified"
     rp = settings["repack"] if args.server_repack == "match" else args.server_repack == "on"
     return LlamaServer(args.server, args.model_path, log_path, noise, threads=args.threads, n_parallel=n_parallel,
@@ -431,19 +394,12 @@ def matched_server(args, settings: dict, n_parallel: int, ctx_per_slot: int, log
 # == 3. Clients: in-process requests, llama-server's /completion, OpenAI-style streams =========
 
 
-def steps_now(eng) -> tuple:
-    c = eng.counters
-    return c.n_decode_only_steps, c.t_decode_only_py_s, c.n_steps, c.t_decode_s, c.t_step_s
-
-
 def reame_decode(eng, tokens: list, max_tokens: int) -> dict:
     """One streamed request: client times of the first piece and of the end."""
-    t0 = time.perf_counter()
+    t0, t_first = time.perf_counter(), None
     req = eng.submit(tokens, temperature=0, max_tokens=max_tokens)
-    t_first = None
     for _piece in req:
-        if t_first is None:
-            t_first = time.perf_counter()
+        t_first = t_first or time.perf_counter()
     t_end = time.perf_counter()
     res = req.wait()
     n = res.n_gen_tok
@@ -472,11 +428,8 @@ def reame_aggregate(eng, prompts: list, max_tokens: int) -> dict:
 
 def server_body(prompt_tokens: list, n_predict: int, sampling: str) -> dict:
     """llama-server's own /completion: Reame's tokens and count (ignore_eos), no prompt cache."""
-    body = {"prompt": prompt_tokens, "n_predict": n_predict, "ignore_eos": True, "temperature": 0,
-            "cache_prompt": False, "return_tokens": True, "seed": 0}
-    if sampling == "greedy":
-        body.update({"samplers": ["top_k"], "top_k": 1})
-    return body
+    return dict({"prompt": prompt_tokens, "n_predict": n_predict, "ignore_eos": True, "temperature": 0,
+                 "cache_prompt": False, "return_tokens": True, "seed": 0}, **GREEDY.get(sampling, {}))
 
 
 def server_completion(port: int, body: dict, timeout_s: float = 1800) -> dict:
@@ -515,46 +468,16 @@ def server_aggregate(srv, prompts: list, lens: list, sampling: str) -> dict:
 
 
 def stream_body(fields: dict, max_tokens: int, sampling: str, cache_prompt: bool) -> bytes:
-    """A streaming, greedy request body with usage, plus ``fields`` (prompt or messages), the
-    same for both servers (Reame ignores cache_prompt and samplers and is greedy at temperature 0)."""
-    body = dict(fields, max_tokens=max_tokens, temperature=0, seed=0, stream=True,
-                stream_options={"include_usage": True}, cache_prompt=cache_prompt)
-    if sampling == "greedy":
-        body.update({"samplers": ["top_k"], "top_k": 1})
-    return json.dumps(body).encode()
-
-
-def sse_chunks(conn, path: str, body: bytes, port: int, deadline: Optional[float] = None):
-    """POST body to path and yield the parsed SSE chunks up to [DONE] (both servers'
-    format); an HTTP error, an error event or passing ``deadline`` raises."""
-    conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError("HTTP %d from port %d: %s" % (resp.status, port, resp.read(500).decode("utf-8", "replace")))
-    while True:
-        line = resp.readline()
-        if not line:
-            return
-        if deadline is not None and time.perf_counter() > deadline:
-            raise RuntimeError("no answer from port %d within the time limit" % port)
-        if not line.startswith(b"data: "):
-            continue
-        payload = line[6:].strip()
-        if payload == b"[DONE]":
-            return
-        chunk = json.loads(payload)
-        if "error" in chunk:
-            raise RuntimeError("stream error from port %d: %s" % (port, chunk["error"]))
-        yield chunk
+    """A streamed greedy request with usage and fields (prompt or messages), the same for both servers."""
+    return json.dumps(dict(fields, max_tokens=max_tokens, temperature=0, seed=0, stream=True, stream_options={
+        "include_usage": True}, cache_prompt=cache_prompt, **GREEDY.get(sampling, {}))).encode()
 
 
 def stream(port: int, path: str, body: bytes, start: Optional[threading.Barrier] = None,
            timeout_s: float = 900) -> dict:
-    """One streaming client: POST body to path (/v1/completions, /v1/chat/completions, or
-    llama-server's /completion) and read to the end. TTFT = send to the first chunk with text
-    (or tokens); usage, Reame's replayed mark, llama-server's timings and tokens. timeout_s
-    bounds the whole request (a server whose scheduler died may keep the stream open with
-    keep-alive pings). start: a barrier to wait on before sending."""
+    """One streaming client of path (OpenAI's completions or chat, llama-server's /completion) up to [DONE]:
+    TTFT = send to the first text (or tokens), usage, timings, tokens. Errors raise, and so does passing
+    timeout_s (a dead scheduler may keep a stream open with pings). start: a barrier to wait on first."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     t_first, n_chunks, usage, timings, finish, text, tokens, last, replayed = (
         None, 0, None, None, None, [], [], {}, False)
@@ -562,7 +485,20 @@ def stream(port: int, path: str, body: bytes, start: Optional[threading.Barrier]
         if start is not None:
             start.wait()
         t0 = time.perf_counter()
-        for chunk in sse_chunks(conn, path, body, port, deadline=t0 + timeout_s):
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError("HTTP %d from port %d: %r" % (resp.status, port, resp.read(500)))
+        for line in iter(resp.readline, b""):
+            if time.perf_counter() > t0 + timeout_s:
+                raise RuntimeError("no answer from port %d within the time limit" % port)
+            if not line.startswith(b"data: "):
+                continue
+            if line[6:].strip() == b"[DONE]":
+                break
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError("stream error from port %d: %s" % (port, chunk["error"]))
             choices = chunk.get("choices") or []
             pieces = [p for p in [c.get("text") or (c.get("delta") or {}).get("content") for c in choices]
                       + [chunk.get("content")] if p]
@@ -606,60 +542,46 @@ def reame_metrics(srv: ServerProcess) -> dict:
 
 # == 4. Scenarios: constants, run_NAME(args, noise) -> dict (its docstring documents it), print_NAME(result, w)
 
-# -- engine (the default): decode, prefill, aggregate in process vs llama-server ----------------
 
+# -- engine (the default): decode, prefill, aggregate in process vs llama-server ----------------
 DECODE, TTFT = "decode tok/s (1 stream)", "time to first token s (chat prompt)"
 DECODE_ENGINE, PREFILL_ENGINE = "  engine-reported decode tok/s", "  engine-reported prefill tok/s"
-VARIANTS = [  # label, Engine keyword arguments (reame.py passes kv_unified on to its Context)
-    ("per-seq KV, no repack", {"kv_unified": False, "repack": False}),
-    ("unified KV, no repack", {"kv_unified": True, "repack": False}),
-    ("per-seq KV, repack", {"kv_unified": False, "repack": True}),
-    ("unified KV, repack", {"kv_unified": True, "repack": True}),
-]
+VARIANTS = [("%s KV, %s" % (kv, rp), {"kv_unified": kv == "unified", "repack": rp == "repack"})  # Engine keywords
+            for rp in ("no repack", "repack") for kv in ("per-seq", "unified")]
 
 
-class Results:
+def add_runs(metrics: dict, side: str, noise: Optional[float], values: dict) -> None:
     """metric -> each side's runs, their noise, medians and ratio (Reame / server), in the order added."""
-
-    def __init__(self):
-        self.metrics = {}
-
-    def add(self, side: str, noise: Optional[float], values: dict) -> None:
-        for metric, value in values.items():
-            d = self.metrics.setdefault(metric, {"reame_runs": [], "server_runs": [], "reame_noise": [],
-                                                 "server_noise": []})
-            d[side + "_runs"].append(value)
-            d[side + "_noise"].append(noise)
-            d.update(reame=median(d["reame_runs"]), server=median(d["server_runs"]))
-            d["ratio"] = ratio(d["reame"], d["server"])
+    for metric, value in values.items():
+        d = metrics.setdefault(metric, {"reame_runs": [], "server_runs": [], "reame_noise": [], "server_noise": []})
+        d[side + "_runs"].append(value)
+        d[side + "_noise"].append(noise)
+        d.update(reame=median(d["reame_runs"]), server=median(d["server_runs"]))
+        d["ratio"] = ratio(d["reame"], d["server"])
 
 
 def run_engine(args, noise: CpuNoise) -> dict:
     """Decode, prefill and N-stream tok/s: an in-process Engine vs llama-server (the default).
 
-    decode: one streamed long answer, (decode steps after the first token) / (last token - first
-    token); llama-server gets the same prompt tokens and as many tokens to generate (ignore_eos),
-    and the greedy outputs are compared. prefill: a fresh random --prefill-tokens prompt, one token
-    generated: prompt tokens / wall time. aggregate: N requests at once (--streams) to one Engine
-    and to llama-server -np max(N): generated tokens / wall time. Reame runs through its Engine
-    API, llama-server over loopback HTTP (well under a millisecond per request or token; its own
-    timings are printed beside). Also Reame's Python time per decode-only step.
+    decode: a streamed long answer, decode steps after the first token / their time (llama-server:
+    the same tokens in and out, ignore_eos; greedy outputs compared); prefill: a fresh random
+    prompt, one token; aggregate: N requests at once. Also Reame's Python time per decode step.
     """
-    streams, res, steps, srv = sorted(set(args.streams)), Results(), {}, None
+    streams, res, steps, srv = sorted(set(args.streams)), {}, {}, None
     notes = {"decode_lens": [], "decode_prompt_lens": [], "agg_lens": {}, "greedy_match": [],
              "prefill_server_prompt_n": [], "python_ms_per_decode_step": {}}
     t_load = time.perf_counter()
     eng = reame.Engine(args.model_path, n_ctx=args.ctx, n_slots=max(streams), n_threads=args.threads,
                        n_batch=args.batch)
     settings = dict(eng.ctx.settings)
-    log("Reame engine: %s, %d slots x %d ctx, %d threads, batch %d, %s, flash attn %s (%.1f s to load)" % (
-        os.path.basename(args.model_path), max(streams), eng.n_ctx, args.threads, settings["n_batch"],
-        layout(settings["kv_unified"], settings["repack"]), settings["flash_attn"], time.perf_counter() - t_load))
+    log("Reame engine: %d slots x %d ctx, %d threads, %s, %.1f s to load" % (
+        max(streams), eng.n_ctx, args.threads, settings, time.perf_counter() - t_load))
 
     def timed_steps(label, fn, *a):  # fn measured, and the scheduler's counters around it
-        before = steps_now(eng)
+        c, keys = eng.counters, ("n_decode_only_steps", "t_decode_only_py_s", "n_steps", "t_decode_s")
+        before = [getattr(c, k) for k in keys]
         out = noise.measure(fn, *a)
-        steps.setdefault(label, []).append([y - x for x, y in zip(before, steps_now(eng))])
+        steps.setdefault(label, []).append([getattr(c, k) - x for k, x in zip(keys, before)])
         return out
 
     try:
@@ -675,45 +597,44 @@ def run_engine(args, noise: CpuNoise) -> dict:
         rng = random.Random(args.seed)
         for r in range(args.repeats):
             log("repeat %d/%d" % (r + 1, args.repeats))
-            # 1. single-stream decode
             toks = chat_tokens(eng, long_answer_prompt(TOPICS[r % len(TOPICS)], "d%d" % r))
             rd = timed_steps("decode, 1 stream", reame_decode, eng, toks, args.gen_tokens)
             notes["decode_lens"].append(rd["n_gen"])
             notes["decode_prompt_lens"].append(len(toks))
-            res.add("reame", rd["noise"], {DECODE: rd["tok_s"], DECODE_ENGINE: rd["engine_tok_s"], TTFT: rd["ttft_s"]})
+            add_runs(res, "reame", rd["noise"], {DECODE: rd["tok_s"], DECODE_ENGINE: rd["engine_tok_s"],
+                                                 TTFT: rd["ttft_s"]})
             if rd["n_gen"] < args.gen_tokens // 2:
                 log("note: Reame stopped after %d tokens (%s); the server is asked for the same count"
                     % (rd["n_gen"], rd["finish"]))
             if srv:
                 sd = noise.measure(server_decode, srv, toks, max(rd["n_gen"], 2), args.server_sampling)
-                res.add("server", sd["noise"], {DECODE: sd["tok_s"], DECODE_ENGINE: sd["server_tok_s"], TTFT: sd["ttft_s"]})
+                add_runs(res, "server", sd["noise"], {DECODE: sd["tok_s"], DECODE_ENGINE: sd["server_tok_s"],
+                                                      TTFT: sd["ttft_s"]})
                 k = min(len(rd["tokens"]), len(sd["tokens"]))
                 diverge = next((i for i in range(k) if rd["tokens"][i] != sd["tokens"][i]), None)
                 notes["greedy_match"].append("identical" if diverge is None and k else
                                              ("no server tokens" if not k else "diverge at %d" % diverge))
-            # 2. prefill
             ptoks = make_prefill_tokens(eng.model, rng, args.prefill_tokens)
             metric = "prefill tok/s (%d-tok prompt)" % len(ptoks)
             rp = noise.measure(reame_prefill, eng, ptoks)
-            res.add("reame", rp["noise"], {metric: rp["tok_s"], PREFILL_ENGINE: rp["engine_tok_s"]})
+            add_runs(res, "reame", rp["noise"], {metric: rp["tok_s"], PREFILL_ENGINE: rp["engine_tok_s"]})
             if srv:
                 sp = noise.measure(server_prefill, srv, ptoks, args.server_sampling)
-                res.add("server", sp["noise"], {metric: sp["tok_s"], PREFILL_ENGINE: sp["server_tok_s"]})
+                add_runs(res, "server", sp["noise"], {metric: sp["tok_s"], PREFILL_ENGINE: sp["server_tok_s"]})
                 notes["prefill_server_prompt_n"].append([sp["n_prompt"], sp["cached"]])
-            # 3. aggregate throughput with N streams
             for n in streams:
                 metric = "aggregate tok/s, %s" % counted(n, "stream")
-                prompts = [chat_tokens(eng, long_answer_prompt(TOPICS[(r * 7 + i) % len(TOPICS)], "a%d-%d-%d" % (r, n, i)))
-                           for i in range(n)]
-                ra = timed_steps("aggregate, %s" % counted(n, "stream"), reame_aggregate, eng, prompts, args.gen_tokens)
+                prompts = [chat_tokens(eng, long_answer_prompt(TOPICS[(r * 7 + i) % len(TOPICS)], "a%d-%d-%d"
+                                                               % (r, n, i))) for i in range(n)]
+                ra = timed_steps("aggregate, " + counted(n, "stream"), reame_aggregate, eng, prompts, args.gen_tokens)
                 notes["agg_lens"].setdefault(n, []).append(ra["lens"])
-                res.add("reame", ra["noise"], {metric: ra["tok_s"]})
+                add_runs(res, "reame", ra["noise"], {metric: ra["tok_s"]})
                 if srv:
                     sa = noise.measure(server_aggregate, srv, prompts, [max(x, 1) for x in ra["lens"]],
                                        args.server_sampling)
-                    res.add("server", sa["noise"], {metric: sa["tok_s"]})
+                    add_runs(res, "server", sa["noise"], {metric: sa["tok_s"]})
         for label, deltas in steps.items():  # the scheduler's own time around llama_decode, per section
-            n_do, py_s, n_st, dec_s, _ = (sum(d[i] for d in deltas) for i in range(5))
+            n_do, py_s, n_st, dec_s = (sum(d[i] for d in deltas) for i in range(4))
             notes["python_ms_per_decode_step"][label] = {
                 "python_ms_per_decode_only_step": round(1000 * py_s / n_do, 3) if n_do else None,
                 "llama_decode_ms_per_step": round(1000 * dec_s / n_st, 2) if n_st else None, "steps": n_st}
@@ -724,8 +645,8 @@ def run_engine(args, noise: CpuNoise) -> dict:
             srv.close()
     out = {"config": {"prefill_tokens": args.prefill_tokens, "streams": streams, "ctx_per_slot": args.ctx,
                       "n_batch": settings["n_batch"], "slots": max(streams), "reame_settings": settings,
-                      "server_cmd": None if srv is None else " ".join(srv.args)},
-           "metrics": res.metrics, "notes": notes}
+                      "server_cmd": srv and srv.cmd},
+           "metrics": res, "notes": notes}
     if args.variants:
         out["variants"] = run_variants(args, settings, noise)
     if args.with_http:
@@ -734,10 +655,10 @@ def run_engine(args, noise: CpuNoise) -> dict:
 
 
 def run_variants(args, default: dict, noise: CpuNoise) -> dict:
-    """Reame against itself: KV layout x weight repacking, alternating like the main runs.
-    Every variant gets its own prompts (same lengths), so no cache can carry work over."""
+    """Reame against itself, KV layout x repacking, alternating; each its own prompts (no cache carries work)."""
     n, rng, engines = max(args.streams), random.Random(args.seed + 1), {}
-    metrics = [DECODE, "prefill tok/s (%d-tok prompt)" % args.prefill_tokens, "aggregate tok/s, %s" % counted(n, "stream")]
+    metrics = [DECODE, "prefill tok/s (%d-tok prompt)" % args.prefill_tokens, "aggregate tok/s, " + counted(
+        n, "stream")]
     runs = {m: {lb: {"runs": [], "noise": []} for lb, _ in VARIANTS} for m in metrics}
     try:
         for label, kw in VARIANTS:
@@ -754,8 +675,8 @@ def run_variants(args, default: dict, noise: CpuNoise) -> dict:
                         (metrics[0], reame_decode, eng, chat_tokens(
                             eng, long_answer_prompt(TOPICS[k % len(TOPICS)], "vd%d" % k)), args.gen_tokens),
                         (metrics[1], reame_prefill, eng, make_prefill_tokens(eng.model, rng, args.prefill_tokens)),
-                        (metrics[2], reame_aggregate, eng, [chat_tokens(eng, long_answer_prompt(
-                            TOPICS[(k * 3 + i) % len(TOPICS)], "va%d-%d" % (k, i))) for i in range(n)], args.gen_tokens)):
+                        (metrics[2], reame_aggregate, eng, [chat_tokens(eng, long_answer_prompt(TOPICS[
+                            (k * 3 + i) % len(TOPICS)], "va%d-%d" % (k, i))) for i in range(n)], args.gen_tokens)):
                     out = noise.measure(fn, *a)
                     runs[metric][label]["runs"].append(out["tok_s"])
                     runs[metric][label]["noise"].append(out["noise"])
@@ -772,13 +693,11 @@ def run_variants(args, default: dict, noise: CpuNoise) -> dict:
 
 def print_engine(e: dict, w) -> None:
     c, st, n = e["config"], e["config"]["reame_settings"], e["notes"]
-    w("Reame: %s, flash attention %s; llama-server: %s\n" % (
-        layout(st["kv_unified"], st["repack"]), st["flash_attn"], server_layout(c["server_cmd"]) + (
-            ", sampler %s" % c["server_sampling"] if c["server_cmd"] else "")))
-    w("(client-side wall clock unless marked engine-reported; ratio = Reame / server, for tok/s > 1 means "
-      "Reame is faster)\n\n")
-    print_ratio_table(w, e["metrics"], 42, "(time to first token: lower is better, so there a ratio < 1 means "
-                                           "Reame is faster)\n")
+    w("Reame: %s, flash attention %s; llama-server: %s\n(client-side wall clock unless marked engine-reported; "
+      "ratio = Reame / server: Reame is faster where it is above 1 for tok/s, below 1 for time to first token)\n\n"
+      % (layout(st["kv_unified"], st["repack"]), st["flash_attn"], server_layout(c["server_cmd"]) + (
+          ", sampler %s" % c["server_sampling"] if c["server_cmd"] else "")))
+    print_ratio_table(w, e["metrics"], 42, "")
     w("\nReame Python time around llama_decode (the scheduler's own overhead):\n")
     for label, d in n["python_ms_per_decode_step"].items():
         w("  %-20s python %s ms per decode-only step, llama_decode %s ms per step (%s steps)\n"
@@ -806,11 +725,8 @@ def print_engine(e: dict, w) -> None:
 
 
 # -- http: reame.py serve vs llama-server, N streaming clients ------------------------------
-
-
 def http_clients(srv: ServerProcess, bodies: list) -> dict:
-    """len(bodies) streaming clients of /v1/completions at once, released together.
-    Aggregate tok/s = sum of completion tokens / (last client's end - first client's send)."""
+    """A streaming client per body, released together: completion tokens / (last end - first send)."""
     outs, _ = run_clients(srv, len(bodies), lambda i, start: stream(srv.port, "/v1/completions", bodies[i], start,
                                                                     timeout_s=1800))
     wall = max(o["t_end"] for o in outs) - min(o["t0"] for o in outs)
@@ -824,19 +740,12 @@ def http_clients(srv: ServerProcess, bodies: list) -> dict:
 def run_http(args, noise: CpuNoise) -> dict:
     """reame.py serve --parallel N vs llama-server -np N, N streaming clients (--http-clients).
 
-    Per N both start fresh with the threads, context per slot and batch of an Engine built like
-    serve's, and get N short untimed requests. Then N client threads, released together, send
-    both the same POST /v1/completions: the chat template around a long-answer request as a raw
-    prompt (both tokenize the same text), streamed with usage, temperature 0, max_tokens
-    --gen-tokens, cache_prompt false, a tagged prompt per client and run (no prefix cache helps).
-    Aggregate tok/s = completion tokens of all clients / (last end - first send), median of runs;
-    TTFT = send to the first text chunk, median and p95 over all clients of all runs; every
-    ratio reads > 1: Reame is better. No ignore_eos (Reame has none): tokens per client and
-    whether the greedy texts match are printed. Reame's HTTP front (Python, in its scheduler's
-    process) is part of what is measured.
+    Both fresh per N, configured as an Engine built like serve's; N clients released together
+    send both the same streamed greedy /v1/completions (a chat-templated raw prompt, tagged per
+    client and run). tok/s: completion tokens / (last end - first send); TTFT median and p95.
     """
     clients = sorted(set(args.http_clients))
-    # An Engine built the way serve builds it (same defaults): its settings for llama-server, its template.
+    # An Engine built as serve builds it (serve has no --batch): its settings for llama-server, its template.
     with reame.Engine(args.model_path, n_ctx=args.ctx, n_slots=max(clients), n_threads=args.threads) as eng:
         settings = dict(eng.ctx.settings)
 
@@ -852,23 +761,19 @@ def run_http(args, noise: CpuNoise) -> dict:
         # Every client of every run gets its own topic/tag, so no prefix cache can help.
         bodies = {(n, r): [body(r * 5 + ni * 3 + i, "h%d-%d-%d" % (r, n, i), args.gen_tokens) for i in range(n)]
                   for ni, n in enumerate(clients) for r in range(args.repeats)}
-    if settings["n_batch"] != args.batch:
-        log("HTTP: reame.py serve has no --batch, so both servers use Reame's n_batch %d here" % settings["n_batch"])
-    log_dir = tempfile.mkdtemp(prefix="bench-http-logs-")
+    log_dir, cmds = tempfile.mkdtemp(prefix="bench-http-logs-"), {"reame": {}, "server": {}}
     runs = {n: {"reame": [], "server": []} for n in clients}
-    cmds = {"reame": {}, "server": {}}
     for n in clients:
         sides = []
         try:
-            sides.append(("reame", ReameServer(args.model_path, os.path.join(log_dir, "reame-serve-np%d.log" % n), noise,
-                                               threads=args.threads, n_parallel=n, ctx_per_slot=args.ctx)))
+            sides.append(("reame", ReameServer(args.model_path, os.path.join(log_dir, "reame-serve-np%d.log" % n),
+                                               noise, threads=args.threads, n_parallel=n, ctx_per_slot=args.ctx)))
             if not args.no_server:
                 sides.append(("server", matched_server(args, settings, n, args.ctx, os.path.join(
                     log_dir, "llama-server-np%d.log" % n), noise)))
-            for side, srv in sides:
-                cmds[side][n] = " ".join(srv.args)
+            for side, srv in sides:  # then, untimed, N short requests at once: every slot and thread has run
+                cmds[side][n] = srv.cmd
                 srv.ready()
-            for _, srv in sides:  # untimed: N short requests at once, so every slot and thread has run
                 http_clients(srv, warm[n])
             for r in range(args.repeats):
                 log("HTTP %s, repeat %d/%d" % (counted(n, "client"), r + 1, args.repeats))
@@ -877,35 +782,28 @@ def run_http(args, noise: CpuNoise) -> dict:
         finally:
             for _, srv in sides:
                 srv.close()
-    metrics, notes = {}, {k: {} for k in ("tokens_per_client", "text_chunks_per_client", "prompt_tokens_equal",
-                                          "text_identical", "finish_reasons", "usage_missing", "prompt_tokens")}
+    metrics, notes = {}, {k: {} for k in ("tokens_per_client", "prompt_tokens_equal", "text_identical",
+                                          "finish_reasons", "usage_missing")}
     for n in clients:
-        rr, sr = runs[n]["reame"], runs[n]["server"]
-        ttft = {side: [t for x in xs for t in x["ttft_s"]] for side, xs in (("reame", rr), ("server", sr))}
-        for name, stat, ratio_is, per_run, value in (
-                ("aggregate tok/s", "median of runs", "reame/server", lambda x: x["tok_s"], lambda s, xs: median(xs)),
-                ("TTFT median s", "median over all clients of all runs", "server/reame",
-                 lambda x: median(x["ttft_s"]), lambda s, xs: median(ttft[s])),
-                ("TTFT p95 s", "p95, nearest rank over all clients of all runs", "server/reame",
-                 lambda x: max(x["ttft_s"]), lambda s, xs: nearest_rank(ttft[s], 0.95))):
-            m = {"stat": stat, "ratio_is": ratio_is}
+        rr, sr, label = runs[n]["reame"], runs[n]["server"], counted(n, "client")
+        ttft = {"reame": [t for x in rr for t in x["ttft_s"]], "server": [t for x in sr for t in x["ttft_s"]]}
+        for name, per_run, overall in (  # tok/s: Reame / server; TTFT: server / Reame (> 1: Reame is better)
+                ("aggregate tok/s", lambda x: x["tok_s"], lambda side, xs: median(xs)),
+                ("TTFT median s", lambda x: median(x["ttft_s"]), lambda side, xs: median(ttft[side])),
+                ("TTFT p95 s", lambda x: max(x["ttft_s"]), lambda side, xs: nearest_rank(ttft[side], 0.95))):
+            m = metrics["%s, %s" % (name, label)] = {}
             for side, xs in (("reame", rr), ("server", sr)):
-                m[side + "_runs"], m[side + "_noise"] = [per_run(x) for x in xs], [x["noise"] for x in xs]
-                m[side] = value(side, m[side + "_runs"])
-            m["ratio"] = ratio(m["reame"], m["server"]) if ratio_is == "reame/server" else ratio(m["server"], m["reame"])
-            metrics["%s, %s" % (name, counted(n, "client"))] = m
-        metrics["TTFT p95 s, %s" % counted(n, "client")]["runs_are"] = "the largest TTFT of each run"
-        for key, field in (("tokens_per_client", "tokens"), ("text_chunks_per_client", "chunks")):
-            notes[key][n] = {"reame": [x[field] for x in rr], "server": [x[field] for x in sr]}
+                m.update({side + "_runs": [per_run(x) for x in xs], side + "_noise": [x["noise"] for x in xs]})
+                m[side] = overall(side, m[side + "_runs"])
+            m["ratio"] = ratio(m["reame"], m["server"]) if name.startswith("agg") else ratio(m["server"], m["reame"])
+        notes["tokens_per_client"][n] = {"reame": [x["tokens"] for x in rr], "server": [x["tokens"] for x in sr]}
         notes["finish_reasons"][n] = {side: sorted(set(f for x in xs for f in x["finish"] if f))
                                       for side, xs in (("reame", rr), ("server", sr))}
         notes["usage_missing"][n] = sum(x["usage_missing"] for x in rr + sr)
         if sr:
-            pairs = list(zip(rr, sr))
-            notes["prompt_tokens_equal"][n] = all(a["prompt_tokens"] == b["prompt_tokens"] for a, b in pairs)
-            same = sum(ta == tb for a, b in pairs for ta, tb in zip(a["texts"], b["texts"]))
-            notes["text_identical"][n] = "%d/%d" % (same, sum(len(a["texts"]) for a in rr))
-        notes["prompt_tokens"][n] = rr[0]["prompt_tokens"] if rr else None
+            notes["prompt_tokens_equal"][n] = all(a["prompt_tokens"] == b["prompt_tokens"] for a, b in zip(rr, sr))
+            notes["text_identical"][n] = "%d/%d" % (sum(ta == tb for a, b in zip(rr, sr) for ta, tb in zip(
+                a["texts"], b["texts"])), sum(len(a["texts"]) for a in rr))
     return {"config": {"clients": clients, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
                        "threads": args.threads, "ctx_per_slot": args.ctx, "n_batch": settings["n_batch"],
                        "reame_settings": settings, "reame_cmd": cmds["reame"], "server_cmd": cmds["server"],
@@ -914,12 +812,11 @@ def run_http(args, noise: CpuNoise) -> dict:
 
 def print_http(h: dict, w) -> None:
     c, n, st = h["config"], h["notes"], h["config"]["reame_settings"]
-    w("HTTP: N concurrent streaming clients (http.client threads), POST /v1/completions, max_tokens %d, %d "
-      "alternating repeats\n(reame.py serve --parallel N vs llama-server -np N, each started fresh per N with %d "
-      "threads, ctx %d per slot, batch %d)\n(Reame: %s; llama-server: %s)\n" % (
+    w("HTTP: N streaming clients at once, POST /v1/completions, max_tokens %d, %d alternating repeats; reame.py "
+      "serve --parallel N vs llama-server -np N, fresh per N, %d threads, ctx %d per slot, batch %d\n(Reame: %s; "
+      "llama-server: %s; ratio > 1: Reame is better, tok/s Reame / server, TTFT server / Reame)\n\n" % (
           c["gen_tokens"], c["repeats"], c["threads"], c["ctx_per_slot"], c["n_batch"],
           layout(st["kv_unified"], st["repack"]), server_layout(next(iter(c["server_cmd"].values()), None))))
-    w("(ratio > 1 means Reame is better on every line: tok/s is Reame / server, TTFT is server / Reame)\n\n")
     print_ratio_table(w, h["metrics"], 30, "(aggregate = completion tokens of all clients / first send to last "
                       "finish, median of runs; TTFT = send to first text chunk, median and p95 (nearest rank) over "
                       "all clients of all runs; runs column: per-run median TTFT, and per-run max on the p95 line)\n")
@@ -937,11 +834,11 @@ def print_http(h: dict, w) -> None:
         for k, cmd in c[side + "_cmd"].items():
             w("HTTP %s N=%s: %s\n" % (label, k, cmd))
     w("server logs: %s\n" % c["logs"])
-# -- handbook: the long system prompt of --prefix-cache, --workload and --warm-ahead -------------
 
-# An employee handbook as a chat's system message: (title, clauses). "{x|y|z}" picks x in the
-# handbook itself and y, z, ... in the regional supplements that follow it when a longer text
-# is asked for, so the text is deterministic and every section reads differently.
+
+# -- handbook: the long system prompt of --prefix-cache, --workload and --warm-ahead -------------
+# A chat's system message: (title, clauses); "{x|y|z}": x in the handbook, y, z, ... in its regional
+# supplements (a longer text), so the text is deterministic and every section reads differently.
 HANDBOOK_SECTIONS = [
     ("Working hours", ["Core hours are {10:00 to 16:00|09:30 to 15:30|10:00 to 15:00} local time, Monday to Friday; "
         "outside core hours employees arrange their day with their manager.", "Full-time employees work {40|38|39} "
@@ -1039,15 +936,11 @@ HANDBOOK_SECTIONS = [
         "for checking any AI-generated content before they use it."]),
     ("Leaving the company", ["Departing employees return all equipment, badges and documents on their last day.",
         "Access to systems ends at {18:00|17:00|20:00} on the last working day.", "A reference letter is issued "
-        "within {two|three|four} weeks of the request."]),
-]
+        "within {two|three|four} weeks of the request."])]
 _HANDBOOK_REGIONS = ("Hamburg", "Rotterdam", "Gdansk", "Lyon", "Milan", "Vienna")
 HANDBOOK_QUESTIONS = [  # A (cold), B (warm), C (after restart), D (second process)
-    "How many vacation days do I get in my first year?",
-    "Can I expense a taxi home after working late?",
-    "How long may I work remotely from another country?",
-    "Who approves exceptions to the on-call rotation?",
-]
+    "How many vacation days do I get in my first year?", "Can I expense a taxi home after working late?",
+    "How long may I work remotely from another country?", "Who approves exceptions to the on-call rotation?"]
 WARMUP = {"messages": [{"role": "user", "content": "Reply with one word: ready?"}], "max_tokens": 2,
           "temperature": 0, "stream": True}  # under one 128-token chunk: nothing either side could reuse
 
@@ -1069,16 +962,13 @@ def handbook_text(n_sections: int) -> str:
         for j, c in enumerate(clauses):
             text = re.sub(r"\{([^{}]*)\}", lambda m: m.group(1).split("|")[k % len(m.group(1).split("|"))], c)
             out.append("%d.%d %s" % (n, j + 1, text))
-        out.append("%d.%d Questions about this section go to %s; exceptions need written approval and are "
-                   "reviewed every %d months." % (n, len(clauses) + 1, depts[i % len(depts)], (6, 12, 3)[i % 3]))
-        out.append("")
+        out += ["%d.%d Questions about this section go to %s; exceptions need written approval and are reviewed "
+                "every %d months." % (n, len(clauses) + 1, depts[i % len(depts)], (6, 12, 3)[i % 3]), ""]
     return "\n".join(out).rstrip() + "\n"
 
 
 def fit_handbook(model, target: int) -> tuple:
-    """The handbook whose shared chat prefix (system message and template: what a prefix cache
-    can reuse between two questions) is closest to target tokens (within half a section, ~50
-    tokens). Returns (text, shared prefix tokens)."""
+    """(handbook, tokens two questions' chats share): the one whose shared prefix is nearest target."""
     def shared(system: str) -> int:
         try:
             a, b = (model.tokenize(model.apply_chat_template([{"role": "system", "content": system},
@@ -1088,19 +978,17 @@ def fit_handbook(model, target: int) -> tuple:
             a, b = (model.tokenize(system + "\n\n" + q) for q in HANDBOOK_QUESTIONS[:2])
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
-    best, n = None, 1
-    while True:
-        text = handbook_text(n)
+    best = None
+    for text in (handbook_text(n) for n in range(1, 1001)):
         n_tok = shared(text)
         if best is None or abs(n_tok - target) < abs(best[1] - target):
             best = (text, n_tok)
-        if n_tok >= target or n >= 1000:
-            return best
-        n += 1
+        if n_tok >= target:
+            break
+    return best
 
 
 # -- prefix-cache: a long shared system prompt, cold / warm / after a restart -------------------
-
 PREFIX_METRICS = ("reame_cache_hits_total", "reame_disk_cache_hits_total", "reame_cached_prompt_tokens_total",
                   "reame_disk_cache_snapshots_total", "reame_disk_cache_written_total")
 PREFIX_CASES = {"cold": "cold: fresh process + cache (A)", "warm": "warm: same process (B)",
@@ -1120,11 +1008,8 @@ def kv_files(kv_dir: str) -> list:
 
 
 def wait_snapshots(kv_dir: str, srv: ServerProcess, quiet_s: float = 1.0, timeout_s: float = 180.0) -> list:
-    """Wait until Reame's writer thread is idle: no temp file, the files unchanged for quiet_s, and
-    (from /metrics) every snapshot handed to the writer written; if some were skipped (size
-    bound), the files unchanged for 10 s. Returns the files."""
-    deadline = time.monotonic() + timeout_s
-    last, since = None, time.monotonic()
+    """Wait for Reame's writer: no temp file, files unchanged for quiet_s, all written (/metrics) or 10 s quiet."""
+    deadline, last, since = time.monotonic() + timeout_s, None, time.monotonic()
     while time.monotonic() < deadline:
         files = kv_files(kv_dir)
         if files != last:
@@ -1140,97 +1025,67 @@ def wait_snapshots(kv_dir: str, srv: ServerProcess, quiet_s: float = 1.0, timeou
     return last or []
 
 
-def read_snapshot_header(path: str) -> Optional[dict]:
-    """A Reame KV snapshot's header: magic (8 bytes), version and header length (little-endian
-    uint32 each), then a JSON header (raw_size, size, codec, tokens, ...), then the payload."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(16)
-            if len(head) < 16 or not head.startswith(b"REAMEKV"):
-                return None
-            version, hlen = int.from_bytes(head[8:12], "little"), int.from_bytes(head[12:16], "little")
-            meta = json.loads(f.read(hlen).decode("utf-8"))
-        return {"file": os.path.basename(path), "version": version, "header_bytes": 16 + hlen,
-                "file_bytes": os.path.getsize(path), "tokens": len(meta.get("tokens") or []),
-                "raw_size": meta.get("raw_size"), "size": meta.get("size"), "codec": meta.get("codec")}
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-
-
 def run_prefix_cache(args, noise: CpuNoise) -> dict:
     """A ~2,400-token system prompt: TTFT cold, warm, after a restart and from a second process.
 
-    One slot each, the handbook as system message (--handbook-tokens shared), questions A-D
-    streamed with cache_prompt true; TTFT = send to the first content chunk. Per repeat, Reame
-    then server: cold (A: fresh processes, Reame on an empty REAME_HOME), warm (B: the same
-    processes), restart (C: once Reame's snapshots are on disk both are stopped, Reame with
-    SIGTERM, and started again), second (D: another reame serve on the same home). bench.py
-    waits for Reame's writer after each request, so it never runs in llama-server's turn.
-    Goals: Reame cold / restart >= 20x, server warm / Reame warm >= 1. Also the snapshots'
-    sizes per 1k tokens (raw and compressed) and Reame's /metrics deltas.
+    One slot each, the handbook as system message, questions A-D with cache_prompt: cold (fresh
+    processes, an empty REAME_HOME), warm (same processes), restart (both stopped, Reame by
+    SIGTERM, and started again), second (another reame serve on the same home). Goals: Reame
+    cold / restart >= 20x, server warm / Reame warm >= 1. Also snapshot sizes per 1k tokens.
     """
     with reame.Model(args.model_path) as model:
         system, sys_tokens = fit_handbook(model, args.handbook_tokens)
         ctx = max(args.ctx, 1 << max(sys_tokens + 256, 1).bit_length())
-        # The same four questions every repeat: each repeat starts from fresh processes and a fresh
-        # REAME_HOME, so nothing carries over, and the prompts (and chunk alignment) stay equal.
-        questions = list(HANDBOOK_QUESTIONS[:4])
+        # The same questions every repeat: fresh processes and REAME_HOME, so nothing carries over.
+        chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in HANDBOOK_QUESTIONS]
         with reame.Engine(model, n_ctx=ctx, n_slots=1, n_threads=args.threads) as eng:  # as serve builds it
             settings, chunk = dict(eng.ctx.settings), eng.chunk
             try:
-                prompt_tokens = [len(eng.chat_prompt([{"role": "system", "content": system},
-                                                      {"role": "user", "content": q}])) for q in questions]
+                prompt_tokens = [len(eng.chat_prompt(chat)) for chat in chats]
             except reame.ReameError:
                 prompt_tokens = []
-        # A GGUF without a chat template (gemma3-270m): Reame falls back to its family's built-in
-        # template by name; llama-server would fall back to chatml, so it gets the same name.
+        # No template in the GGUF (gemma3-270m): Reame uses its family's built-in one; so does llama-server.
         tmpl = model.chat_template
         builtin_template = tmpl if tmpl and "{" not in tmpl and len(tmpl) < 40 else None
-    log("prefix cache: handbook system prompt of %d tokens (chat prompts %s), ctx %d, %d threads"
-        % (sys_tokens, prompt_tokens, ctx, args.threads))
-    log_dir = tempfile.mkdtemp(prefix="bench-prefix-logs-")
-    runs = {side: {c: [] for c in PREFIX_CASES} for side in ("reame", "server")}
+    log_dir, runs = tempfile.mkdtemp(prefix="bench-prefix-logs-"), {s: {c: [] for c in PREFIX_CASES} for s in SIDES}
     snapshots, cmds, exit_codes, homes, live = [], {}, [], [], []
 
-    def start(tag: str, home: str, server: bool = True) -> tuple:
-        """reame serve on home (and llama-server, unless --no-server), both ready and warmed up."""
-        started = [ReameServer(args.model_path, os.path.join(log_dir, "reame-%s.log" % tag), noise,
-                               threads=args.threads, n_parallel=1, ctx_per_slot=ctx, home=home, tag=tag)]
+    def start(tag: str, home: str, server: bool = True) -> list:
+        """reame serve on home and llama-server (None: not run), both ready and warmed up."""
+        pair = [ReameServer(args.model_path, os.path.join(log_dir, "reame-%s.log" % tag), noise, threads=args.threads,
+                            n_parallel=1, ctx_per_slot=ctx, home=home, tag=tag), None]
         if server and not args.no_server:
-            started.append(matched_server(args, settings, 1, ctx, os.path.join(log_dir, "llama-server-%s.log" % tag),
-                                          noise, cache_ram=args.server_cache_ram, chat_template=builtin_template,
-                                          tag=tag))
-        cmds.setdefault("reame", started[0].cmd)
-        cmds.setdefault("server", " ".join(started[-1].args) if len(started) > 1 else None)
-        live.extend(started)
-        for srv in started:  # untimed, without the handbook: pages the weights in, starts the threads
+            pair[1] = matched_server(args, settings, 1, ctx, os.path.join(log_dir, "llama-server-%s.log" % tag), noise,
+                                     cache_ram=args.server_cache_ram, chat_template=builtin_template, tag=tag)
+            cmds.setdefault("server", pair[1].cmd)
+        cmds.setdefault("reame", pair[0].cmd)
+        for srv in filter(None, pair):  # untimed, without the handbook: pages the weights in, starts the threads
+            live.append(srv)
             srv.ready(json.dumps(dict(WARMUP, cache_prompt=False)).encode())
-        return started[0], (started[1] if len(started) > 1 else None)
+        return pair
 
     def stop(*servers) -> None:
-        for srv in servers:
-            if srv is not None:
-                live.remove(srv)
-                if isinstance(srv, ReameServer):
-                    exit_codes.append(srv.close(90.0))
-                else:
-                    srv.close()
+        for srv in filter(None, servers):
+            live.remove(srv)
+            if isinstance(srv, ReameServer):
+                exit_codes.append(srv.close(90.0))
+            else:
+                srv.close()
 
-    def measure(case: str, srv: Optional[ServerProcess], question: str, kv_dir: str) -> None:
+    def measure(case: str, srv: Optional[ServerProcess], q: int, kv_dir: str) -> None:
         if srv is None:
             return
         side = "reame" if isinstance(srv, ReameServer) else "server"
         before = reame_metrics(srv) if side == "reame" else {}
-        body = stream_body({"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]},
-                           args.prefix_gen_tokens, args.server_sampling, True)
+        body = stream_body({"messages": chats[q]}, args.prefix_gen_tokens, args.server_sampling, True)
         out = noise.measure(srv.guarded, stream, srv.port, "/v1/chat/completions", body)
-        t = out.get("timings") or {}
+        t = out["timings"] or {}
         if side == "reame":
             after = reame_metrics(srv)
             out["metrics_delta"] = {k: after[k] - before.get(k, 0.0) for k in PREFIX_METRICS if k in after}
         elif out["cached_tokens"] is None and "cache_n" in t:
             out["cached_tokens"] = t["cache_n"]
-        out["question"], out["order"] = question, sum(len(x) for s in runs.values() for x in s.values())
+        out["question"] = HANDBOOK_QUESTIONS[q]
         runs[side][case].append(out)
         log("prefix cache: %-6s %-7s TTFT %.3f s, %s of %s prompt tokens cached%s" % (
             side, case, out["ttft_s"], out["cached_tokens"], out["prompt_tokens"],
@@ -1247,64 +1102,50 @@ def run_prefix_cache(args, noise: CpuNoise) -> dict:
             r1, s1 = start("r%d-first" % r, home)
             if kv_files(kv_dir):
                 raise RuntimeError("the fresh REAME_HOME %s already holds KV snapshots" % home)
-            for case, q in (("cold", questions[0]), ("warm", questions[1])):
-                measure(case, r1, q, kv_dir)
-                measure(case, s1, q, kv_dir)
-            files = kv_files(kv_dir)
-            log("prefix cache: %d snapshot file(s) on disk, %.1f MiB; stopping the first servers"
-                % (len(files), sum(s for _, s in files) / 2 ** 20))
+            for case, srv, q in (("cold", r1, 0), ("cold", s1, 0), ("warm", r1, 1), ("warm", s1, 1)):
+                measure(case, srv, q, kv_dir)
             stop(r1, s1)
-            snaps = [h for h in (read_snapshot_header(p) for p, _ in kv_files(kv_dir) if p.endswith(".kv")) if h]
-            snapshots.append(sorted(snaps, key=lambda h: h["tokens"]))
+            # reame.py's own listing of the snapshots (size: the file's bytes, its small header included)
+            snapshots.append(sorted(({"file": os.path.basename(e["path"]), "tokens": e["tokens"], "codec": e["codec"],
+                                      "raw_size": e["raw_bytes"], "size": e["bytes"], "file_bytes": e["bytes"]}
+                                     for e in reame.kv_cache_entries(kv_dir) if not e["bad"]),
+                                    key=lambda h: h["tokens"]))
             r2, s2 = start("r%d-restart" % r, home)
-            measure("restart", r2, questions[2], kv_dir)
-            measure("restart", s2, questions[2], kv_dir)
+            measure("restart", r2, 2, kv_dir)
+            measure("restart", s2, 2, kv_dir)
             stop(s2)
             r3 = start("r%d-second" % r, home, server=False)[0]  # beside the restarted one, on the same home
             if r2.proc.poll() is not None:
                 raise RuntimeError("the restarted reame serve exited before the second process ran")
-            measure("second", r3, questions[3], kv_dir)
+            measure("second", r3, 3, kv_dir)
             stop(r3, r2)
-            log("prefix cache: repeat %d servers stopped" % (r + 1))
     finally:
         stop(*reversed(live))
         for home in homes:
             shutil.rmtree(home, ignore_errors=True)
-    info = {"system_tokens": sys_tokens, "prompt_tokens_reame": prompt_tokens, "system_chars": len(system),
-            "questions": questions, "ctx_per_slot": ctx, "n_batch": settings["n_batch"], "chunk": chunk,
-            "logs": log_dir, "max_tokens": args.prefix_gen_tokens, "server_cache_ram": args.server_cache_ram,
-            "reame_settings": settings, "reame_cmd": cmds.get("reame"), "server_cmd": cmds.get("server"),
-            "reame_exit_codes": exit_codes}
-    return prefix_summary(runs, snapshots, info)
-
-
-def prefix_summary(runs: dict, snapshots: list, config: dict) -> dict:
-    def med(side, case):
-        return median([x["ttft_s"] for x in runs[side][case]])
-
-    table = {}
-    for case in PREFIX_CASES:
-        row = table[case] = {side: {"ttft_s": med(side, case), "ttft_runs": [x["ttft_s"] for x in xs],
-                                    "cached_tokens": [x["cached_tokens"] for x in xs],
-                                    "prompt_tokens": [x["prompt_tokens"] for x in xs], "noise": [x["noise"] for x in xs]}
-                             for side, xs in ((s, runs[s][case]) for s in ("reame", "server")) if xs}
-        r, s = row.get("reame", {}).get("ttft_s"), row.get("server", {}).get("ttft_s")
+    config = {"system_tokens": sys_tokens, "prompt_tokens_reame": prompt_tokens, "system_chars": len(system),
+              "questions": HANDBOOK_QUESTIONS, "ctx_per_slot": ctx, "n_batch": settings["n_batch"], "chunk": chunk,
+              "logs": log_dir, "max_tokens": args.prefix_gen_tokens, "server_cache_ram": args.server_cache_ram,
+              "reame_settings": settings, "reame_cmd": cmds.get("reame"), "server_cmd": cmds.get("server"),
+              "reame_exit_codes": exit_codes}
+    med = {(side, case): median([x["ttft_s"] for x in runs[side][case]]) for side in runs for case in PREFIX_CASES}
+    table = {case: {side: {"ttft_s": med[side, case], "ttft_runs": [x["ttft_s"] for x in xs],
+                           "cached_tokens": [x["cached_tokens"] for x in xs],
+                           "prompt_tokens": [x["prompt_tokens"] for x in xs], "noise": [x["noise"] for x in xs]}
+                    for side, xs in ((s, runs[s][case]) for s in runs) if xs} for case in PREFIX_CASES}
+    for case, row in table.items():
+        r, s = med["reame", case], med["server", case]
         row["server_over_reame"] = (s / r) if r and s is not None else None
-    rc, rw, rr, rs = (med("reame", c) for c in PREFIX_CASES)
-    sw = med("server", "warm")
-    ratios = {"reame_cold_over_restart": (rc / rr) if rc and rr else None,
-              "reame_cold_over_warm": (rc / rw) if rc and rw else None,
-              "reame_cold_over_second": (rc / rs) if rc and rs else None,
-              "server_warm_over_reame_warm": (sw / rw) if sw and rw else None}
+    (rc, rw, rr, rs), sw = (med["reame", c] for c in PREFIX_CASES), med["server", "warm"]
+    ratios = {"reame_cold_over_restart": ratio(rc, rr), "reame_cold_over_warm": ratio(rc, rw),
+              "reame_cold_over_second": ratio(rc, rs), "server_warm_over_reame_warm": ratio(sw, rw)}
     goals = {"restart_at_most_1_20_of_cold": (rr * 20 <= rc) if rc and rr else None,
              "reame_warm_no_worse_than_server_warm": (rw <= sw) if rw and sw else None}
-    # Snapshot size per 1k tokens, compressed vs raw. Headline: the largest snapshot (the one a
-    # restart restores); sizes need not grow linearly (sliding-window layers keep only their window).
+    # Per 1k tokens, compressed vs raw; headline: the largest (a restart restores it; SWA layers keep a window).
     flat = [h for rep in snapshots for h in rep if h.get("tokens") and h.get("raw_size") and h.get("size")]
     for h in flat:
-        h["raw_bytes_per_1k_tokens"] = 1000 * h["raw_size"] / h["tokens"]
-        h["compressed_bytes_per_1k_tokens"] = 1000 * h["size"] / h["tokens"]
-        h["compression_ratio"] = h["raw_size"] / h["size"]
+        h.update(raw_bytes_per_1k_tokens=1000 * h["raw_size"] / h["tokens"], compression_ratio=h["raw_size"] /
+                 h["size"], compressed_bytes_per_1k_tokens=1000 * h["size"] / h["tokens"])
     size = {"files": len(flat), "codec": sorted(set(h["codec"] for h in flat if h.get("codec")))}
     if flat:
         big = max(flat, key=lambda h: h["tokens"])
@@ -1312,128 +1153,94 @@ def prefix_summary(runs: dict, snapshots: list, config: dict) -> dict:
                                          "compression_ratio")},
                     largest_tokens=big["tokens"], disk_bytes_first_repeat=sum(h["file_bytes"] for h in snapshots[0]),
                     all_files_compression_ratio=sum(h["raw_size"] for h in flat) / sum(h["size"] for h in flat))
-    texts = {}
-    for case in ("cold", "warm", "restart"):
-        pairs = list(zip(runs["reame"][case], runs["server"][case]))
-        if pairs:
-            texts[case] = "%d/%d" % (sum(a["text"] == b["text"] for a, b in pairs), len(pairs))
+    texts = {case: "%d/%d" % (sum(a["text"] == b["text"] for a, b in zip(runs["reame"][case], runs["server"][case])),
+                              len(runs["server"][case])) for case in PREFIX_CASES if runs["server"][case]}
     return {"config": config, "table": table, "ratios": ratios, "goals": goals, "snapshot_size": size,
             "snapshots": snapshots, "text_identical": texts, "runs": runs}
 
 
 def print_prefix(p: dict, w) -> None:
     c, r, g, s, mib = p["config"], p["ratios"], p["goals"], p["snapshot_size"], 2 ** 20
-    w("Prefix cache: a %d-token system prompt (an employee handbook) + short questions, %s, max_tokens %d, "
-      "%d repeat%s\n" % (c["system_tokens"], c["model"], c["max_tokens"], c["repeats"],
-                         "" if c["repeats"] == 1 else "s (medians)"))
-    w("(reame.py serve --parallel 1 on a fresh temporary REAME_HOME vs llama-server -np 1 --cache-ram %s, "
-      "%d threads, ctx %d; TTFT = send to first content chunk, client side)\n"
-      % (c["server_cache_ram"], c["threads"], c["ctx_per_slot"]))
-    w("\n%-34s %10s %16s %10s %16s %9s\n" % ("case (question)", "Reame s", "cached/prompt", "server s",
-                                            "cached/prompt", "srv/Reame") + "-" * 100 + "\n")
-
-    def cell(d):
-        if not d:
-            return "-", "-"
-        return (_fmt(d["ttft_s"], 3) + ("*" if any((z or 0) > NOISY_FRAC for z in d["noise"]) else ""),
-                "%s/%s" % (d["cached_tokens"][0] if d["cached_tokens"] else "-",
-                           d["prompt_tokens"][0] if d["prompt_tokens"] else "-"))
-
+    w("Prefix cache: a %d-token system prompt (an employee handbook) + short questions, %s, max_tokens %d, %d repeat%s"
+      "\n"
+      "(reame.py serve --parallel 1 on a fresh temporary REAME_HOME vs llama-server -np 1 --cache-ram %s, %d threads, "
+      "ctx %d; TTFT = send to first content chunk, client side)\n\n%-34s %10s %16s %10s %16s %9s\n%s\n"
+      % (c["system_tokens"], c["model"], c["max_tokens"], c["repeats"], "" if c["repeats"] == 1 else "s (medians)",
+         c["server_cache_ram"], c["threads"], c["ctx_per_slot"], "case (question)", "Reame s", "cached/prompt",
+         "server s", "cached/prompt", "srv/Reame", "-" * 100))
     for case, row in p["table"].items():
-        w("%-34s %10s %16s %10s %16s %9s\n" % ((PREFIX_CASES[case],) + cell(row.get("reame")) + cell(row.get("server"))
-                                                + (_x(row.get("server_over_reame")),)))
-    w("(cached/prompt: usage.prompt_tokens_details.cached_tokens / usage.prompt_tokens of the first repeat; "
-      "llama-server: timings.cache_n where usage has none. llama-server has no disk tier: its 'after restart' "
-      "is a cold start. srv/Reame > 1 means Reame is faster. * = noisy run)\n")
-    for case, row in p["table"].items():
-        if c["repeats"] > 1:
-            w("  runs %-8s Reame %s | server %s\n" % (case, *(" ".join(_fmt(x, 3) for x in row.get(side, {}).get(
-                "ttft_runs", [])) for side in ("reame", "server"))))
-
-    def verdict(v):
-        return "-" if v is None else ("met" if v else "NOT MET")
-
-    w("\nReame cold / after-restart TTFT: %sx   (goal >= 20x: %s)\n"
-      % (_fmt(r["reame_cold_over_restart"], 1), verdict(g["restart_at_most_1_20_of_cold"])))
-    w("Reame cold / warm TTFT: %sx; cold / second process: %sx\n"
-      % (_fmt(r["reame_cold_over_warm"], 1), _fmt(r["reame_cold_over_second"], 1)))
-    w("Reame warm vs llama-server warm: server/Reame %sx   (goal >= 1, no worse: %s)\n"
-      % (_fmt(r["server_warm_over_reame_warm"], 2), verdict(g["reame_warm_no_worse_than_server_warm"])))
+        cells = [(_fmt(d["ttft_s"], 3) + ("*" if any((z or 0) > NOISY_FRAC for z in d["noise"]) else ""), "%s/%s" % (
+            d["cached_tokens"][0] if d["cached_tokens"] else "-", d["prompt_tokens"][0] if d["prompt_tokens"] else "-"))
+            if d else ("-", "-") for d in (row.get("reame"), row.get("server"))]
+        w("%-34s %10s %16s %10s %16s %9s\n" % (PREFIX_CASES[case], *cells[0], *cells[1], _x(row["server_over_reame"])))
+    w("(cached/prompt: usage's cached_tokens (llama-server: timings.cache_n) / prompt_tokens, first repeat; "
+      "llama-server's restart is a cold start (no disk tier); srv/Reame > 1: Reame is faster; * = noisy run)\n")
+    for case, row in p["table"].items() if c["repeats"] > 1 else ():
+        w("  runs %-8s Reame %s | server %s\n" % (case, *(" ".join(_fmt(x, 3) for x in row.get(side, {}).get(
+            "ttft_runs", [])) for side in ("reame", "server"))))
+    verdict = {None: "-", True: "met", False: "NOT MET"}
+    w("\nReame cold / after-restart TTFT: %sx   (goal >= 20x: %s)\nReame cold / warm TTFT: %sx; cold / second "
+      "process: %sx\nReame warm vs llama-server warm: server/Reame %sx   (goal >= 1, no worse: %s)\n" % (
+          _fmt(r["reame_cold_over_restart"], 1), verdict[g["restart_at_most_1_20_of_cold"]],
+          _fmt(r["reame_cold_over_warm"], 1), _fmt(r["reame_cold_over_second"], 1),
+          _fmt(r["server_warm_over_reame_warm"], 2), verdict[g["reame_warm_no_worse_than_server_warm"]]))
     if s["files"]:
         w("snapshot size per 1k tokens (largest snapshot, %d tokens): %.2f MiB raw, %.2f MiB compressed "
           "(%s, %.2fx smaller); all %d files: %.2fx, %.1f MiB on disk after the first process\n"
           % (s["largest_tokens"], s["raw_bytes_per_1k_tokens"] / mib, s["compressed_bytes_per_1k_tokens"] / mib,
              "/".join(s["codec"]), s["compression_ratio"], s["files"], s["all_files_compression_ratio"],
              s["disk_bytes_first_repeat"] / mib))
-        for h in p["snapshots"][0]:
-            w("  %5d tokens: %7.1f MiB raw -> %7.1f MiB %s (%.2f -> %.2f MiB per 1k tokens)\n"
-              % (h["tokens"], h["raw_size"] / mib, h["size"] / mib, h["codec"],
-                 h["raw_bytes_per_1k_tokens"] / mib, h["compressed_bytes_per_1k_tokens"] / mib))
-    else:
-        w("no snapshot files were written\n")
+    for h in p["snapshots"][0] if s["files"] else ():
+        w("  %5d tokens: %7.1f MiB raw -> %7.1f MiB %s (%.2f -> %.2f MiB per 1k tokens)\n" % (
+            h["tokens"], h["raw_size"] / mib, h["size"] / mib, h["codec"], h["raw_bytes_per_1k_tokens"] / mib,
+            h["compressed_bytes_per_1k_tokens"] / mib))
+    w("" if s["files"] else "no snapshot files were written\n")
     if p["text_identical"]:
         w("greedy text identical Reame vs server: %s\n" % ", ".join("%s %s" % kv for kv in p["text_identical"].items()))
-    w("Reame exit codes after SIGTERM: %s\nprefix cache Reame:  %s\n" % (c["reame_exit_codes"], c["reame_cmd"]))
-    if c["server_cmd"]:
-        w("prefix cache server: %s\n" % c["server_cmd"])
-    w("server logs: %s\n" % c["logs"])
+    w("Reame exit codes after SIGTERM: %s\nprefix cache Reame:  %s\n%sserver logs: %s\n" % (
+        c["reame_exit_codes"], c["reame_cmd"], "prefix cache server: %s\n" % c["server_cmd"] if c["server_cmd"] else "",
+        c["logs"]))
 
 
 # -- workload: a support desk's trace against llama-server as a user starts it ------------------
-
 WORKLOAD_FAQ = [
-    "How many vacation days do I get in my first year?",
-    "Can I expense a taxi home after working late?",
-    "How long may I work remotely from another country?",
-    "Who approves overtime?",
-    "What is the notice period when I resign?",
-    "Is there a budget for training courses?",
-    "How do I report a safety incident in the warehouse?",
-    "Can I bring my dog to the office?",
-]
-WORKLOAD_HOWTO = [
-    "List, as numbered steps, how I request parental leave.",
-    "List, as numbered steps, how I claim travel expenses.",
-    "List, as numbered steps, what I do on my last working day.",
-]
+    "How many vacation days do I get in my first year?", "Can I expense a taxi home after working late?",
+    "How long may I work remotely from another country?", "Who approves overtime?",
+    "What is the notice period when I resign?", "Is there a budget for training courses?",
+    "How do I report a safety incident in the warehouse?", "Can I bring my dog to the office?"]
+WORKLOAD_HOWTO = ["List, as numbered steps, how I request parental leave.",
+                  "List, as numbered steps, how I claim travel expenses.",
+                  "List, as numbered steps, what I do on my last working day."]
 WORKLOAD_TICKETS = [
     "Ticket 4411 from Jana Novak (Gdansk): my laptop screen flickers since Monday, I need it fixed before the "
     "audit on Friday.",
     "Ticket 4412 from Luca Bianchi (Milan): payroll paid me 200 euros too little in March, please correct it.",
-    "Ticket 4413 from Emma Weber (Vienna): the badge reader at gate 3 rejects my card every morning.",
-]
+    "Ticket 4413 from Emma Weber (Vienna): the badge reader at gate 3 rejects my card every morning."]
 WORKLOAD_TICKET_SCHEMA = {
     "type": "object",
     "properties": {"ticket": {"type": "integer"}, "name": {"type": "string"}, "site": {"type": "string"},
                    "department": {"enum": ["HR", "Finance", "IT", "Facilities", "Payroll"]},
                    "urgent": {"type": "boolean"}, "summary": {"type": "string"}},
-    "required": ["ticket", "name", "site", "department", "urgent", "summary"],
-}
+    "required": ["ticket", "name", "site", "department", "urgent", "summary"]}
+_INVOICE = ("def invoice_total(lines, vat_rate):\n    total = 0\n    for qty, price in lines:\n"
+            "        total += qty * price\n    vat = total * vat_rate\n    return round(total + vat, 2)\n")
 WORKLOAD_CODE = [
-    ("Rename the variable `total` to `subtotal` everywhere and return the whole function.",
-     "def invoice_total(lines, vat_rate):\n    total = 0\n    for qty, price in lines:\n        total += qty * price\n"
-     "    vat = total * vat_rate\n    return round(total + vat, 2)\n"),
+    ("Rename the variable `total` to `subtotal` everywhere and return the whole function.", _INVOICE),
     ("Add a `discount` parameter (default 0) subtracted from the total before VAT; return the whole function.",
-     "def invoice_total(lines, vat_rate):\n    total = 0\n    for qty, price in lines:\n        total += qty * price\n"
-     "    vat = total * vat_rate\n    return round(total + vat, 2)\n"),
-]
+     _INVOICE)]
 WORKLOAD_CODE_SYSTEM = "You are a careful Python assistant. Answer with code only, in one ```python block."
-# The trace: 32 requests a support desk might get in an hour, in this order. A request
-# names (kind, index); 16 are new and 16 repeat an earlier one word for word (FAQs get
-# asked again), the repeats leaning to the end: the shape of a narrow, repetitive workload.
+# A support desk's hour: (kind, index), 16 new and 16 repeating an earlier one word for word, leaning late.
 WORKLOAD_ORDER = [
     ("faq", 0), ("howto", 0), ("faq", 1), ("ticket", 0), ("faq", 2), ("code", 0), ("howto", 1), ("faq", 3),
     ("faq", 0), ("ticket", 1), ("faq", 4), ("howto", 0), ("faq", 1), ("code", 1), ("faq", 5), ("ticket", 2),
     ("howto", 2), ("faq", 2), ("faq", 6), ("ticket", 0), ("faq", 3), ("howto", 1), ("faq", 7), ("code", 0),
-    ("faq", 0), ("faq", 4), ("howto", 2), ("faq", 1), ("ticket", 1), ("faq", 5), ("howto", 0), ("faq", 2),
-]
+    ("faq", 0), ("faq", 4), ("howto", 2), ("faq", 1), ("ticket", 1), ("faq", 5), ("howto", 0), ("faq", 2)]
 WORKLOAD_MAX_TOKENS = {"faq": 64, "howto": 128, "ticket": 96, "code": 160}
 WORKLOAD_PHASES = ("server_cold", "server_warm", "reame_cold", "reame_warm", "reame_restart", "reame_restart_noreplay")
 
 
 def workload_bodies(system: str, replay: bool = True) -> list:
-    """The trace's request bodies (streamed chat, temperature 0, usage), the same for both servers
-    (llama-server ignores Reame's extension object; replay=False sets "reame": {"replay": false})."""
+    """The trace's (name, body): streamed greedy chats, the same for both (replay=False: Reame's opt-out)."""
     out = []
     for kind, i in WORKLOAD_ORDER:
         body = {"max_tokens": WORKLOAD_MAX_TOKENS[kind], "temperature": 0, "stream": True,
@@ -1441,9 +1248,8 @@ def workload_bodies(system: str, replay: bool = True) -> list:
         if not replay:
             body["reame"] = {"replay": False}
         if kind == "code":
-            ask, code = WORKLOAD_CODE[i]
-            body["messages"] = [{"role": "system", "content": WORKLOAD_CODE_SYSTEM},
-                                {"role": "user", "content": "```python\n%s```\n%s" % (code, ask)}]
+            body["messages"] = [{"role": "system", "content": WORKLOAD_CODE_SYSTEM}, {
+                "role": "user", "content": "```python\n%s```\n%s" % (WORKLOAD_CODE[i][1], WORKLOAD_CODE[i][0])}]
         else:
             q = {"faq": WORKLOAD_FAQ, "howto": WORKLOAD_HOWTO}.get(kind, WORKLOAD_TICKETS)[i]
             if kind == "ticket":
@@ -1457,14 +1263,13 @@ def workload_bodies(system: str, replay: bool = True) -> list:
 
 def workload_pass(srv: ServerProcess, bodies: list, clients: int) -> dict:
     """The trace through srv by `clients` threads, each taking the next request in order."""
-    results, cursor, lock = [None] * len(bodies), [0], threading.Lock()
+    results, todo, lock = [None] * len(bodies), iter(range(len(bodies))), threading.Lock()
 
     def client(_k, _start):
         while True:
             with lock:
-                i = cursor[0]
-                cursor[0] += 1
-            if i >= len(bodies):
+                i = next(todo, None)
+            if i is None:
                 return
             results[i] = dict(stream(srv.port, "/v1/chat/completions", bodies[i][1]), name=bodies[i][0])
 
@@ -1481,13 +1286,9 @@ def workload_pass(srv: ServerProcess, bodies: list, clients: int) -> dict:
 def run_workload(args, noise: CpuNoise) -> dict:
     """32 support-desk requests: llama-server as a user starts it vs reame.py serve, cold to restarted.
 
-    The trace: the handbook as system prompt, FAQs asked again word for word, numbered how-tos,
-    tickets extracted as JSON under a json_schema, a code edit; 16 repeat an earlier request.
-    llama-server with its own defaults (only model, host and port): cold, then the trace again.
-    reame.py serve with its defaults: cold (an empty REAME_HOME), warm (again), after a restart
-    (a new process on the same home), then again with replay off per request. Per phase, with
-    --workload-clients clients: the trace's wall time, the mean of the first and the last 8
-    requests, answers replayed. --plot PNG: per-request bars (matplotlib).
+    FAQs asked again word for word, how-tos, tickets to JSON (json_schema), a code edit, the
+    handbook as system prompt. llama-server (model, host, port only): cold, again; reame.py serve:
+    cold (empty REAME_HOME), again, after a restart, then with replay off. Wall time per phase.
     """
     with reame.Model(args.model_path) as m:
         system, n_sys = fit_handbook(m, args.handbook_tokens)
@@ -1501,22 +1302,20 @@ def run_workload(args, noise: CpuNoise) -> dict:
         starts = [] if args.no_server else [("server", ("cold", "warm"))]
         for side, phases in starts + [("reame", ("cold", "warm")), ("reame", ("restart", "restart_noreplay"))]:
             path = os.path.join(log_dir, "%s-%d-%s.log" % (side, clients, phases[0]))
-            if side == "server":
-                srv = LlamaServer(args.server, args.model_path, path, noise, defaults=True, tag="defaults")
-            else:
-                srv = ReameServer(args.model_path, path, noise, threads=args.threads, n_parallel=4, ctx_per_slot=4096,
-                                  home=home)
-            out["cmds"][side] = getattr(srv, "cmd", " ".join(srv.args))
+            srv = (LlamaServer(args.server, args.model_path, path, noise, defaults=True, tag="defaults")
+                   if side == "server" else ReameServer(args.model_path, path, noise, threads=args.threads,
+                                                        n_parallel=4, ctx_per_slot=4096, home=home))
+            out["cmds"][side] = srv.cmd
             try:
                 srv.ready(json.dumps(WARMUP).encode())
                 for phase in phases:
                     log("workload: %s, %d client(s), %s" % (side, clients, phase))
-                    runs[side + "_" + phase] = workload_pass(srv, no_replay if phase.endswith("noreplay") else bodies,
+                    runs[side + "_" + phase] = workload_pass(srv, no_replay if phase == "restart_noreplay" else bodies,
                                                              clients)
             finally:
                 srv.close()
         shutil.rmtree(home, ignore_errors=True)
-        texts = [[r["text"] for r in runs["reame_" + p]["requests"]] for p in ("cold", "warm", "restart", "restart_noreplay")]
+        texts = [[r["text"] for r in runs[p]["requests"]] for p in WORKLOAD_PHASES[2:]]
         runs["reame_phases_equal"] = all(t == texts[0] for t in texts)
         if "server_cold" in runs:
             runs["same_text_as_server"] = sum(a == b["text"] for a, b in zip(texts[0], runs["server_cold"]["requests"]))
@@ -1526,8 +1325,7 @@ def run_workload(args, noise: CpuNoise) -> dict:
 
 
 def plot_workload(out: dict, model: str, path: str) -> str:
-    """Per-request bars of every phase (one panel per client count) as a PNG; matplotlib
-    is optional (bench.py only): without it, say so and skip."""
+    """Per-request bars of every phase, a panel per client count, as a PNG (if matplotlib is there)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1535,9 +1333,8 @@ def plot_workload(out: dict, model: str, path: str) -> str:
     except ImportError:
         log("workload: no matplotlib (python3 -m pip install matplotlib): no plot")
         return ""
-    panels = list(out["runs"].items())
-    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 4.2 * len(panels)), squeeze=False)
-    for ax, (clients, runs) in zip(axes[:, 0], panels):
+    fig, axes = plt.subplots(len(out["runs"]), 1, figsize=(13, 4.2 * len(out["runs"])), squeeze=False)
+    for ax, (clients, runs) in zip(axes[:, 0], out["runs"].items()):
         phases = [p for p in WORKLOAD_PHASES if p in runs]
         width = 0.8 / len(phases)
         for k, p in enumerate(phases):
@@ -1557,21 +1354,20 @@ def plot_workload(out: dict, model: str, path: str) -> str:
 def print_workload(wl: dict, w) -> None:
     c = wl["config"]
     w("workload: %s, %d requests (%d repeat an earlier one word for word), a %d-token handbook system prompt\n"
+      "per phase: seconds for the whole trace; ratio = llama-server cold / this (> 1: faster than llama-server "
+      "as a user starts it); mean seconds per request of the first 8 and the last 8; answers replayed\n\n"
       % (c["model"], c["requests"], c["repeats_in_trace"], c["handbook_tokens"]))
-    w("per phase: seconds for the whole trace; ratio = llama-server cold / this (> 1: faster than llama-server "
-      "as a user starts it); mean seconds per request of the first 8 and the last 8; answers replayed\n\n")
     for clients, runs in wl["runs"].items():
         base = runs.get("server_cold", {}).get("total_s")
         w("%s client(s)\n%-22s %9s %8s %9s %9s %9s\n" % (clients, "phase", "total s", "ratio", "first 8", "last 8",
                                                          "replayed"))
         for p, r in ((p, runs[p]) for p in WORKLOAD_PHASES if p in runs):
-            w("%-22s %9.1f %8s %9.2f %9.2f %9d\n" % (p.replace("server", "llama-server").replace("_", " "), r["total_s"],
-                                                     _x(ratio(base, r["total_s"])), r["first8_s"], r["last8_s"],
-                                                     r["replayed"]))
-        w("Reame's answers equal in its four phases: %s" % ("yes" if runs["reame_phases_equal"] else "NO"))
-        if "same_text_as_server" in runs:
-            w("; the same text as llama-server's: %d of %d" % (runs["same_text_as_server"], c["requests"]))
-        w("\n\n")
+            w("%-22s %9.1f %8s %9.2f %9.2f %9d\n" % (p.replace("server", "llama-server").replace("_", " "),
+                                                     r["total_s"], _x(ratio(base, r["total_s"])), r["first8_s"],
+                                                     r["last8_s"], r["replayed"]))
+        w("Reame's answers equal in its four phases: %s%s\n\n" % ("yes" if runs["reame_phases_equal"] else "NO", (
+            "; the same text as llama-server's: %d of %d" % (runs["same_text_as_server"], c["requests"]))
+            if "same_text_as_server" in runs else ""))
     for side, cmd in wl["cmds"].items():
         w("%s: %s\n" % (side, cmd))
     if wl.get("plot"):
@@ -1579,15 +1375,11 @@ def print_workload(wl: dict, w) -> None:
 
 
 # -- warm-ahead: the first request after a restart -------------------------------------------
-
-
 def run_warm_ahead(args, noise: CpuNoise) -> dict:
     """The first request after a restart: its TTFT with idle warm-ahead on vs off.
 
-    A handbook chat is asked in two engines (its head goes to the disk tier, counted twice in
-    the head history), then --repeats times a new engine on that directory (a restart) idles
-    3 s and one new question comes: with warm-ahead on (the head restored into a slot while
-    idle) and off (the request restores it itself), alternating which goes first.
+    A handbook chat is asked twice (its head on the disk tier); per repeat a new engine on that
+    directory idles 3 s, then a new question: warm-ahead on (head restored while idle) vs off.
     """
     kv = tempfile.mkdtemp(prefix="bench-warm-kv-")
     out = {"on": [], "off": [], "cached": {}}
@@ -1629,26 +1421,22 @@ def print_warm_ahead(wa: dict, w) -> None:
 
 
 # -- spec: speculation on vs off, three workloads, idle and with a CPU burner --------------------
-
-SPEC_REPORT = "\n\n".join(
-    "%d. %s" % (i + 1, p) for i, p in enumerate([
-        "The Harbour Board met on the third of March to review the winter season. Forty-two vessels used "
-        "the north basin between November and February, eleven more than the year before, and the new "
-        "fuel pontoon handled just over nine hundred thousand litres without a single reported spill.",
-        "Dredging of the approach channel was delayed by six weeks because the contractor's barge was held "
-        "at Rotterdam for repairs. The channel depth at low water fell to 7.4 metres in January, and two "
-        "deep-draught tankers had to wait for the tide before entering.",
-        "The board approved a budget of 1.2 million euros for replacing the timber fenders on the east quay. "
-        "Work will start in May, when traffic is lighter, and the quay will stay open to small craft during "
-        "the works, with a speed limit of four knots inside the basin.",
-        "Complaints about noise from the container crane rose to nineteen this winter. The harbour master "
-        "proposed limiting night operations to essential cargo between midnight and five in the morning, "
-        "and the board asked for a trial of three months starting in April.",
-        "Finally, the board thanked the pilots' association for forty years of service without a serious "
-        "accident, and agreed to name the new pilot boat after Captain Ilse Varga, who retired in December "
-        "after twenty-six years on the station."])
-)
-
+SPEC_REPORT = "\n\n".join("%d. %s" % (i + 1, p) for i, p in enumerate([
+    "The Harbour Board met on the third of March to review the winter season. Forty-two vessels used the north "
+    "basin between November and February, eleven more than the year before, and the new fuel pontoon handled "
+    "just over nine hundred thousand litres without a single reported spill.",
+    "Dredging of the approach channel was delayed by six weeks because the contractor's barge was held at "
+    "Rotterdam for repairs. The channel depth at low water fell to 7.4 metres in January, and two deep-draught "
+    "tankers had to wait for the tide before entering.",
+    "The board approved a budget of 1.2 million euros for replacing the timber fenders on the east quay. Work will "
+    "start in May, when traffic is lighter, and the quay will stay open to small craft during the works, with a "
+    "speed limit of four knots inside the basin.",
+    "Complaints about noise from the container crane rose to nineteen this winter. The harbour master proposed "
+    "limiting night operations to essential cargo between midnight and five in the morning, and the board asked "
+    "for a trial of three months starting in April.",
+    "Finally, the board thanked the pilots' association for forty years of service without a serious accident, and "
+    "agreed to name the new pilot boat after Captain Ilse Varga, who retired in December after twenty-six years "
+    "on the station."]))
 SPEC_CODE = '''def summarize_orders(orders, min_total=0.0):
     """Group orders by customer and return totals, counts and the largest order."""
     by_customer = {}
@@ -1674,50 +1462,31 @@ SPEC_CODE = '''def summarize_orders(orders, min_total=0.0):
         })
     return result
 '''
-
 SPEC_WORKLOADS = [
     ("input-grounded", "Here is the board's report:\n\n" + SPEC_REPORT +
      "\n\nQuote paragraphs 2, 3 and 4 of the report exactly, word for word, with their numbers."),
     ("code edit", "Here is a Python function:\n\n```python\n" + SPEC_CODE + "```\n\nReturn the whole function "
      "with one change: rename the parameter `min_total` to `minimum`. Reply with only the code."),
     ("free prose", "Write a short story (about 300 words) about a lighthouse keeper who finds a message in a "
-     "bottle. Do not use any lists."),
-]
-
-
-class CpuBurner:
-    """A busy process pinned to one core: an oversubscribed vCPU."""
-
-    def __init__(self, core: int = 0):
-        code = "import os\nos.sched_setaffinity(0, {%d})\nwhile True:\n    pass\n" % core
-        self.proc = subprocess.Popen([sys.executable, "-c", code], preexec_fn=_set_pdeathsig)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+     "bottle. Do not use any lists.")]
 
 
 def spec_decode(eng, tokens: list, max_tokens: int, opts=None, archive="shared", **params) -> dict:
-    """One greedy request: its decode tok/s (tokens after the first over the time after the
-    first), tokens, and (accepted, proposed) drafts by source. params: more SamplingParams."""
+    """One greedy request: decode tok/s (after the first token), tokens, (accepted, proposed) by source."""
     before = eng.stats()["spec"]
     r = eng.submit(tokens, reame.SamplingParams(temperature=0, max_tokens=max_tokens, **params), spec=opts,
                    archive=archive).wait()
-    after = eng.stats()["spec"]
-    span = r.total_s - r.ttft_s
-    return {"tok_s": (r.n_gen_tok - 1) / span if span > 0 and r.n_gen_tok > 1 else None,
-            "tokens": r.tokens, "n": r.n_gen_tok,
-            "accepted": {name: (after[name]["accepted"] - before[name]["accepted"],
-                                after[name]["proposed"] - before[name]["proposed"]) for name in after}}
+    after, span = eng.stats()["spec"], r.total_s - r.ttft_s
+    return {"tok_s": (r.n_gen_tok - 1) / span if span > 0 and r.n_gen_tok > 1 else None, "tokens": r.tokens,
+            "n": r.n_gen_tok, "accepted": {k: (after[k]["accepted"] - before[k]["accepted"],
+                                               after[k]["proposed"] - before[k]["proposed"]) for k in after}}
 
 
 def add_accepted(total: dict, accepted: dict, which=lambda src: True) -> None:
     """Sum spec_decode's (accepted, proposed) per source into total, for the sources `which` takes."""
     for src, (a, p) in accepted.items():
         if which(src):
-            tot = total.setdefault(src, [0, 0])
-            tot[0] += a
-            tot[1] += p
+            total[src] = [x + y for x, y in zip(total.get(src, (0, 0)), (a, p))]
 
 
 def drafts_text(accepted: dict, name=lambda src: src) -> str:
@@ -1727,70 +1496,55 @@ def drafts_text(accepted: dict, name=lambda src: src) -> str:
 def run_spec(args, noise: CpuNoise) -> dict:
     """Speculation off, prompt lookup on, the draft model on, auto: tok/s on three workloads.
 
-    Quoting the prompt, a code edit, free prose; idle and with a CPU burner pinned to core 0.
-    The exact engine's configurations (drafts verified row by row), then the fast engine's
-    (spec_verify="fast": ggml's tiled matmul), each with its own "off" as base; greedy outputs
-    compared. One engine at a time: two are two OpenMP teams on 2 cores, and libgomp then barely
-    spins at a barrier (a one-token step of the 1.5B took 34 ms instead of 19 ms in both).
+    Quoting the prompt, a code edit, prose; idle and with a CPU burner on core 0; the exact engine,
+    then spec_verify="fast", each with its own "off". One engine at a time: two are two OpenMP
+    teams on 2 cores (a one-token step of the 1.5B then took 34 ms instead of 19 ms).
     """
-    draft = reame.resolve_model(args.spec_draft)
-    configs = [("off", reame.SpecOptions("off"), "exact"),
-               ("lookup on", reame.SpecOptions("on", args.spec_max, ("lookup",)), "exact"),
-               ("draft on", reame.SpecOptions("on", args.spec_draft_k, ("draft",)), "exact"),
-               ("auto", reame.SpecOptions("auto", args.spec_max), "exact"),
-               ("off, fast engine", reame.SpecOptions("off"), "fast"),
-               ("lookup on, fast", reame.SpecOptions("on", args.spec_max, ("lookup",)), "fast"),
-               ("auto, fast", reame.SpecOptions("auto", args.spec_max), "fast")]
-    model, draft_model = reame.Model(args.model_path), reame.Model(draft)  # weights shared by both engines
-    out = {"config": {"draft": args.spec_draft, "spec_max": args.spec_max, "draft_k": args.spec_draft_k},
-           "conditions": {}, "controller": {}, "cost_model_s": {}}
+    lookup, auto = reame.SpecOptions("on", args.spec_max, ("lookup",)), reame.SpecOptions("auto", args.spec_max)
+    configs = {"exact": {"off": reame.SpecOptions("off"), "lookup on": lookup,
+                         "draft on": reame.SpecOptions("on", args.spec_draft_k, ("draft",)), "auto": auto},
+               "fast": {"off, fast engine": reame.SpecOptions("off"), "lookup on, fast": lookup, "auto, fast": auto}}
     conds, names = ("idle", "burner on core 0"), [name for name, _ in SPEC_WORKLOADS]
-    runs = {cond: {name: {c: [] for c, _, _ in configs} for name in names} for cond in conds}
-    accepted = {cond: {name: {c: {} for c, _, _ in configs} for name in names} for cond in conds}
-    refs: dict = {}                                              # (cond, name, rep) -> exact greedy tokens
-    equal = {cond: {name: True for name in names} for cond in conds}       # exact configs: must hold
-    fast_equal = {cond: {name: True for name in names} for cond in conds}  # fast configs: may not
-    try:
-        for verify in ("exact", "fast"):
-            phase = [c for c in configs if c[2] == verify]
+    out = {"config": {"draft": args.spec_draft, "spec_max": args.spec_max, "draft_k": args.spec_draft_k},
+           "conditions": {cond: {name: {} for name in names} for cond in conds}, "controller": {}, "cost_model_s": {}}
+    refs = {}  # (cond, name, rep) -> the exact engine's greedy tokens
+    with reame.Model(args.model_path) as model, reame.Model(reame.resolve_model(args.spec_draft)) as draft:
+        for verify, phase in configs.items():  # weights shared by both engines
             with reame.Engine(model, n_ctx=args.ctx, n_slots=len(SPEC_WORKLOADS), n_threads=args.threads,
-                              draft=draft_model, spec_verify=verify) as eng:
+                              draft=draft, spec_verify=verify) as eng:
                 prompts = [(name, chat_tokens(eng, text)) for name, text in SPEC_WORKLOADS]
                 for name, toks in prompts:  # prefill once: later runs reuse the prompt's KV (target and draft)
-                    log("spec: warming %s (%d prompt tokens, %s engine)" % (name, len(toks), verify))
-                    spec_decode(eng, toks, 2, configs[0][1])
+                    spec_decode(eng, toks, 2, reame.SpecOptions("off"))
                 for cond in conds:
-                    burner = CpuBurner(0) if cond != "idle" else None
+                    burner = None if cond == "idle" else subprocess.Popen(  # an oversubscribed vCPU
+                        [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True:\n    pass\n"],
+                        preexec_fn=_set_pdeathsig)
                     try:
                         for rep in range(args.repeats):
                             for name, toks in prompts:
-                                for cname, opts, _ in (phase if rep % 2 == 0 else phase[::-1]):
-                                    r = spec_decode(eng, toks, args.gen_tokens, opts)
-                                    runs[cond][name][cname].append(r["tok_s"])
-                                    add_accepted(accepted[cond][name][cname], r["accepted"])
-                                    ref = refs.setdefault((cond, name, rep), r["tokens"])
-                                    if verify == "exact" or cname.startswith("off"):
-                                        equal[cond][name] = equal[cond][name] and r["tokens"] == ref
-                                    else:
-                                        fast_equal[cond][name] = fast_equal[cond][name] and r["tokens"] == ref
+                                row = out["conditions"][cond][name]
+                                for cname in (list(phase) if rep % 2 == 0 else list(phase)[::-1]):
+                                    r = spec_decode(eng, toks, args.gen_tokens, phase[cname])
+                                    d = row.setdefault(cname, {"tok_s": [], "accepted": {}})
+                                    d["tok_s"].append(r["tok_s"])
+                                    add_accepted(d["accepted"], r["accepted"])
+                                    same = r["tokens"] == refs.setdefault((cond, name, rep), r["tokens"])
+                                    # exact configs and the fast engine's off must agree; the fast ones may not
+                                    key = "fast_equal" if verify == "fast" and cname[:3] != "off" else "greedy_equal"
+                                    row[key] = row.get(key, True) and same
                                     log("spec [%s] %s / %s: %.2f tok/s (%d tokens)" % (
                                         cond, name, cname, r["tok_s"] or 0, r["n"]))
                     finally:
                         if burner is not None:
-                            burner.stop()
+                            burner.kill()
+                            burner.wait()
                 out["controller"][verify] = eng.stats()["spec"]
                 out["cost_model_s"][verify] = {str(k): t for k, t in sorted(eng.spec.cost.known().items())}
-    finally:
-        model.close()
-        draft_model.close()
-    for cond in conds:
-        table = out["conditions"][cond] = {}
-        for name in names:
-            row = runs[cond][name]
-            base = {"exact": median(row["off"]), "fast": median(row["off, fast engine"])}
-            table[name] = {c: {"tok_s": row[c], "median": median(row[c]), "ratio": ratio(median(row[c]), base[v]),
-                               "accepted": accepted[cond][name][c]} for c, _, v in configs}
-            table[name].update(greedy_equal=equal[cond][name], fast_equal=fast_equal[cond][name])
+    for row in (row for table in out["conditions"].values() for row in table.values()):
+        base = {v: median(row[next(iter(phase))]["tok_s"]) for v, phase in configs.items()}
+        for v, phase in configs.items():
+            for c in phase:
+                row[c].update(median=median(row[c]["tok_s"]), ratio=ratio(median(row[c]["tok_s"]), base[v]))
     return out
 
 
@@ -1801,9 +1555,8 @@ def print_spec(sp: dict, w) -> None:
     for cond, table in sp["conditions"].items():
         w("\n  [%s] decode tok/s (ratio to off); accepted/proposed drafts\n" % cond)
         for name, row in table.items():
-            cells = ["%s %s (x%s)%s" % (cname, _fmt(r["median"], 2), _fmt(r["ratio"], 2),
-                                        " [%s]" % drafts_text(r["accepted"]) if drafts_text(r["accepted"]) else "")
-                     for cname, r in row.items() if isinstance(r, dict)]
+            cells = ["%s %s (x%s)%s" % (cname, _fmt(r["median"], 2), _fmt(r["ratio"], 2), " [%s]" % drafts_text(
+                r["accepted"]) if drafts_text(r["accepted"]) else "") for cname, r in row.items() if type(r) is dict]
             w("  %-15s\n    %s\n    greedy output: exact configs %s; fast configs %s\n" % (
                 name, "\n    ".join(cells), "equal" if row["greedy_equal"] else "MISMATCH (a bug)",
                 "equal" if row["fast_equal"] else "differ (allowed: near-ties)"))
@@ -1813,91 +1566,65 @@ def print_spec(sp: dict, w) -> None:
 
 
 # -- step-cost: one decode step's cost by tokens in it ---------------------------------------
-
-
-def step_cost_once(args) -> dict:
-    """Seconds of one llama_decode row by row with k tokens, k = 1..33, rounds alternating, medians."""
-    model = reame.Model(args.model_path)
-    ctx = reame.Context(model, n_ctx=2048, n_seq_max=1, n_batch=512, n_threads=args.threads)
-    sizes, times = (1, 2, 3, 4, 5, 8, 12, 16, 17, 24, 33), {}
-    try:
-        toks = model.tokenize("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 30)[:300]
-        b = reame.Batch(512)
-        for i, tok in enumerate(toks):
-            b.add(tok, i, 0, i == len(toks) - 1)
-        ctx.decode(b)
-        for rnd in range(args.repeats):
-            for k in (sizes if rnd % 2 == 0 else sizes[::-1]):
-                b.clear()
-                for j in range(k):
-                    b.add(toks[j], len(toks) + j, 0, True)
-                t0 = time.perf_counter()
-                ctx.decode(b, rowwise=True)
-                times.setdefault(k, []).append(time.perf_counter() - t0)
-                ctx.seq_rm(0, len(toks), -1)
-    finally:
-        ctx.close()
-        model.close()
-    return times
-
-
-def step_times(times: dict) -> dict:
-    one = median(times[1])
-    return {"step_s": {k: median(v) for k, v in times.items()}, "ratio": {k: median(v) / one for k, v in times.items()}}
-
-
 def run_step_cost(args, noise: CpuNoise) -> dict:
     """Seconds of one decode step (row by row, as decode steps run) by tokens in it, 1 to 33.
 
-    k tokens of one sequence after a 300-token prompt, the order of k alternating, medians, as
-    multiples of one token: what verifying k drafts costs with the kernels that keep greedy
-    output exact. --against LIBLLAMA: also with another libllama (an older build, say), one
-    process per library and round, alternating, and the ratio of their step times.
+    After a 300-token prompt, alternating order, medians, as multiples of one token. --against
+    LIBLLAMA: also that library (a process per library and round, alternating) and the ratio.
     """
-    if not args.against:
-        return step_times(step_cost_once(args))
-    libs = [("this", os.environ.get("REAME_LIBLLAMA", "")), ("against", args.against)]
-    times = {name: {} for name, _ in libs}
-    for rnd in range(args.repeats):
-        for name, lib in (libs if rnd % 2 == 0 else libs[::-1]):
-            fd, path = tempfile.mkstemp(prefix="bench-step-", suffix=".json")
-            os.close(fd)
-            try:
+    times = {"this": {}, "against": {}} if args.against else {"this": {}}
+    if args.against:
+        libs = [("this", os.environ.get("REAME_LIBLLAMA")), ("against", args.against)]
+        for rnd in range(args.repeats):
+            for name, lib in (libs if rnd % 2 == 0 else libs[::-1]):
                 env = {k: v for k, v in os.environ.items() if k != "REAME_LIBLLAMA"}
                 env.update({"REAME_LIBLLAMA": lib} if lib else {})
-                subprocess.run([sys.executable, os.path.abspath(__file__), "--step-cost", "--repeats", "3",
-                                "--model", args.model, "--threads", str(args.threads), "--save-json", path],
-                               env=env, check=True, stdout=subprocess.DEVNULL)
-                with open(path) as f:
-                    for k, sec in json.load(f)["step_cost"]["step_s"].items():
-                        times[name].setdefault(int(k), []).append(sec)
-            finally:
-                os.unlink(path)
-        log("step cost round %d/%d done" % (rnd + 1, args.repeats))
-    out = {"config": {"against": args.against}, "this": step_times(times["this"]),
-           "against": step_times(times["against"])}
-    out["this_vs_against"] = {k: out["this"]["step_s"][k] / out["against"]["step_s"][k] for k in out["this"]["step_s"]}
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--step-cost", "--repeats", "3",
+                                      "--model", args.model, "--threads", str(args.threads), "--json"],
+                                     env=env, check=True, stdout=subprocess.PIPE).stdout
+                for k, sec in json.loads(out)["step_cost"]["this"]["step_s"].items():
+                    times[name].setdefault(int(k), []).append(sec)
+            log("step cost round %d/%d done" % (rnd + 1, args.repeats))
+    else:
+        with reame.Model(args.model_path) as model, reame.Context(model, n_ctx=2048, n_seq_max=1, n_batch=512,
+                                                                  n_threads=args.threads) as ctx:
+            toks = model.tokenize("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 30)[:300]
+            b = reame.Batch(512)
+            for i, tok in enumerate(toks):
+                b.add(tok, i, 0, i == len(toks) - 1)
+            ctx.decode(b)
+            sizes = (1, 2, 3, 4, 5, 8, 12, 16, 17, 24, 33)
+            for rnd in range(args.repeats):
+                for k in (sizes if rnd % 2 == 0 else sizes[::-1]):
+                    b.clear()
+                    for j in range(k):
+                        b.add(toks[j], len(toks) + j, 0, True)
+                    t0 = time.perf_counter()
+                    ctx.decode(b, rowwise=True)
+                    times["this"].setdefault(k, []).append(time.perf_counter() - t0)
+                    ctx.seq_rm(0, len(toks), -1)
+    out = {name: {"step_s": {k: median(v) for k, v in t.items()},
+                  "ratio": {k: median(v) / median(t[1]) for k, v in t.items()}} for name, t in times.items()}
+    if args.against:
+        out.update(config={"against": args.against}, this_vs_against={
+            k: out["this"]["step_s"][k] / out["against"]["step_s"][k] for k in out["this"]["step_s"]})
     return out
 
 
 def print_step_cost(sc: dict, w) -> None:
     c = sc["config"]
-    if "against" not in sc:
-        w("Decode step cost: %s, %d threads, medians of %d; one token %.1f ms; k tokens in one step as a "
-          "multiple of one token:\n  %s\n" % (c["model"], c["threads"], c["repeats"], 1e3 * sc["step_s"][1],
-                                              "  ".join("%d: %.2fx" % (k, r) for k, r in sc["ratio"].items())))
-        return
-    w("Decode step cost: %s, %d threads, %d alternating rounds (medians); k tokens in one step as a "
-      "multiple of one token:\n" % (c["model"], c["threads"], c["repeats"]))
-    for name, label in (("this", "this checkout"), ("against", c["against"])):
-        w("  %s (one token %.1f ms):\n    %s\n" % (label, 1e3 * sc[name]["step_s"][1], "  ".join(
-            "%d: %.2fx" % (k, r) for k, r in sc[name]["ratio"].items())))
-    w("  this checkout's step time / the other's: %s\n" % "  ".join(
-        "%d: %.2f" % (k, r) for k, r in sc["this_vs_against"].items()))
+    w("Decode step cost: %s, %d threads, %d alternating rounds (medians); k tokens in one step as a multiple of one "
+      "token:\n" % (c["model"], c["threads"], c["repeats"]))
+    for name, label in (("this", "this checkout"), ("against", c.get("against"))):
+        if name in sc:
+            w("  %s (one token %.1f ms):\n    %s\n" % (label, 1e3 * sc[name]["step_s"][1], "  ".join(
+                "%d: %.2fx" % (k, r) for k, r in sc[name]["ratio"].items())))
+    if "this_vs_against" in sc:
+        w("  this checkout's step time / the other's: %s\n" % "  ".join(
+            "%d: %.2f" % (k, r) for k, r in sc["this_vs_against"].items()))
 
 
 # -- suggest: Il Suggeritore on vs off ---------------------------------------------------------
-
 SUGGEST_RECORD = {"type": "object", "required": ["name", "city", "age", "job", "email"], "properties": {
     "name": {"type": "string", "maxLength": 40}, "city": {"type": "string", "maxLength": 40},
     "age": {"type": "integer"}, "job": {"type": "string", "maxLength": 40},
@@ -1905,8 +1632,7 @@ SUGGEST_RECORD = {"type": "object", "required": ["name", "city", "age", "job", "
 SUGGEST_SCHEMA = {"type": "array", "items": SUGGEST_RECORD, "minItems": 10, "maxItems": 10}
 SUGGEST_JSON = ("Invent 10 people. Reply with only a JSON array of 10 objects, each with the fields name, city, "
                 "age, job and email.")
-# (name, prompt, json_schema or None); each measured run asks about other things (the
-# prompt's %s), so no run repeats an earlier one's content
+# (name, prompt, json_schema, topics): each repeat asks about another topic (%s), so none repeats another
 SUGGEST_WORKLOADS = [
     ("numbered list", "List 20 %s, as a numbered list, one per line, a short phrase each, nothing else.", None,
      ["things to pack for a week of hiking", "ideas for a rainy Sunday", "ways to save water at home"]),
@@ -1915,109 +1641,91 @@ SUGGEST_WORKLOADS = [
      "Reply with only the table.", None, ["famous bridges", "old board games", "classic cars"]),
     ("prose", "Write a short story (about 200 words) about %s. Do not use any lists.", None,
      ["a lighthouse keeper and a lost kite", "a baker who can hear bread rise", "a map that redraws itself"]),
-    ("JSON records, json_schema", SUGGEST_JSON + " They all live in %s.", SUGGEST_SCHEMA,
-     ["Peru", "Kenya", "Iceland"]),
+    ("JSON records, json_schema", SUGGEST_JSON + " They all live in %s.", SUGGEST_SCHEMA, ["Peru", "Kenya", "Iceland"]),
     ("tool call, named", "Add 8 invented people who live in %s to my contacts.", "tool",
-     ["Portugal", "Ghana", "Canada"]),
-]
-# the tool-call workload: one call of this function, forced by name (tool_choice), its
-# arguments constrained by its schema as reame.py serve does it (Qwen2.5's Hermes format)
+     ["Portugal", "Ghana", "Canada"])]
+# the tool call: forced by name, its arguments constrained by its schema as serve does it (Hermes format)
 SUGGEST_TOOL = {"type": "function", "function": {
     "name": "add_contacts", "description": "Add people to the address book.",
     "parameters": {"type": "object", "required": ["people"], "properties": {
         "people": {"type": "array", "items": SUGGEST_RECORD, "minItems": 8, "maxItems": 8}}}}}
 
 
-def _line_ends_told(ref_text: str):
-    """The list rule given the greedy text in advance (an oracle, not a rule): at each
-    point, the coming line end and next number too (``\n12.`` after an item's last
-    word), which no rule can see. It measures what structure drafts could give here if
-    they knew where each item ends: the ceiling above the list rule on this CPU."""
-    def told(w) -> str:
-        if not ref_text.startswith(w.text):
-            return ""
-        m = re.match(r"\.?\n\d+[.)]|\d+[.)]", ref_text[len(w.text):])
-        return m.group(0) if m else ""
-    return told
-
-
 def run_suggest(args, noise: CpuNoise) -> dict:
     """Il Suggeritore on (auto, its rules the only draft sources) vs off, six structured workloads.
 
-    A 20-item numbered list, 10 JSON records, a markdown table, prose, the records under a
-    json_schema, a tool call forced by name (as reame.py serve constrains it); a new topic each
-    repeat, on/off alternating, greedy outputs compared; for the list also the ceiling, the rule
-    told each line end in advance. --suggest-only TEXT: only the workloads whose name has TEXT.
+    A numbered list, JSON records, a markdown table, prose, records under a json_schema, a tool
+    call by name; a new topic each repeat. For the list also the ceiling: the rule told each
+    line end in advance. --suggest-only TEXT: only the workloads whose name contains TEXT.
     """
-    model = reame.Model(args.model_path)
-    eng = reame.Engine(model, n_ctx=args.ctx, n_slots=2, n_threads=args.threads, draft=None)
-    configs = [("off", reame.SpecOptions("off")), ("on", reame.SpecOptions("auto", args.spec_max, ("suggest",)))]
+    configs = {"off": reame.SpecOptions("off"), "on": reame.SpecOptions("auto", args.spec_max, ("suggest",))}
     out = {"workloads": {}}
-    try:
+    with reame.Model(args.model_path) as model, reame.Engine(model, n_ctx=args.ctx, n_slots=2, n_threads=args.threads,
+                                                              draft=None) as eng:
         for name, prompt, schema, topics in SUGGEST_WORKLOADS:
             if args.suggest_only and args.suggest_only not in name:
                 continue
             tool = schema == "tool"
-            if tool:
-                grammar = reame.tools_grammar("hermes", [SUGGEST_TOOL], "add_contacts", False)
-                schema = reame.tool_call_schema("hermes", [SUGGEST_TOOL], "add_contacts")
-            else:
-                grammar = reame.json_schema_grammar(schema) if schema else None
-            runs, acc, n_gen, equal = {c: [] for c, _ in configs}, {}, 0, True
+            grammar = (reame.tools_grammar("hermes", [SUGGEST_TOOL], "add_contacts", False) if tool else
+                       reame.json_schema_grammar(schema) if schema else None)
+            schema = reame.tool_call_schema("hermes", [SUGGEST_TOOL], "add_contacts") if tool else schema
+            runs, acc, n_gen, equal = {c: [] for c in configs}, {}, 0, True
             for rep in range(args.repeats):
                 ask = prompt % topics[rep % len(topics)]
                 turns = reame.tool_messages("hermes", [{"role": "user", "content": ask}], [SUGGEST_TOOL])
                 toks = eng.chat_prompt(turns) if tool else chat_tokens(eng, ask)
                 eng.submit(toks, reame.SamplingParams(temperature=0, max_tokens=1), archive=None).wait()  # warm KV
                 ref = None
-                for cname, opts in (configs if rep % 2 == 0 else configs[::-1]):
-                    r = spec_decode(eng, toks, args.gen_tokens, opts, archive=None, grammar=grammar, schema=schema)
+                for cname in (list(configs) if rep % 2 == 0 else list(configs)[::-1]):
+                    r = spec_decode(eng, toks, args.gen_tokens, configs[cname], archive=None, grammar=grammar,
+                                    schema=schema)
                     runs[cname].append(r["tok_s"])
                     if cname == "on":
                         n_gen += r["n"]
                         add_accepted(acc, r["accepted"], lambda src: src.startswith("suggest."))
-                    equal = equal and (ref is None or r["tokens"] == ref)
                     ref = r["tokens"] if ref is None else ref
+                    equal = equal and r["tokens"] == ref
                     log("suggest: %s / %s: %.2f tok/s (%d tokens)" % (name, cname, r["tok_s"] or 0, r["n"]))
-                if name == "numbered list":  # the ceiling: line ends told (after the pair: it needs the text)
-                    src = eng.spec.sources["suggest.list"]
-                    rule, src._fn = src._fn, _line_ends_told(eng.model.detokenize(ref))
+                if name == "numbered list":
+                    # The ceiling: the list rule told the greedy text's next line end and number (an oracle).
+                    src, ref_text = eng.spec.sources["suggest.list"], eng.model.detokenize(ref)
+                    rule = src._fn
+
+                    def told(w) -> str:
+                        m = ref_text.startswith(w.text) and re.match(r"\.?\n\d+[.)]|\d+[.)]", ref_text[len(w.text):])
+                        return m.group(0) if m else ""
+
+                    src._fn = told
                     try:
-                        r = spec_decode(eng, toks, args.gen_tokens, configs[1][1], archive=None)
+                        r = spec_decode(eng, toks, args.gen_tokens, configs["on"], archive=None)
                     finally:
                         src._fn = rule
                     runs.setdefault("told", []).append(r["tok_s"])
                     equal = equal and r["tokens"] == ref
-                    log("suggest: %s / line ends told: %.2f tok/s" % (name, r["tok_s"] or 0))
             base, n_acc = median(runs["off"]), sum(a for a, _ in acc.values())
             out["workloads"][name] = {"tok_s": runs, "off": base, "on": median(runs["on"]),
                                       "ratio": ratio(median(runs["on"]), base),
                                       "told_ratio": ratio(median(runs["told"]), base) if "told" in runs else None,
                                       "accepted": acc, "accepted_share": n_acc / n_gen if n_gen else None,
                                       "greedy_equal": equal, "constrained": schema is not None}
-    finally:
-        eng.close()
-        model.close()
     return out
 
 
 def print_suggest(sg: dict, w) -> None:
     c = sg["config"]
-    w("Il Suggeritore: %s, %d threads, up to %d tokens, %d repeats (a new topic each); decode tok/s, "
-      "on = its rules as the only draft sources (auto), off = no speculation\n" % (
-          c["model"], c["threads"], c["gen_tokens"], c["repeats"]))
+    w("Il Suggeritore: %s, %d threads, up to %d tokens, %d repeats (a new topic each); decode tok/s, on = its "
+      "rules the only draft sources (auto), off = none\n" % (c["model"], c["threads"], c["gen_tokens"], c["repeats"]))
     for name, r in sg["workloads"].items():
         w("  %-28s off %s  on %s  (x%s)  drafted share %s  [%s]  greedy %s\n" % (
             name, _fmt(r["off"], 2), _fmt(r["on"], 2), _fmt(r["ratio"], 2),
             "-" if r["accepted_share"] is None else "%.0f%%" % (100 * r["accepted_share"]),
-            drafts_text(r["accepted"], lambda s: s[8:]) or "no drafts", "equal" if r["greedy_equal"] else "MISMATCH (a bug)"))
+            drafts_text(r["accepted"], lambda s: s[8:]) or "no drafts", "equal" if r["greedy_equal"] else "MISMATCH"))
         if r.get("told_ratio"):
             w("    (the ceiling: the same rule told each line end in advance, an oracle no rule can be: x%.2f)\n"
               % r["told_ratio"])
 
 
 # -- palimpsest: the archive on vs off after a restart --------------------------------------------
-
 PAL_FUNCTION = ("Write a Python function `load_inventory(path)` of about 40 lines that reads a CSV file of "
                 "warehouse items (columns: sku, name, quantity, unit_price, location), skips blank and malformed "
                 "rows with a warning, and returns a dict mapping each location to a list of item dicts and the "
@@ -2025,8 +1733,7 @@ PAL_FUNCTION = ("Write a Python function `load_inventory(path)` of about 40 line
 PAL_EMAIL = ("Write a short order confirmation email to %s for order #%d: %d items, delivery on %s. "
              "Sign it 'The Northwind Team'.")
 PAL_STORY = "Write a short story (about 200 words) about %s. Do not use any lists."
-# (name, prompts generated before (the archive), the measured prompts: one per repeat, cycled;
-# new ones where a measured run's own output, archived, would make the next repeat a repeat)
+# (name, prompts answered before: the archive, measured prompts: one per repeat, new where an archived one would repeat)
 PAL_WORKLOADS = [
     ("same question", ["Explain in about 120 words how a refrigerator keeps food cold."],
      ["Explain in about 120 words how a refrigerator keeps food cold."]),
@@ -2041,81 +1748,69 @@ PAL_WORKLOADS = [
          "Skip rows whose quantity is zero.", "Round each location's total to two decimals.")]),
     ("fresh prose", [], [PAL_STORY % t for t in (
         "a clockmaker who builds a clock that runs backwards", "a beekeeper on a rooftop in Naples",
-        "a cartographer who maps a city that keeps changing", "a night-train conductor who collects lost gloves")]),
-]
-
-
-def archive_index_cost(n_tok: int) -> dict:
-    """Build time and bytes of the archive index for n_tok tokens of text-like runs."""
-    rng = random.Random(3)
-    words = [rng.randrange(150000) for _ in range(5000)]
-    idx = reame.ArchiveIndex()
-    while len(idx.tokens) < n_tok:  # runs of 200-600 tokens, Zipf-ish word choice
-        idx.append([words[min(int(rng.paretovariate(1.1)) - 1, 4999)] for _ in range(rng.randrange(200, 600))])
-    t0 = time.perf_counter()
-    built = reame.ArchiveIndex.build(idx.tokens, idx.lengths)
-    dt = time.perf_counter() - t0
-    idx.install(built, len(idx.tokens))
-    n = len(idx.tokens)
-    return {"tokens": n, "build_s": dt, "bytes": idx.nbytes(), "bytes_per_mtok": idx.nbytes() / n * 1e6,
-            "numpy": reame._np is not None}
+        "a cartographer who maps a city that keeps changing", "a night-train conductor who collects lost gloves")])]
 
 
 def run_palimpsest(args, noise: CpuNoise) -> dict:
     """The archive (Palimpsest) on vs the request's opt-out, four workloads, after a restart.
 
-    One engine archives the workloads' earlier answers; a restarted one reads them from disk and
-    answers new prompts (the same question, a template, a function with one change, fresh prose)
-    with the archive on and off, alternating, prompt lookup on in both. Then the index's build
-    time and memory for 1M and --archive-index-tokens tokens.
+    One engine archives earlier answers; a restarted one answers new prompts (the same question,
+    a template, a function with one change, prose), prompt lookup on in both. Then the index's
+    build time and memory (--archive-index-tokens).
     """
-    root = tempfile.mkdtemp(prefix="bench-palimpsest-")
-    model = reame.Model(args.model_path)
-    out = {"workloads": {}}
-    params = reame.SamplingParams(temperature=0, max_tokens=args.gen_tokens)
+    root, out = tempfile.mkdtemp(prefix="bench-palimpsest-"), {"workloads": {}}
+    kw = dict(n_ctx=args.ctx, n_slots=1, n_threads=args.threads, archive=256 << 20, archive_dir=root, draft=None)
     try:
-        kw = dict(n_ctx=args.ctx, n_slots=1, n_threads=args.threads, archive=256 << 20, archive_dir=root, draft=None)
-        with reame.Engine(model, **kw) as eng:
-            for name, before, _ in PAL_WORKLOADS:  # the archive: generations of an earlier process
-                for text in before:
-                    log("palimpsest: archiving %s: %s..." % (name, text[:40]))
-                    eng.submit(chat_tokens(eng, text), params).wait()
-        with reame.Engine(model, **kw) as eng:  # restarted: reads the archive from disk
-            for name, _, texts in PAL_WORKLOADS:
-                runs, acc, outs, equal = {"off": [], "on": []}, {"off": [0, 0], "on": [0, 0]}, {"off": [], "on": []}, True
-                for rep in range(args.repeats):
-                    toks = chat_tokens(eng, texts[rep % len(texts)])
-                    eng.submit(toks, reame.SamplingParams(temperature=0, max_tokens=2), archive=None).wait()  # warm KV
-                    ref = None
-                    for cfg in (("off", "on") if rep % 2 == 0 else ("on", "off")):
-                        r = spec_decode(eng, toks, args.gen_tokens, archive="shared" if cfg == "on" else None)
-                        runs[cfg].append(r["tok_s"])
-                        for src in ("archive", "archive.resync"):
-                            acc[cfg][0] += r["accepted"][src][0]
-                            acc[cfg][1] += r["accepted"][src][1]
-                        outs[cfg].append(r["tokens"])
-                        equal = equal and (ref is None or r["tokens"] == ref)
-                        ref = r["tokens"]
-                        log("palimpsest %s / archive %s: %.2f tok/s (%d tokens)" % (name, cfg, runs[cfg][-1] or 0, r["n"]))
-                        if cfg == "on":
-                            eng.archive.flush()
-                out["workloads"][name] = {"off": runs["off"], "on": runs["on"],
-                                          "ratio": ratio(median(runs["on"]), median(runs["off"])),
-                                          "accepted": acc["on"], "tokens": len(outs["on"][0]), "greedy_equal": equal}
-            out["archive"] = eng.stats()["archive"]
+        with reame.Model(args.model_path) as model:
+            with reame.Engine(model, **kw) as eng:
+                for name, before, _ in PAL_WORKLOADS:  # the archive: generations of an earlier process
+                    for text in before:
+                        eng.submit(chat_tokens(eng, text), reame.SamplingParams(temperature=0,
+                                                                                max_tokens=args.gen_tokens)).wait()
+            with reame.Engine(model, **kw) as eng:  # restarted: reads the archive from disk
+                for name, _, texts in PAL_WORKLOADS:
+                    runs, acc, first_on, equal = {"off": [], "on": []}, {}, None, True
+                    for rep in range(args.repeats):
+                        toks = chat_tokens(eng, texts[rep % len(texts)])
+                        eng.submit(toks, reame.SamplingParams(temperature=0, max_tokens=2), archive=None).wait()
+                        ref = None
+                        for cfg in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+                            r = spec_decode(eng, toks, args.gen_tokens, archive="shared" if cfg == "on" else None)
+                            runs[cfg].append(r["tok_s"])
+                            ref = r["tokens"] if ref is None else ref
+                            equal = equal and r["tokens"] == ref
+                            log("palimpsest %s / archive %s: %.2f tok/s (%d tokens)" % (name, cfg, r["tok_s"] or 0,
+                                                                                        r["n"]))
+                            if cfg == "on":  # (its answer is archived before the next run starts)
+                                add_accepted(acc, r["accepted"], lambda src: src in ("archive", "archive.resync"))
+                                first_on = r["tokens"] if first_on is None else first_on
+                                eng.archive.flush()
+                    out["workloads"][name] = {"off": runs["off"], "on": runs["on"], "greedy_equal": equal,
+                                              "ratio": ratio(median(runs["on"]), median(runs["off"])),
+                                              "accepted": [sum(x) for x in zip((0, 0), *acc.values())],
+                                              "tokens": len(first_on)}
+                out["archive"] = eng.stats()["archive"]
     finally:
-        model.close()
         shutil.rmtree(root, ignore_errors=True)
-    log("palimpsest: index build cost")
-    out["index"] = [archive_index_cost(n) for n in (1_000_000, args.archive_index_tokens)]
+    out["index"] = []
+    for n_tok in (1_000_000, args.archive_index_tokens):  # runs of 200-600 tokens, Zipf-ish word choice
+        rng = random.Random(3)
+        words, idx = [rng.randrange(150000) for _ in range(5000)], reame.ArchiveIndex()
+        while len(idx.tokens) < n_tok:
+            idx.append([words[min(int(rng.paretovariate(1.1)) - 1, 4999)] for _ in range(rng.randrange(200, 600))])
+        t0 = time.perf_counter()
+        built = reame.ArchiveIndex.build(idx.tokens, idx.lengths)
+        dt = time.perf_counter() - t0
+        idx.install(built, len(idx.tokens))
+        out["index"].append({"tokens": len(idx.tokens), "build_s": dt, "bytes": idx.nbytes(),
+                             "numpy": reame._np is not None, "bytes_per_mtok": idx.nbytes() / len(idx.tokens) * 1e6})
     return out
 
 
 def print_palimpsest(pl: dict, w) -> None:
     c = pl["config"]
-    w("Palimpsest: %s, %d threads, %d tokens, median of %d alternating repeats, after a restart; "
-      "archive on vs the request's opt-out (prompt lookup on in both)\n" % (
-          c["model"], c["threads"], c["gen_tokens"], c["repeats"]))
+    w("Palimpsest: %s, %d threads, %d tokens, median of %d alternating repeats, after a restart; archive on vs the "
+      "request's opt-out (prompt lookup on in both)\n" % (c["model"], c["threads"], c["gen_tokens"], c["repeats"]))
     for name, r in pl["workloads"].items():
         w("  %-22s off %s  on %s  x%s  archive drafts accepted %d/%d  greedy %s\n" % (
             name, _fmt(median(r["off"]), 2), _fmt(median(r["on"]), 2), _fmt(r["ratio"], 2),
@@ -2127,7 +1822,6 @@ def print_palimpsest(pl: dict, w) -> None:
 
 
 # -- conclave: best of 5, sequential samples voted vs the Conclave ------------------------------
-
 QUIZ = [("What is 17 multiplied by 23?", "391"),
         ("A train travels at 60 km per hour for 2.5 hours. How many km does it travel?", "150"),
         ("Tom has 3 boxes with 12 apples each. He gives away 9 apples. How many apples does he have left?", "27"),
@@ -2142,45 +1836,39 @@ QUIZ_SUFFIX = " Reply briefly and end with the final answer as a number on the l
 def run_conclave(args, noise: CpuNoise) -> dict:
     """An 8-question quiz: one greedy answer vs 5 sequential samples voted vs the Conclave of 5.
 
-    Correct answers (last_number) and wall time of each; candidates sampled at temperature 0.7,
-    seeded per question; the Conclave decodes them in one batch and stops once the vote is
-    decided. --best-of N: candidates (default 5).
+    Correct answers (last_number) and wall time; samples at temperature 0.7, seeded per question.
     """
-    model = reame.Model(args.model_path)
-    eng = reame.Engine(model, n_ctx=args.ctx, n_slots=args.best_of, n_threads=args.threads, draft=None)
-    n, out = args.best_of, {"config": {"best_of": args.best_of, "questions": len(QUIZ)}}
-    rows = {"greedy": [], "sequential": [], "conclave": []}
-    times = {k: 0.0 for k in rows}
-    try:
+    n, rows, times = args.best_of, {"greedy": [], "sequential": [], "conclave": []}, {}
+
+    def answer(p, temperature, seed=None):
+        return eng.submit(p, reame.SamplingParams(temperature=temperature, seed=seed, max_tokens=args.gen_tokens),
+                          archive=None).wait().text
+
+    with reame.Model(args.model_path) as model, reame.Engine(model, n_ctx=args.ctx, n_slots=n, n_threads=args.threads,
+                                                              draft=None) as eng:
         prompts = [chat_tokens(eng, q + QUIZ_SUFFIX) for q, _ in QUIZ]
         for p in prompts:  # warm the prompts' KV: every configuration starts from the same cache
             eng.submit(p, reame.SamplingParams(temperature=0, max_tokens=1), archive=None).wait()
         for qi, ((q, right), p) in enumerate(zip(QUIZ, prompts)):
             t0 = time.perf_counter()
-            r = eng.submit(p, reame.SamplingParams(temperature=0, max_tokens=args.gen_tokens), archive=None).wait()
-            times["greedy"] += time.perf_counter() - t0
-            rows["greedy"].append(reame.extract_answer(r.text, "last_number"))
-            t0 = time.perf_counter()
-            answers = []
-            for i in range(n):
-                r = eng.submit(p, reame.SamplingParams(temperature=0.7, seed=100 * qi + i,
-                                                       max_tokens=args.gen_tokens), archive=None).wait()
-                answers.append(reame.extract_answer(r.text, "last_number"))
-            times["sequential"] += time.perf_counter() - t0
-            rows["sequential"].append(reame.conclave_vote(answers, n)[0])
-            t0 = time.perf_counter()
+            greedy = answer(p, 0)
+            t1 = time.perf_counter()
+            samples = [answer(p, 0.7, 100 * qi + i) for i in range(n)]
+            t2 = time.perf_counter()
             res = reame.run_conclave(eng, p, reame.SamplingParams(temperature=0.7, seed=100 * qi,
                                                                   max_tokens=args.gen_tokens), n, archive=None)
-            times["conclave"] += time.perf_counter() - t0
-            rows["conclave"].append(res.answer)
+            t3 = time.perf_counter()
+            for key, got, dt in (("greedy", reame.extract_answer(greedy, "last_number"), t1 - t0),
+                                 ("sequential", reame.conclave_vote([reame.extract_answer(t, "last_number")
+                                                                     for t in samples], n)[0], t2 - t1),
+                                 ("conclave", res.answer, t3 - t2)):
+                rows[key].append(got)
+                times[key] = times.get(key, 0.0) + dt
             log("conclave: Q%d (%s): greedy %s, sequential %s, conclave %s (votes %s, %d cancelled)" % (
                 qi + 1, right, rows["greedy"][-1], rows["sequential"][-1], res.answer, res.votes, res.n_cancelled))
-    finally:
-        eng.close()
-        model.close()
-    out["results"] = {k: {"answers": v, "correct": sum(a == right for a, (_, right) in zip(v, QUIZ)),
-                          "wall_s": times[k]} for k, v in rows.items()}
-    return out
+    return {"config": {"best_of": n, "questions": len(QUIZ)}, "results": {k: {
+        "answers": v, "correct": sum(a == right for a, (_, right) in zip(v, QUIZ)), "wall_s": times[k]}
+        for k, v in rows.items()}}
 
 
 def print_conclave(cb: dict, w) -> None:
@@ -2199,24 +1887,21 @@ def print_conclave(cb: dict, w) -> None:
 # == 5. The scenario table and main ============================================================
 
 
-@dataclasses.dataclass
-class Scenario:
-    """One benchmark. flag selects it (the first row runs when no flag does); run(args, noise)
-    measures and returns a dict, kept under name in the JSON; print(result, w) prints it; doc:
-    the first line of run's docstring, which documents the scenario. defaults: the arguments it
-    wants other defaults for, a value or (with --quick, without). side_by_side: Reame vs
-    llama-server in one run, printed under one header and with the noise line."""
+class Scenario(NamedTuple):
+    """A benchmark: flag selects it (none: the first row); run(args, noise) -> result (JSON: under name),
+    print(result, w); doc: run's docstring's first line. defaults: argument defaults, a value or
+    (with --quick, without). side_by_side: Reame vs llama-server, under one header, with the noise line."""
 
     name: str
     flag: Optional[str]
     run: Callable
     print: Callable
-    defaults: dict = dataclasses.field(default_factory=dict)
+    defaults: dict = {}
     side_by_side: bool = False
 
     @property
     def doc(self) -> str:
-        return inspect.getdoc(self.run).splitlines()[0]
+        return self.run.__doc__.strip().splitlines()[0]
 
 
 SMALL = ("gemma3-270m", "qwen2.5-coder-0.5b")
@@ -2230,8 +1915,7 @@ SCENARIOS = [
     Scenario("palimpsest", "--palimpsest", run_palimpsest, print_palimpsest, {"repeats": 2, "gen_tokens": (64, 160)}),
     Scenario("conclave", "--conclave", run_conclave, print_conclave, {"gen_tokens": (64, 160)}),
     Scenario("step_cost", "--step-cost", run_step_cost, print_step_cost, {"repeats": 7}),
-    Scenario("suggest", "--suggest", run_suggest, print_suggest, {"repeats": 2, "gen_tokens": (96, 400)}),
-]
+    Scenario("suggest", "--suggest", run_suggest, print_suggest, {"repeats": 2, "gen_tokens": (96, 400)})]
 DEFAULTS = {"model": ("gemma3-270m", "qwen2.5-coder-1.5b"), "repeats": (2, 3), "gen_tokens": (32, 128),
             "prefill_tokens": (256, 768), "handbook_tokens": (1200, 2400), "streams": ("1,4", "1,2,4,8"),
             "http_clients": ("1,4", "1,4,8")}
@@ -2240,18 +1924,15 @@ OPTIONS = [  # flag, default (False: a switch; a tuple: the choices, the first t
     ("--threads", int, "threads for both (default reame.pick_threads())"),
     ("--repeats", int, "alternating repeats (default 3, or the scenario's own)"),
     ("--gen-tokens", int, "tokens per generation (default 128, or the scenario's own)"),
-    ("--ctx", 2048, "context per slot, both sides"),
-    ("--batch", 512, "n_batch = n_ubatch, both sides"),
+    ("--ctx", 2048, "context per slot, both sides"), ("--batch", 512, "n_batch = n_ubatch, both sides"),
     ("--quick", False, "a smoke test: gemma3-270m, few tokens, small defaults (a minute or two)"),
-    ("--no-server", False, "Reame only"),
-    ("--server", DEFAULT_SERVER, "the llama-server binary"),
+    ("--no-server", False, "Reame only"), ("--server", DEFAULT_SERVER, "the llama-server binary"),
     ("--server-sampling", ("greedy", "default"), "greedy: its sampler chain cut to top_k=1, Reame's work; "
      "default: its full temperature-0 chain"),
     ("--server-kv", ("match", "unified", "split"), "llama-server's KV layout: match what Reame's context reports"),
     ("--server-repack", ("match", "on", "off"), "llama-server's weight repacking: match Reame's"),
     ("--server-log", "", "llama-server's log file (engine; default a temp file)"),
-    ("--seed", 1234, "seed for the random prefill prompts"),
-    ("--json", False, "print the JSON instead of the tables"),
+    ("--seed", 1234, "seed for the random prefill prompts"), ("--json", False, "print the JSON, not the tables"),
     ("--save-json", "", "also write the JSON to this file"),
     ("--prefill-tokens", int, "engine: prefill prompt length (default 768; --quick 256)"),
     ("--streams", str, "engine: concurrent streams (default 1,2,4,8; --quick 1,4)"),
@@ -2270,8 +1951,7 @@ OPTIONS = [  # flag, default (False: a switch; a tuple: the choices, the first t
     ("--archive-index-tokens", 25_000_000, "--palimpsest: tokens of the synthetic archive whose index is timed"),
     ("--best-of", 5, "--conclave: candidates"),
     ("--against", "", "--step-cost: also this libllama (an older build's, say), alternating: the ratio"),
-    ("--suggest-only", "", "--suggest: only the workloads whose name contains this text"),
-]
+    ("--suggest-only", "", "--suggest: only the workloads whose name contains this text")]
 
 
 def parse_args(argv=None) -> tuple:
@@ -2300,11 +1980,10 @@ def parse_args(argv=None) -> tuple:
             setattr(args, key, value[0 if args.quick else 1] if isinstance(value, tuple) else value)
     args.threads = args.threads or reame.pick_threads()
     for key in ("streams", "http_clients", "workload_clients"):
-        setattr(args, key, [int(x) for x in getattr(args, key).split(",") if x.strip()])
-        if not getattr(args, key) or min(getattr(args, key)) < 1:
-            p.error("--%s needs positive integers" % key.replace("_", "-"))
-    if min(args.repeats, args.handbook_tokens, args.prefix_gen_tokens) < 1:
-        p.error("--repeats, --handbook-tokens and --prefix-gen-tokens need positive integers")
+        setattr(args, key, [int(x) for x in getattr(args, key).split(",") if x.strip()] or [0])
+    if min(args.repeats, args.handbook_tokens, args.prefix_gen_tokens, *args.streams, *args.http_clients,
+           *args.workload_clients) < 1:
+        p.error("--repeats, --handbook-tokens, --prefix-gen-tokens and the counts need positive integers")
     if args.against and (sc.name != "step_cost" or not os.path.exists(args.against)):
         p.error("--against needs --step-cost and an existing libllama file")
     if (args.variants or args.with_http) and sc is not SCENARIOS[0]:
