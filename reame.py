@@ -89,26 +89,11 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Config", "ReameError", "LibraryError", "ModelError", "DownloadError", "RequestError",
-    "EngineError", "Model", "Context", "Batch", "SamplingParams", "Sampler", "ModelSpec",
-    "REGISTRY", "DRAFT_PAIRS", "resolve_model", "pull_model", "list_models", "remove_model",
-    "pick_threads", "Request", "Result", "Engine", "main", "TextStream", "Progress", "setup_logging",
-    "lib", "Server", "Sessions", "params_from_body", "spec_from_body", "archive_from_body", "common_prefix", "DiskCache", "model_fingerprint",
-    "default_cache_bytes", "parse_size", "kv_cache_entries", "kv_cache_prune",
-    "SPEC_MODES", "SpecOptions", "expected_tokens", "spec_gain", "choose_k", "decode_passes", "worth_it", "CostModel", "Acceptance",
-    "NgramIndex", "SpecState", "DraftSource", "PromptLookup", "check_draft_pair", "DraftModel",
-    "SpecController", "vocab_fingerprint", "pal_record", "pal_parse", "pal_segments", "pal_append", "ngram_key",
-    "ArchiveIndex", "Palimpsest", "ArchiveSource", "ArchiveResync", "VOTE_EXTRACTORS", "check_extractor", "extract_answer",
-    "conclave_vote", "ConclaveResult", "run_conclave", "suggest_list", "suggest_markdown", "suggest_table", "suggest_fields",
-    "schema_gaps", "JsonScan", "align_proposal", "SUGGEST_RULES", "Suggestion", "JSON_OBJECT_GRAMMAR",
-    "json_schema_grammar", "grammar_sampler", "check_grammar", "gbnf_check", "structure_from_body",
-    "DraftPlan", "SlotTable", "EngineCounters", "ApiRequest", "request_from_body", "conclave_params",
-    "SAMPLED_TEMPERATURE", "chat_template_known", "MAX_CHOICES", "seeded_from", "Embedder", "EMBED_MAX_INPUTS",
-    "embeddings_from_body", "hermes_messages", "llama3_messages", "tool_messages", "parse_tool_calls",
-    "tools_from_body", "tools_grammar", "tool_format", "tool_call_schema", "LOGPROBS_MAX", "logprob_entry", "logprobs_json",
-    "ReplayStore", "ReplayRecord", "replay_key", "replay_text", "library_build_id", "HeadHistory", "warm_prompts",
-    "Replayer", "WarmAhead",
+__all__ = [  # what `import reame` offers a program; the rest is reachable by name, not promised
+    "Config", "ReameError", "LibraryError", "ModelError", "DownloadError", "RequestError", "EngineError",
+    "Model", "Context", "SamplingParams", "SpecOptions", "Request", "Result", "Engine", "EnginePart",
+    "engine_parts", "Embedder", "run_conclave", "ConclaveResult", "Server", "resolve_model", "pull_model",
+    "list_models", "remove_model", "main",
 ]
 
 log = logging.getLogger("reame")
@@ -150,9 +135,30 @@ class Config:
             skip_abi_check=env.get("REAME_SKIP_ABI_CHECK") == "1",
         )
 
+    # REAME_HOME's folders, each named once here
     @property
     def models_dir(self) -> str:
         return os.path.join(self.home, "models")
+
+    @property
+    def kv_dir(self) -> str:        # prefix KV snapshots (section 11), heads.json
+        return os.path.join(self.home, "kv")
+
+    @property
+    def replay_dir(self) -> str:    # replay records (section 12)
+        return os.path.join(self.home, "replay")
+
+    @property
+    def archive_dir(self) -> str:   # the Palimpsest (section 13)
+        return os.path.join(self.home, "palimpsest")
+
+    @property
+    def sessions_dir(self) -> str:  # serve's session histories (section 26)
+        return os.path.join(self.home, "sessions")
+
+    @property
+    def secret_path(self) -> str:   # the installation secret (section 28)
+        return os.path.join(self.home, "secret")
 
 
 # == 3. Errors =================================================================
@@ -431,7 +437,7 @@ def _read_private(path: str, max_bytes: int) -> bytes:
     """A file's bytes, not through a symlink, at most max_bytes (ValueError past it)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     with os.fdopen(fd, "rb") as f:
-        data = f.read(max_bytes + 1)
+        data = f.read(min(max_bytes, os.fstat(f.fileno()).st_size) + 1)  # (no buffer of max_bytes for a small file)
     if len(data) > max_bytes:
         raise ValueError("%s is over %d bytes" % (os.path.basename(path), max_bytes))
     return data
@@ -811,8 +817,8 @@ def lib() -> _Library:
 
 def _load_library(cfg: Config) -> _Library:
     libdir = _find_library_dir(cfg)
-    path = cfg.libllama if cfg.libllama and not os.path.isdir(cfg.libllama) else \
-        os.path.join(libdir, "libllama" + _LIB_EXT)
+    path = (cfg.libllama if cfg.libllama and not os.path.isdir(cfg.libllama)
+            else os.path.join(libdir, "libllama" + _LIB_EXT))
     if not os.path.exists(path):
         raise LibraryError(
             "libllama not found at %s. Build it first: ./build_llama.sh (about 4 minutes on 2 "
@@ -877,6 +883,7 @@ class Model:
             raise ModelError("cannot load model %s: %s (is it a complete GGUF file? try `reame.py "
                              "pull` again)" % (self.path, why), status=500, code="model_load_failed")
         self._ptr = ptr
+        self._fingerprint: Optional[str] = None
         self._vocab = L.llama_model_get_vocab(ptr)
         self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(ptr)
@@ -920,6 +927,22 @@ class Model:
     def vocab_ptr(self):
         self.ptr  # noqa: B018 - raises once the model is closed
         return self._vocab
+
+    @property
+    def fingerprint(self) -> str:
+        """The model's identity from its GGUF bytes (size, first and last MiB) and
+        metadata, not its path: what cached KV and replay records are filed under."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            size = os.path.getsize(self.path)
+            h.update(b"%d|" % size)
+            with open(self.path, "rb") as f:
+                h.update(f.read(1 << 20))
+                f.seek(max(0, size - (1 << 20)))
+                h.update(f.read(1 << 20))
+            h.update(("|%s|%d|%d|%d" % (self.desc, self.n_params, self.n_vocab, self.n_ctx_train)).encode())
+            self._fingerprint = h.hexdigest()[:32]
+        return self._fingerprint
 
     def meta(self, key: str) -> Optional[str]:
         buf = ctypes.create_string_buffer(512)
@@ -1285,8 +1308,8 @@ class _GbnfScan:
         self.n_rules += n_rules
         self.n_elements += n_elements
         self.n_names += n_rules * (len(self.rule) + 8)
-        if self.n_rules > _GBNF_MAX_RULES or self.n_elements > _GBNF_MAX_ELEMENTS or \
-                self.n_names > _GBNF_MAX_NAMES:
+        if (self.n_rules > _GBNF_MAX_RULES or self.n_elements > _GBNF_MAX_ELEMENTS
+                or self.n_names > _GBNF_MAX_NAMES):
             self.fail("it expands to over %d rules, %d elements or %d MB of names"
                       % (_GBNF_MAX_RULES, _GBNF_MAX_ELEMENTS, _GBNF_MAX_NAMES >> 20))
 
@@ -1564,6 +1587,9 @@ def _grammar_step_estimate(model: Model, ptr) -> float:
 SAMPLED_TEMPERATURE = 0.7
 
 
+LOGPROBS_MAX = 20  # alternatives per token, as OpenAI
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. temperature 0 is greedy (the contract:
@@ -1585,35 +1611,79 @@ class SamplingParams:
     schema: Optional[dict] = None    # the json_schema the grammar came from (Il Suggeritore's hints)
     top_logprobs: Optional[int] = None  # each token's log-probability and this many alternatives (0-20)
 
+    max_tokens_cap: Optional[int] = None  # the server's bound (serve --max-tokens): a longer
+                                          # max_tokens is cut to it, and none given means it
+
     def validate(self) -> "SamplingParams":
-        def bad(field, why):
-            raise RequestError("'%s' %s" % (field, why), code="invalid_value")
-        if not 0.0 <= self.temperature <= 2.0:
-            bad("temperature", "must be between 0 and 2")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", "must be in (0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", "must be between 0 and 1")
-        if not 0 <= self.top_k < 2 ** 31:
-            bad("top_k", "must be between 0 and 2^31-1")
-        if not 0 < self.repeat_penalty <= 100:
-            bad("repeat_penalty", "must be in (0, 100]")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            bad("presence_penalty", "must be between -2 and 2")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            bad("frequency_penalty", "must be between -2 and 2")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", "must be >= 1")
-        if self.seed is not None and not 0 <= self.seed < 2 ** 32 - 1:
-            bad("seed", "must be in [0, 2^32-2]")
-        if len(self.stop) > 4 or any(not isinstance(s, str) or not s for s in self.stop):
-            bad("stop", "must be up to 4 non-empty strings")
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= LOGPROBS_MAX:
-            bad("top_logprobs", "must be between 0 and %d" % LOGPROBS_MAX)
+        """A 400 naming the first field out of its range (SAMPLING_FIELDS)."""
+        for f in SAMPLING_FIELDS:
+            value = getattr(self, f.name)
+            if value is not None and not f.check(value):
+                raise RequestError("'%s' must be %s" % (f.api[0] if f.api else f.name, f.why), code="invalid_value",
+                                   param=f.api[0] if f.api else f.name)
         return self
 
+    @property
+    def deterministic(self) -> bool:
+        """Are its tokens decided by the prompt alone: greedy, or sampled with a seed?"""
+        return self.temperature <= 0 or self.seed is not None
 
-LOGPROBS_MAX = 20  # alternatives per token, as OpenAI
+    def token_limit(self, n_prompt: int, n_ctx: int) -> int:
+        """The most tokens a prompt of n_prompt tokens may be answered with: max_tokens,
+        the server's cap and the room left in a context of n_ctx."""
+        return min(x for x in (self.max_tokens, self.max_tokens_cap, n_ctx - n_prompt) if x is not None)
+
+    def check_context(self, n_prompt: int, n_ctx: int) -> None:
+        """A 400 when the prompt, or the prompt with the max_tokens the caller asked for
+        (cut to the server's cap), does not fit a sequence's context."""
+        if not n_prompt:
+            raise RequestError("the prompt is empty", code="invalid_prompt")
+        asked = self.max_tokens if self.max_tokens_cap is None or self.max_tokens is None else min(
+            self.max_tokens, self.max_tokens_cap)
+        if n_prompt >= n_ctx or (asked is not None and n_prompt + asked > n_ctx):
+            raise RequestError("prompt (%d tokens)%s is over the context (%d tokens per sequence; start with a "
+                               "larger --ctx)" % (n_prompt, "" if asked is None else " plus max_tokens (%d)" % asked,
+                                                  n_ctx), code="context_length_exceeded")
+
+    def for_choice(self, i: int) -> "SamplingParams":
+        """The parameters of choice i of a request for several: with a seed, seed + i."""
+        if self.seed is None or not i:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + i) % (2 ** 32 - 1))
+
+
+class _ParamField(NamedTuple):
+    """A SamplingParams field as request bodies give it: its JSON types, its range (a
+    predicate and the words for it), and the body's names for it (first: its own)."""
+
+    name: str
+    kinds: tuple
+    check: object
+    why: str
+    api: tuple = ()
+
+
+_NUMBER = (int, float)
+# The one table of sampling fields: params_from_body reads bodies by it, validate checks
+# by it; the defaults are SamplingParams'. (grammar and schema come from response_format,
+# top_logprobs from logprobs: see section 25.)
+SAMPLING_FIELDS = (
+    _ParamField("temperature", _NUMBER, lambda v: 0 <= v <= 2, "a number in [0, 2]", ("temperature",)),
+    _ParamField("top_p", _NUMBER, lambda v: 0 < v <= 1, "a number in (0, 1]", ("top_p",)),
+    _ParamField("top_k", (int,), lambda v: 0 <= v < 2 ** 31, "an integer in [0, 2^31-1]", ("top_k",)),
+    _ParamField("min_p", _NUMBER, lambda v: 0 <= v <= 1, "a number in [0, 1]", ("min_p",)),
+    _ParamField("repeat_penalty", _NUMBER, lambda v: 0 < v <= 100, "a number in (0, 100]", ("repeat_penalty",)),
+    _ParamField("presence_penalty", _NUMBER, lambda v: -2 <= v <= 2, "a number in [-2, 2]", ("presence_penalty",)),
+    _ParamField("frequency_penalty", _NUMBER, lambda v: -2 <= v <= 2, "a number in [-2, 2]",
+                ("frequency_penalty",)),
+    _ParamField("penalty_last_n", (int,), lambda v: 0 <= v <= 1 << 20, "an integer in [0, 2^20]"),
+    _ParamField("seed", (int,), lambda v: 0 <= v < 2 ** 32 - 1, "an integer in [0, 2^32-2]", ("seed",)),
+    _ParamField("max_tokens", (int,), lambda v: v >= 1, "an integer >= 1", ("max_tokens", "max_completion_tokens")),
+    _ParamField("max_tokens_cap", (int,), lambda v: v >= 1, "an integer >= 1"),
+    _ParamField("stop", (str, list, tuple), lambda v: len(v) <= 4 and all(isinstance(x, str) and x for x in v),
+                "up to 4 non-empty strings", ("stop",)),
+    _ParamField("top_logprobs", (int,), lambda v: 0 <= v <= LOGPROBS_MAX, "an integer in [0, %d]" % LOGPROBS_MAX),
+)
 
 
 def logprob_entry(model, ctx, idx: int, tok: int, n_top: int) -> dict:
@@ -2097,70 +2167,40 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
     return path
 
 
-# == 10. Prefix KV cache: disk tier ============================================
-# Snapshots of prompt prefixes' KV (llama_state_seq_get_data), compressed, one file per
-# prefix under $REAME_HOME/kv/<model fingerprint>/, named by a hash of the fingerprint,
-# the KV parameters and the prefix's tokens: another process, or this one after a
-# restart, finds a prefix without an index. The engine snapshots only whole prefill
-# chunks on an exact prefix (section 19), so a restored prefix is what a cold prefill
-# computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
-# tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
-# the least recently used files go first when the directory is over its size bound.
-# Compression and writing run on a writer thread, never the scheduler. Beside the
-# snapshots, heads.json counts the prompt heads requests come with (HeadHistory): what an
-# idle engine prefills ahead (warm-ahead, section 21).
+# == 10. Records on disk: one store ============================================
+# Everything Reame computes and keeps under REAME_HOME (prefix KV snapshots, replay
+# records, archive segments, session histories) is a record of one framing, written by
+# one writer thread. A record is a header (its kind's magic, the format version, the
+# payload's length and sha256) and the payload; a file of records is written whole or
+# not at all (_write_private: a private temp file, fsynced, renamed), so a crash leaves
+# the old file or the new one. A record that fails its checks when read is deleted (and
+# recomputed), never used. A kind's folder has a size bound: the least recently used
+# files (mtime is the last use, across processes) go first. A folder that cannot be
+# written turns its kind to memory only, said once in the log.
 
-_KV_MAGIC = b"REAMEKV\x00"
-_KV_VERSION = 1
-_KV_MAX_HEADER = 32 << 20  # a snapshot header's bytes (its token list: ~8 bytes a token)
-_HEADS_MAX = 64                 # prompt heads a HeadHistory counts
-_HEADS_MAX_FILE = 16 << 20      # its file's bytes at most
+_RECORD_HEAD = struct.Struct("<8sIQ32s")  # magic, format version, payload bytes, sha256 of the payload
+_RECORD_VERSION = 2                       # (1: each kind had a framing of its own)
 
 
-def _kv_header(raw: bytes, hlen: int) -> dict:
-    """A snapshot's JSON header; ValueError for one that is too long, cut, too deeply
-    nested or not an object (a damaged or crafted file under REAME_HOME)."""
-    if hlen > _KV_MAX_HEADER or len(raw) != hlen:
-        raise ValueError("header length %d is not what the file holds" % hlen)
-    try:
-        head = json.loads(raw.decode("utf-8"))
-    except RecursionError:
-        raise ValueError("header nested too deeply") from None
-    if not isinstance(head, dict):
-        raise ValueError("header is not an object")
-    return head
+def frame_record(magic: bytes, payload) -> bytes:
+    """The header that goes before payload (bytes or a memoryview) in a file of records."""
+    return _RECORD_HEAD.pack(magic, _RECORD_VERSION, len(payload), hashlib.sha256(payload).digest())
 
 
-def model_fingerprint(model: "Model") -> str:
-    """A model's identity from its GGUF bytes (size, first and last MiB) and metadata, not its path."""
-    h = hashlib.sha256()
-    size = os.path.getsize(model.path)
-    h.update(b"%d|" % size)
-    with open(model.path, "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        h.update(f.read(1 << 20))
-    h.update(("|%s|%d|%d|%d" % (model.desc, model.n_params, model.n_vocab, model.n_ctx_train)).encode())
-    return h.hexdigest()[:32]
-
-
-def default_cache_bytes(path: str) -> int:
-    """2 GiB or 10% of the free disk under path, whichever is smaller."""
-    while not os.path.isdir(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    try:
-        free = shutil.disk_usage(path).free
-    except OSError:
-        return 0
-    return min(2 << 30, free // 10)
-
-
-def parse_size(text: str) -> int:
-    """'2G', '500M', '64k' or a byte count -> bytes."""
-    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", str(text).lower())
-    if not m:
-        raise RequestError("not a size: %r (use e.g. 2G, 500M, 1048576)" % text)
-    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+def unframe_record(data: bytes, magic: bytes, at: int = 0) -> memoryview:
+    """The payload of the record at data[at:], which must end the data; ValueError for
+    anything else (another kind, another version, a cut, flipped or padded file)."""
+    if len(data) - at < _RECORD_HEAD.size:
+        raise ValueError("shorter than a record header")
+    got, version, size, digest = _RECORD_HEAD.unpack_from(data, at)
+    if got != magic:
+        raise ValueError("not a Reame %s record" % magic.rstrip(b"\0").decode("ascii", "replace"))
+    if version != _RECORD_VERSION:
+        raise ValueError("format version %d, not %d" % (version, _RECORD_VERSION))
+    payload = memoryview(data)[at + _RECORD_HEAD.size:]
+    if size != len(payload) or hashlib.sha256(payload).digest() != digest:
+        raise ValueError("checksum mismatch (truncated or corrupted)")
+    return payload
 
 
 def _files_by_use(dirs: Sequence[str], suffix: str) -> List[tuple]:
@@ -2199,47 +2239,287 @@ def _drop_least_recent(files: List[tuple], room: float) -> tuple:
     return used, n
 
 
+def _sweep_temp(folder: str) -> None:
+    """Remove temp files of writers that died (SIGKILL mid-write): name.<pid>.<random>.tmp."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split(".")
+        if name.endswith(".tmp") and len(parts) >= 4 and parts[-3].isdigit():
+            try:
+                os.kill(int(parts[-3]), 0)
+                continue  # its writer is alive
+            except ProcessLookupError:
+                pass
+            except OSError:
+                continue
+            try:
+                os.remove(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
+def _touch(path: str) -> None:
+    try:
+        os.utime(path)  # a use: the least recently used go first
+    except OSError:
+        pass
+
+
+class RecordStore:
+    """The one writer of records: any thread queues a write (Shelf.put, .write,
+    .append), its thread does them in order. ``flush`` waits for what is queued;
+    ``close`` finishes it and stops the thread."""
+
+    def __init__(self):
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="reame-record-writer", daemon=True)
+        self._thread.start()
+        self.closed = False
+
+    def shelf(self, kind: str, magic: bytes, folder: str, suffix: str, max_bytes: Optional[int] = None,
+              max_pending: int = 256, parent: Optional[str] = None) -> "Shelf":
+        """A kind of record in folder (made private, with its parent: the kind's root)."""
+        return Shelf(self, kind, magic, folder, suffix, max_bytes, max_pending, parent)
+
+    def run(self, shelf: "Shelf", job, wait: bool = False) -> bool:
+        """Queue job() for the writer thread (False: the shelf has max_pending queued, or
+        the store is closed); wait: until it ran (True if it raised no error)."""
+        with shelf._lock:
+            if self.closed or shelf.n_pending >= shelf.max_pending:
+                return False
+            shelf.n_pending += 1
+        box = [threading.Event(), False] if wait else None
+        self._queue.put((shelf, job, box))
+        if box is not None:
+            box[0].wait()
+            return box[1]
+        return True
+
+    def flush(self, timeout: float = 60.0) -> None:
+        done = threading.Event()
+        self._queue.put((None, done.set, None))
+        done.wait(timeout)
+
+    def close(self, timeout: float = 60.0) -> None:
+        if not self.closed:
+            self.closed = True
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            shelf, job, box = item
+            ok = False
+            try:
+                job()
+                ok = True
+            except OSError as e:
+                shelf.disable(e)
+            except Exception:  # noqa: BLE001 - a writer that dies would leave every later write queued
+                log.exception("%s writer: this record is skipped", shelf.kind if shelf else "record")
+            finally:
+                if shelf is not None:
+                    with shelf._lock:
+                        shelf.n_pending -= 1
+                if box is not None:
+                    box[1] = ok
+                    box[0].set()
+
+
+class Shelf:
+    """One kind of record under one folder (files named *suffix, in it or one level
+    down): read and checked on any thread, written by the store's writer thread, the
+    folder held under max_bytes (None: unbounded). Counters are guarded by _lock."""
+
+    def __init__(self, store: RecordStore, kind: str, magic: bytes, root: str, suffix: str,
+                 max_bytes: Optional[int], max_pending: int, parent: Optional[str] = None):
+        self.store, self.kind, self.magic, self.dir, self.suffix = store, kind, magic, root, suffix
+        self.max_bytes, self.max_pending = max_bytes, max_pending
+        self.enabled = True
+        self._lock = threading.Lock()
+        self.n_pending = 0      # writes queued (guarded by _lock)
+        self.n_saved = self.n_bad = self.n_evicted = 0
+        self._warned: set = set()
+        self._used: Optional[int] = None  # bytes on disk (the writer's estimate, listed again every 32 writes)
+        self._n_writes = 0
+        try:
+            _private_dirs(*([parent] if parent else []), root)
+        except OSError as e:
+            self.disable(e)
+        _sweep_temp(root)
+
+    # -- reading (any thread) --
+    def read(self, path: str, max_file: int = 1 << 40) -> Optional[memoryview]:
+        """The payload of the record file at path, or None: missing, or bad (then deleted)."""
+        try:
+            data = _read_private(path, max_file)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            self.reject(path, str(e))
+            return None
+        try:
+            payload = unframe_record(data, self.magic)
+        except ValueError as e:
+            self.reject(path, str(e))
+            return None
+        _touch(path)
+        return payload
+
+    def reject(self, path: str, why: str) -> None:
+        """A record that must not be used: deleted (logged once per reason)."""
+        with self._lock:
+            self.n_bad += 1
+            new = why not in self._warned
+            self._warned.add(why)
+        if new:
+            log.warning("%s %s deleted, will be recomputed: %s", self.kind, os.path.basename(path), why)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+    # -- writing --
+    def put(self, path: str, make, wait: bool = False) -> bool:
+        """Queue a record file: make() -> its payload (bytes, or a list of parts), called
+        on the writer thread (compression runs there, not on the caller's)."""
+        return self.enabled and self.store.run(self, lambda: self._write(path, make()), wait)
+
+    def write(self, path: str, payload: bytes) -> bool:
+        """Write a record file now (through the writer thread) and say whether it is there."""
+        return self.put(path, lambda: payload, wait=True)
+
+    def append(self, job) -> bool:
+        """Queue a job that appends framed records to a file of its own (the archive's segments)."""
+        return self.enabled and self.store.run(self, job)
+
+    def _write(self, path: str, payload) -> None:
+        parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        size = _RECORD_HEAD.size + len(body)
+        if self.max_bytes is not None:
+            if size > self.max_bytes:
+                return
+            self._n_writes += 1
+            if self._used is None or self._n_writes % 32 == 0:  # (other processes write here too)
+                self._used = self.usage()[1]
+            if self._used + size > self.max_bytes:
+                self._used, n = _drop_least_recent(self._files(), self.max_bytes * 0.9 - size)
+                with self._lock:
+                    self.n_evicted += n
+                if self._used + size > self.max_bytes:
+                    return
+        folder = os.path.dirname(path)
+        if folder != self.dir:
+            _private_dirs(folder)
+        _write_private(path, (frame_record(self.magic, body), body))
+        if self._used is not None:
+            self._used += size
+        with self._lock:
+            self.n_saved += 1
+
+    def _files(self) -> List[tuple]:
+        """(mtime, bytes, path) of every record file, in the folder and one level down."""
+        try:
+            subs = [os.path.join(self.dir, d) for d in os.listdir(self.dir)]
+        except OSError:
+            subs = []
+        return _files_by_use([self.dir] + [d for d in subs if os.path.isdir(d)], self.suffix)
+
+    def usage(self) -> tuple:
+        """(files, bytes) on disk now."""
+        files = self._files()
+        return len(files), sum(f[1] for f in files)
+
+    def disable(self, e: Exception) -> None:
+        if self.enabled:
+            log.warning("%s folder %s is not writable (%s): memory only from now on", self.kind, self.dir, e)
+        self.enabled = False
+
+
+# == 10. Prefix KV cache: disk tier ============================================
+# Snapshots of prompt prefixes' KV (llama_state_seq_get_data), compressed, one file per
+# prefix under $REAME_HOME/kv/<model fingerprint>/, named by a hash of the fingerprint,
+# the KV parameters and the prefix's tokens: another process, or this one after a
+# restart, finds a prefix without an index. The engine snapshots only whole prefill
+# chunks on an exact prefix (section 19), so a restored prefix is what a cold prefill
+# computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
+# tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
+# the least recently used files go first when the directory is over its size bound.
+# Compression and writing run on a writer thread, never the scheduler. Beside the
+# snapshots, heads.json counts the prompt heads requests come with (HeadHistory): what an
+# idle engine prefills ahead (warm-ahead, section 21).
+
+_KV_MAGIC = b"REAMEKV\x00"
+_HEADS_MAGIC = b"REAMEHD\x00"
+_KV_MAX_HEADER = 32 << 20  # a snapshot header's bytes (its token list: ~8 bytes a token)
+_HEADS_MAX = 64                 # prompt heads a HeadHistory counts
+_HEADS_MAX_FILE = 16 << 20      # its file's bytes at most
+
+
+def _kv_header(raw: bytes, hlen: int) -> dict:
+    """A snapshot's JSON header; ValueError for one that is too long, cut, too deeply
+    nested or not an object (a damaged or crafted file under REAME_HOME)."""
+    if hlen > _KV_MAX_HEADER or len(raw) != hlen:
+        raise ValueError("header length %d is not what the file holds" % hlen)
+    try:
+        head = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise ValueError("header nested too deeply") from None
+    if not isinstance(head, dict):
+        raise ValueError("header is not an object")
+    return head
+
+
+def _kv_split(payload) -> tuple:
+    """A snapshot record's payload -> (its JSON header, the compressed state)."""
+    hlen = int.from_bytes(payload[:4], "little") if len(payload) >= 4 else -1
+    return _kv_header(bytes(payload[4:4 + max(0, min(hlen, _KV_MAX_HEADER + 1))]), hlen), payload[4 + hlen:]
+
+
+def default_cache_bytes(path: str) -> int:
+    """2 GiB or 10% of the free disk under path, whichever is smaller."""
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return 0
+    return min(2 << 30, free // 10)
+
+
+def parse_size(text: str) -> int:
+    """'2G', '500M', '64k' or a byte count -> bytes."""
+    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", str(text).lower())
+    if not m:
+        raise RequestError("not a size: %r (use e.g. 2G, 500M, 1048576)" % text)
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+
+
 class DiskCache:
     """One model's prefix snapshots on disk. ``find`` and ``load`` run on any thread;
-    ``save`` only queues the state bytes for the writer thread."""
+    ``save`` only queues the state bytes for the record writer (it compresses them)."""
 
-    def __init__(self, root: str, fingerprint: str, params: str, max_bytes: int, block: int):
+    def __init__(self, root: str, fingerprint: str, params: str, max_bytes: int, block: int,
+                 records: Optional[RecordStore] = None):
         self.dir = os.path.join(root, fingerprint)
         self.fingerprint, self.params, self.max_bytes, self.block = fingerprint, params, max_bytes, block
-        self._key = hashlib.sha256(("%s|%s|%d" % (fingerprint, params, _KV_VERSION)).encode())
-        self.enabled = True
-        self.n_saved = self.n_loaded = self.n_bad = self.n_missed = self.n_evicted = 0
-        self._warned: set = set()
-        self._pending: "queue.Queue" = queue.Queue(maxsize=2)  # bounded: snapshots are big
-        try:
-            _private_dirs(root, self.dir)
-        except OSError as e:
-            self._disable(e)
-        self._sweep_temp()
-        self._thread = threading.Thread(target=self._writer, name="reame-kv-writer", daemon=True)
-        self._thread.start()
+        self._key = hashlib.sha256(("%s|%s|%d" % (fingerprint, params, _RECORD_VERSION)).encode())
+        self.n_missed = 0
+        self._own_records = records is None
+        self.records = records or RecordStore()
+        self.shelf = self.records.shelf("KV snapshot", _KV_MAGIC, self.dir, ".kv", max_bytes, max_pending=2,
+                                        parent=root)
 
-    def _sweep_temp(self) -> None:
-        """Remove temp files of writers that died (SIGKILL mid-write): name.kv.<pid>.<random>.tmp."""
-        try:
-            names = os.listdir(self.dir)
-        except OSError:
-            return
-        for name in names:
-            parts = name.split(".")
-            if name.endswith(".tmp") and len(parts) >= 4 and parts[-3].isdigit():
-                pid = int(parts[-3])
-                try:
-                    os.kill(pid, 0)
-                    continue  # its writer is alive
-                except ProcessLookupError:
-                    pass
-                except OSError:
-                    continue
-                try:
-                    os.remove(os.path.join(self.dir, name))
-                except OSError:
-                    pass
+    @property
+    def enabled(self) -> bool:
+        return self.shelf.enabled
 
     # -- naming and lookup (any thread) --
     def candidates(self, tokens: Sequence[int], limit: int, cuts: Sequence[int] = (), scope: str = "") -> List[tuple]:
@@ -2278,120 +2558,63 @@ class DiskCache:
         return None
 
     def _load(self, path: str, tokens: Sequence[int]) -> Optional[bytes]:
+        payload = self.shelf.read(path)
+        if payload is None:
+            return None
         try:
-            with open(path, "rb") as f:
-                data = f.read()
-            if data[:8] != _KV_MAGIC or len(data) < 16:
-                raise ValueError("not a Reame KV snapshot")
-            version, hlen = int.from_bytes(data[8:12], "little"), int.from_bytes(data[12:16], "little")
-            if version != _KV_VERSION:
-                raise ValueError("format version %d, not %d" % (version, _KV_VERSION))
-            head = _kv_header(data[16:16 + hlen], hlen)
-            payload = data[16 + hlen:]
+            head, state = _kv_split(payload)
             if head.get("fingerprint") != self.fingerprint or head.get("params") != self.params:
                 raise ValueError("made for another model or KV layout")
             if head.get("tokens") != list(tokens):
                 raise ValueError("its tokens are not this prefix")
-            if len(payload) != head["size"] or hashlib.sha256(payload).hexdigest() != head["sha256"]:
-                raise ValueError("checksum mismatch (truncated or corrupted)")
-            state = (_zstd.ZstdDecompressor().decompress(payload, max_output_size=head["raw_size"])
-                     if head["codec"] == "zstd" else zlib.decompress(payload))
+            state = (_zstd.ZstdDecompressor().decompress(state, max_output_size=head["raw_size"])
+                     if head["codec"] == "zstd" else zlib.decompress(state))
             if len(state) != head["raw_size"]:
                 raise ValueError("decompressed size mismatch")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, zlib.error) as e:
-            self.reject(path, str(e))
+        except (ValueError, KeyError, TypeError, AttributeError, zlib.error) as e:
+            self.shelf.reject(path, str(e))
             return None
         except Exception as e:  # noqa: BLE001 - zstandard's own errors
-            self.reject(path, "cannot decompress: %s" % e)
+            self.shelf.reject(path, "cannot decompress: %s" % e)
             return None
-        try:
-            os.utime(path)  # LRU across processes: last use is the mtime
-        except OSError:
-            pass
-        self.n_loaded += 1
         return state
 
-    def reject(self, path: str, why: str) -> None:
-        """A snapshot that must not be used: delete it (logged once per reason)."""
-        self.n_bad += 1
-        if why not in self._warned:
-            self._warned.add(why)
-            log.warning("KV snapshot %s deleted, will be recomputed: %s", os.path.basename(path), why)
-        try:
-            os.remove(path)
-        except OSError:
-            pass
-
-    # -- writing (the scheduler queues, the writer thread compresses and writes) --
+    # -- writing (the scheduler queues, the record writer compresses and writes) --
     def wants(self, tokens: Sequence[int], cuts: Sequence[int] = (), scope: str = "") -> bool:
         """Is a snapshot of exactly these tokens (a chunk end) worth taking: not on disk yet?"""
-        if not self.enabled or not tokens or self._pending.full():
+        if not self.enabled or not tokens or self.shelf.n_pending >= self.shelf.max_pending:
             return False
         if len(tokens) % self.block and len(tokens) not in cuts:
             return False
         path = self.candidates(tokens, len(tokens), cuts, scope)[0][1]
         if os.path.exists(path):
-            try:
-                os.utime(path)
-            except OSError:
-                pass
+            _touch(path)
             return False
         return True
 
     def save(self, tokens: Sequence[int], cuts: Sequence[int], state: bytes, scope: str = "") -> None:
-        try:
-            self._pending.put_nowait((list(tokens), tuple(c for c in cuts if c <= len(tokens)), state, scope))
-        except queue.Full:
-            pass  # the writer is behind: skip this one rather than stall the scheduler
+        """Queue a snapshot (skipped when the writer is behind: the scheduler never waits)."""
+        tokens = list(tokens)
+        path = self.candidates(tokens, len(tokens), tuple(c for c in cuts if c <= len(tokens)), scope)[0][1]
+        self.shelf.put(path, lambda: self._payload(tokens, state))
+
+    def _payload(self, tokens: List[int], state: bytes) -> list:
+        if _zstd is not None:
+            codec, packed = "zstd", _zstd.ZstdCompressor(level=3).compress(state)
+        else:
+            codec, packed = "zlib", zlib.compress(state, 1)
+        head = json.dumps({"fingerprint": self.fingerprint, "params": self.params, "codec": codec,
+                           "raw_size": len(state), "tokens": tokens}).encode()
+        return [len(head).to_bytes(4, "little"), head, packed]
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued writes (the engine calls this on close)."""
-        self._pending.put((None, None, None, None))
-        self._thread.join(timeout)
-
-    def _writer(self) -> None:
-        while True:
-            tokens, cuts, state, scope = self._pending.get()
-            if tokens is None:
-                return
-            try:
-                self._write(tokens, state, cuts, scope)
-            except OSError as e:
-                self._disable(e)
-            except Exception:  # noqa: BLE001 - a writer that dies would leave the queue full for good
-                log.exception("KV snapshot writer: this snapshot is skipped")
-
-    def _write(self, tokens: List[int], state: bytes, cuts: Sequence[int] = (), scope: str = "") -> None:
-        path = self.candidates(tokens, len(tokens), cuts, scope)[0][1]
-        if _zstd is not None:
-            codec, payload = "zstd", _zstd.ZstdCompressor(level=3).compress(state)
-        else:
-            codec, payload = "zlib", zlib.compress(state, 1)
-        head = json.dumps({"fingerprint": self.fingerprint, "params": self.params, "codec": codec,
-                           "raw_size": len(state), "size": len(payload),
-                           "sha256": hashlib.sha256(payload).hexdigest(), "tokens": tokens}).encode()
-        blob = _KV_MAGIC + _KV_VERSION.to_bytes(4, "little") + len(head).to_bytes(4, "little") + head
-        total = len(blob) + len(payload)
-        if total > self.max_bytes or not self._make_room(total):
-            return
-        _write_private(path, (blob, payload))
-        self.n_saved += 1
-
-    def _make_room(self, need: int) -> bool:
-        """Delete the least recently used files until need more bytes fit under the bound."""
-        used, n = _drop_least_recent(_files_by_use([self.dir], ".kv"), self.max_bytes - need)
-        self.n_evicted += n
-        return used + need <= self.max_bytes
+        if self._own_records:
+            self.records.close(timeout)
 
     def usage(self) -> tuple:
         """(files, bytes) on disk now."""
-        files = _files_by_use([self.dir], ".kv")
-        return len(files), sum(f[1] for f in files)
-
-    def _disable(self, e: Exception) -> None:
-        if self.enabled:
-            log.warning("KV disk cache at %s is not writable (%s): memory only from now on", self.dir, e)
-        self.enabled = False
+        return self.shelf.usage()
 
 
 class HeadHistory:
@@ -2401,8 +2624,8 @@ class HeadHistory:
     what its users ask with; at most _HEADS_MAX heads, the least used dropped. Any thread
     calls ``seen``; the lock guards ``_heads``."""
 
-    def __init__(self, path: str, n_vocab: int):
-        self.path, self.n_vocab = path, n_vocab
+    def __init__(self, path: str, n_vocab: int, shelf: Optional[Shelf] = None):
+        self.path, self.n_vocab, self.shelf = path, n_vocab, shelf
         self._lock = threading.Lock()
         self._heads: dict = {}   # (scope, tokens tuple) -> [count, last seen (time.time())]
         self._dirty = False
@@ -2412,8 +2635,8 @@ class HeadHistory:
 
     def _load(self) -> None:
         try:
-            with open(self.path, "rb") as f:
-                rows = json.loads(f.read(_HEADS_MAX_FILE + 1).decode("utf-8"))
+            payload = self.shelf.read(self.path, _HEADS_MAX_FILE) if self.shelf else None
+            rows = json.loads(bytes(payload).decode("utf-8")) if payload is not None else []
             for scope, tokens, count, last in rows[:_HEADS_MAX]:
                 if (isinstance(scope, str) and isinstance(tokens, list) and len(tokens) > 1
                         and all(type(t) is int and 0 <= t < self.n_vocab for t in tokens)
@@ -2442,17 +2665,13 @@ class HeadHistory:
 
     def save(self, force: bool = False) -> None:
         """Write the history if it changed (at most every 30 s unless forced)."""
-        if not self.path or not self._dirty or (not force and time.monotonic() - self._t_saved < 30):
+        if not self.shelf or not self._dirty or (not force and time.monotonic() - self._t_saved < 30):
             return
         with self._lock:
             rows = [[s, list(t), c, last] for (s, t), (c, last) in self._heads.items()]
             self._dirty = False
         self._t_saved = time.monotonic()
-        try:
-            _write_private(self.path, (json.dumps(rows).encode(),))
-        except OSError as e:
-            log.warning("cannot write %s (%s): the prompt-head history stays in memory", self.path, e)
-            self.path = ""
+        self.shelf.put(self.path, lambda: json.dumps(rows).encode(), wait=force)
 
 
 def kv_cache_entries(root: str) -> List[dict]:
@@ -2469,13 +2688,16 @@ def kv_cache_entries(root: str) -> List[dict]:
                 st = os.stat(p)
                 e["bytes"], e["last_used"] = st.st_size, st.st_mtime
                 with open(p, "rb") as f:
-                    pre = f.read(16)
-                    hlen = int.from_bytes(pre[12:16], "little")
-                    if pre[:8] != _KV_MAGIC or int.from_bytes(pre[8:12], "little") != _KV_VERSION:
-                        raise ValueError("not a Reame KV snapshot of format %d" % _KV_VERSION)
+                    pre = f.read(_RECORD_HEAD.size + 4)
+                    if len(pre) < _RECORD_HEAD.size + 4:
+                        raise ValueError("truncated")
+                    magic, version, size, _ = _RECORD_HEAD.unpack_from(pre)
+                    if magic != _KV_MAGIC or version != _RECORD_VERSION:
+                        raise ValueError("not a Reame KV snapshot of format %d" % _RECORD_VERSION)
+                    hlen = int.from_bytes(pre[-4:], "little")
                     head = _kv_header(f.read(min(hlen, _KV_MAX_HEADER + 1)), hlen)
                     e.update(tokens=len(head["tokens"]), raw_bytes=int(head["raw_size"]), codec=str(head["codec"]))
-                    if st.st_size != 16 + hlen + head["size"]:
+                    if st.st_size != _RECORD_HEAD.size + size:
                         raise ValueError("truncated")
             except (OSError, ValueError, KeyError, TypeError) as ex:
                 e["bad"] = str(ex) or type(ex).__name__
@@ -2521,7 +2743,7 @@ def kv_cache_prune(root: str, max_bytes: int) -> tuple:
 # recomputed; the least recently used go first past the size bound.
 
 _REPLAY_MAGIC = b"REAMERP\x00"
-_REPLAY_VERSION = 1
+_REPLAY_KEY_VERSION = 1
 _REPLAY_MAX_FILE = 8 << 20   # a record's bytes at most (its tokens and text)
 _REPLAY_RECENT = 512         # records kept in memory too (a repeat in this process reads no file),
 _REPLAY_RECENT_TOK = 1 << 17  # and their tokens at most
@@ -2539,12 +2761,12 @@ def replay_key(fingerprint: str, build_id: str, prompt: Sequence[int], params: "
     """The key of a request's answer: every input that decides its tokens. max_tokens is
     left out (ReplayRecord.plan), and the seed when greedy (it picks nothing then)."""
     fields = dataclasses.asdict(params)
-    for name in ("max_tokens", "top_logprobs"):
+    for name in ("max_tokens", "max_tokens_cap", "top_logprobs"):
         fields.pop(name)
     if params.temperature <= 0:
         fields["seed"] = None
     fields["stop"] = list(params.stop)
-    h = hashlib.sha256(json.dumps([_REPLAY_VERSION, fingerprint, build_id, fields], sort_keys=True).encode())
+    h = hashlib.sha256(json.dumps([_REPLAY_KEY_VERSION, fingerprint, build_id, fields], sort_keys=True).encode())
     h.update(array.array("i", prompt).tobytes())
     return h.hexdigest()
 
@@ -2587,18 +2809,11 @@ def replay_text(model, stop: Sequence[str], tokens: Sequence[int], finish: str) 
     return pieces
 
 
-def _replay_record(data: bytes, key: str, n_vocab: int) -> ReplayRecord:
-    """A record file's bytes -> the record; ValueError for anything else (a damaged,
-    truncated or crafted file, or one of another key)."""
-    if len(data) < 48 or data[:8] != _REPLAY_MAGIC:
-        raise ValueError("not a Reame replay record")
-    if int.from_bytes(data[8:12], "little") != _REPLAY_VERSION:
-        raise ValueError("format version %d, not %d" % (int.from_bytes(data[8:12], "little"), _REPLAY_VERSION))
-    body = data[48:]
-    if int.from_bytes(data[12:16], "little") != len(body) or hashlib.sha256(body).digest() != data[16:48]:
-        raise ValueError("checksum mismatch (truncated or corrupted)")
+def _replay_record(payload, key: str, n_vocab: int) -> ReplayRecord:
+    """A record's payload -> the record; ValueError for anything else (a crafted file,
+    or one of another key)."""
     try:
-        rec = json.loads(body.decode("utf-8"))
+        rec = json.loads(bytes(payload).decode("utf-8"))
     except (UnicodeDecodeError, RecursionError) as e:
         raise ValueError("unreadable: %s" % type(e).__name__) from None
     if not isinstance(rec, dict) or rec.get("key") != key:
@@ -2612,27 +2827,22 @@ def _replay_record(data: bytes, key: str, n_vocab: int) -> ReplayRecord:
 
 class ReplayStore:
     """One model's replay records on disk, and the latest in memory. ``find`` runs on any
-    thread (a submitting one); ``put`` queues a record for the writer thread."""
+    thread (a submitting one); ``put`` queues a record for the record writer."""
 
-    def __init__(self, root: str, fingerprint: str, build_id: str, n_vocab: int, max_bytes: int):
+    def __init__(self, root: str, fingerprint: str, build_id: str, n_vocab: int, max_bytes: int,
+                 records: Optional[RecordStore] = None):
         self.dir = os.path.join(root, fingerprint)
         self.fingerprint, self.build_id, self.n_vocab, self.max_bytes = fingerprint, build_id, n_vocab, max_bytes
-        self.enabled = True
         self._lock = threading.Lock()   # guards _recent and the counters below
         self._recent: "collections.OrderedDict" = collections.OrderedDict()  # (scope, key) -> ReplayRecord
         self._recent_tok = 0      # tokens of the records in _recent
         self.n_replays = 0        # requests answered whole from a record
         self.n_replay_tok = 0     # their tokens (none computed)
         self.n_continued = 0      # requests that went on past a record's tokens (verified as drafts)
-        self.n_saved = self.n_bad = self.n_evicted = 0
-        self._used: Optional[int] = None  # bytes of records on disk (the writer's estimate)
-        self._pending: "queue.Queue" = queue.Queue(maxsize=256)
-        try:
-            _private_dirs(root, self.dir)
-        except OSError as e:
-            self._disable(e)
-        self._thread = threading.Thread(target=self._writer, name="reame-replay-writer", daemon=True)
-        self._thread.start()
+        self._own_records = records is None
+        self.records = records or RecordStore()
+        self.shelf = self.records.shelf("replay record", _REPLAY_MAGIC, self.dir, ".rp", max_bytes,
+                                        max_pending=256, parent=root)
 
     def key(self, prompt: Sequence[int], params: "SamplingParams") -> str:
         return replay_key(self.fingerprint, self.build_id, prompt, params)
@@ -2647,35 +2857,23 @@ class ReplayStore:
             if rec is not None:
                 self._recent.move_to_end((scope, key))
                 return rec
-        if not self.enabled:
+        if not self.shelf.enabled:
             return None
         path = self.path(key, scope)
-        try:
-            with open(path, "rb") as f:
-                data = f.read(_REPLAY_MAX_FILE + 1)
-        except OSError:
+        payload = self.shelf.read(path, _REPLAY_MAX_FILE)
+        if payload is None:
             return None
         try:
-            rec = _replay_record(data, key, self.n_vocab)
+            rec = _replay_record(payload, key, self.n_vocab)
         except ValueError as e:
-            self.reject(path, str(e))
+            self.shelf.reject(path, str(e))
             return None
-        try:
-            os.utime(path)  # LRU across processes: last use is the mtime
-        except OSError:
-            pass
         self._remember(scope, key, rec)
         return rec
 
     def reject(self, path: str, why: str) -> None:
         """A record that must not be used: deleted (it is recomputed, and written again)."""
-        with self._lock:
-            self.n_bad += 1
-        log.warning("replay record %s deleted, will be recomputed: %s", os.path.basename(path), why)
-        try:
-            os.remove(path)
-        except OSError:
-            pass
+        self.shelf.reject(path, why)
 
     def forget(self, key: str, scope: str) -> None:
         """Drop a record from memory (one that did not hold: see Replayer.answer)."""
@@ -2684,17 +2882,16 @@ class ReplayStore:
             self._recent_tok -= len(old.tokens) if old else 0
 
     def put(self, key: str, scope: str, rec: ReplayRecord) -> None:
-        """Keep a finished answer: in memory now, on disk by the writer thread."""
+        """Keep a finished answer: in memory now, on disk by the record writer."""
         with self._lock:
             known = self._recent.get((scope, key))
         if known is not None and known.tokens == rec.tokens and known.finish == rec.finish:
             return
         self._remember(scope, key, rec)
-        if self.enabled:
-            try:
-                self._pending.put_nowait((key, scope, rec))
-            except queue.Full:
-                pass  # the writer is behind: this one stays in memory only
+        body = json.dumps({"key": key, "tokens": rec.tokens, "text": rec.text, "finish": rec.finish,
+                           "eog": rec.eog}).encode()
+        if len(body) < _REPLAY_MAX_FILE - 64:  # (else it stays in memory only, as when the writer is behind)
+            self.shelf.put(self.path(key, scope), lambda: body)
 
     def counted(self, n_tokens: int) -> None:
         """A request was answered whole from a record of n_tokens tokens."""
@@ -2716,65 +2913,16 @@ class ReplayStore:
 
     def flush(self) -> None:
         """Wait until the records queued so far are on disk."""
-        self._pending.join()
+        self.records.flush()
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued writes (the engine calls this on close)."""
-        self._pending.put(None)
-        self._thread.join(timeout)
-
-    def _writer(self) -> None:
-        while True:
-            item = self._pending.get()
-            try:
-                if item is None:
-                    return
-                self._write(*item)
-            except OSError as e:
-                self._disable(e)
-            except Exception:  # noqa: BLE001 - a writer that dies would leave the queue full for good
-                log.exception("replay writer: this record is skipped")
-            finally:
-                self._pending.task_done()
-
-    def _write(self, key: str, scope: str, rec: ReplayRecord) -> None:
-        body = json.dumps({"key": key, "tokens": rec.tokens, "text": rec.text, "finish": rec.finish,
-                           "eog": rec.eog}).encode()
-        head = _REPLAY_MAGIC + _REPLAY_VERSION.to_bytes(4, "little") + len(body).to_bytes(4, "little")
-        size = len(head) + 32 + len(body)
-        if size > min(self.max_bytes, _REPLAY_MAX_FILE):
-            return
-        path = self.path(key, scope)
-        _private_dirs(os.path.dirname(path))
-        if self._used is None:
-            self._used = self.usage()[1]
-        if self._used + size > self.max_bytes:
-            self._make_room(size)
-        _write_private(path, (head, hashlib.sha256(body).digest(), body))
-        self._used += size
-        with self._lock:
-            self.n_saved += 1
-
-    def _files(self) -> List[tuple]:
-        """(mtime, bytes, path) of every record on disk, every scope."""
-        scopes = os.listdir(self.dir) if os.path.isdir(self.dir) else []
-        return _files_by_use([os.path.join(self.dir, sc) for sc in scopes], ".rp")
-
-    def _make_room(self, need: int) -> None:
-        """Delete the least recently used records until need more bytes fit (to 90% of the bound)."""
-        self._used, n = _drop_least_recent(self._files(), self.max_bytes * 0.9 - need)
-        with self._lock:
-            self.n_evicted += n
+        if self._own_records:
+            self.records.close(timeout)
 
     def usage(self) -> tuple:
         """(records, bytes) on disk now."""
-        files = self._files()
-        return len(files), sum(f[1] for f in files)
-
-    def _disable(self, e: Exception) -> None:
-        if self.enabled:
-            log.warning("replay records at %s are not writable (%s): memory only from now on", self.dir, e)
-        self.enabled = False
+        return self.shelf.usage()
 
 
 # == 12. Palimpsest: the archive of generations ================================
@@ -2787,8 +2935,7 @@ class ReplayStore:
 # to where what followed them starts: sorted 64-bit entries (hash << 32 | position),
 # searched with bisect, plus a dict for what was appended since the last build.
 
-_PAL_MAGIC = b"PAL1"
-_PAL_HEAD = struct.Struct("<4sII")   # magic, payload bytes, crc32 of the payload
+_PAL_MAGIC = b"REAMEPAL"            # records framed as every record (section 10), appended to segments
 _PAL_MAX_TOK = 1 << 20               # a longer record is garbage
 _PAL_CONTEXT_TOK = 48                # prompt tokens kept before each generation
 _VOCAB_PROBE = "Reame drafts: def f(x):\n    return {'a': [1, 2.5]}  # ünïcode 東京 🙂"
@@ -2809,12 +2956,12 @@ def vocab_fingerprint(model: "Model") -> str:
 
 
 def pal_record(tokens: Sequence[int], n_context: int) -> bytes:
-    """One archive record: header, then n_context and the tokens as little-endian u32."""
+    """One archive record (section 10's framing): n_context and the tokens as little-endian u32."""
     body = array.array("i", [n_context] + list(tokens))
     if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
         body.byteswap()
     payload = body.tobytes()
-    return _PAL_HEAD.pack(_PAL_MAGIC, len(payload), zlib.crc32(payload)) + payload
+    return frame_record(_PAL_MAGIC, payload) + payload
 
 
 def pal_parse(data: bytes) -> tuple:
@@ -2823,24 +2970,25 @@ def pal_parse(data: bytes) -> tuple:
     stops the parse there (the rest may still be coming), unless a valid record follows
     it (then it was torn by a crash and is skipped)."""
     out, pos, n = [], 0, len(data)
-    head = _PAL_HEAD.size
+    head = _RECORD_HEAD.size
+    view = memoryview(data)
 
     def valid_at(p):
         if p + head > n:
             return None
-        magic, size, crc = _PAL_HEAD.unpack_from(data, p)
-        if magic != _PAL_MAGIC or size % 4 or not 4 <= size <= 4 * _PAL_MAX_TOK:
+        magic, version, size, digest = _RECORD_HEAD.unpack_from(data, p)
+        if magic != _PAL_MAGIC or version != _RECORD_VERSION or size % 4 or not 4 <= size <= 4 * _PAL_MAX_TOK:
             return False
         if p + head + size > n:
             return None
-        return zlib.crc32(data[p + head:p + head + size]) == crc
+        return hashlib.sha256(view[p + head:p + head + size]).digest() == digest
 
     while pos < n:
         ok = valid_at(pos)
         if ok:
-            size = _PAL_HEAD.unpack_from(data, pos)[1]
+            size = _RECORD_HEAD.unpack_from(data, pos)[2]
             body = array.array("i")
-            body.frombytes(data[pos + head:pos + head + size])
+            body.frombytes(view[pos + head:pos + head + size])
             if sys.byteorder != "little":  # pragma: no cover
                 body.byteswap()
             out.append((body[0], body[1:]))
@@ -3167,16 +3315,17 @@ class Palimpsest:
     API key: one tenant's text is never drafted into another's answer). ``store`` only
     queues; a writer thread appends. Reading and drafting belong to the scheduler."""
 
-    def __init__(self, root: str, vocab: str, max_bytes: int):
+    def __init__(self, root: str, vocab: str, max_bytes: int, records: Optional[RecordStore] = None):
         self.dir = os.path.join(root, vocab)
         self.max_bytes = max_bytes
         self._scopes: dict = {}   # scope -> _ScopeArchive (the scheduler's)
-        self._pending: "queue.Queue" = queue.Queue(maxsize=256)
         self.n_stored = 0         # runs queued for the disk (the scheduler's counter)
         self.n_skipped = 0        # runs not queued: the writer was behind (the scheduler's)
         self.n_failed = 0         # runs the writer could not append (the writer's)
-        self._thread = threading.Thread(target=self._writer, name="reame-archive-writer", daemon=True)
-        self._thread.start()
+        self._own_records = records is None
+        self.records = records or RecordStore()
+        self.shelf = self.records.shelf("archive", _PAL_MAGIC, self.dir, ".pal", None, max_pending=256,
+                                        parent=root)
 
     def scope(self, name: str) -> _ScopeArchive:
         sa = self._scopes.get(name)
@@ -3198,41 +3347,30 @@ class Palimpsest:
     def store(self, name: str, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Queue a finished generation with its prompt's tail."""
         ctx = list(prompt[-_PAL_CONTEXT_TOK:])
-        try:
-            self._pending.put_nowait((name, pal_record(ctx + list(output), len(ctx))))
+        record = pal_record(ctx + list(output), len(ctx))
+        if self.shelf.append(lambda: self._append(name, record)):
             self.n_stored += 1
-        except queue.Full:
+        else:
             self.n_skipped += 1
+
+    def _append(self, name: str, record: bytes) -> None:  # on the record writer's thread
+        try:
+            pal_append(os.path.join(self.dir, name), record, self.max_bytes)
+        except Exception:
+            self.n_failed += 1
+            raise
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until the queued runs are on disk (tests, bench)."""
-        done = threading.Event()
-        self._pending.put((done, None))
-        done.wait(timeout)
-
-    def _writer(self) -> None:
-        while True:
-            name, record = self._pending.get()
-            if name is None:
-                return
-            if isinstance(name, threading.Event):
-                name.set()
-                continue
-            try:
-                pal_append(os.path.join(self.dir, name), record, self.max_bytes)
-            except Exception as e:  # noqa: BLE001 - a dead writer would drop every later run silently
-                self.n_failed += 1
-                if self.n_failed == 1:  # once: an unwritable disk would say it on every request
-                    log.warning("archive: could not append to %s (%s); generations are not archived", self.dir,
-                                e if isinstance(e, OSError) else "%s: %s" % (type(e).__name__, e))
+        self.records.flush(timeout)
 
     def stats(self) -> dict:
         return {name: {"runs": sa.index.n_runs, "tokens": len(sa.index.tokens), "index_bytes": sa.index.nbytes(),
                        "build_s": sa.t_build_s} for name, sa in list(self._scopes.items())}
 
     def close(self, timeout: float = 30.0) -> None:
-        self._pending.put((None, None))
-        self._thread.join(timeout)
+        if self._own_records:
+            self.records.close(timeout)
 
 
 # == 13. Speculation: draft sources and the controller =========================
@@ -4883,6 +5021,8 @@ class Request:
         self.replay_key: Optional[str] = None    # its answer is kept under this key (section 11)
         self.forced: Optional[list] = None       # a replay record's tokens: its first tokens, verified as drafts
         self.warm = False  # warm-ahead: prefill only (no token), the KV stays resident for requests to come
+        self.head = 0      # the chat head's length (its system message): what warm-ahead counts
+        self.replay = True  # answer from, and keep, replay records (with an engine that keeps them)
         self.events = events if events is not None else queue.SimpleQueue()
         self.t_submit = time.monotonic()
         self._cancel = threading.Event()
@@ -4976,6 +5116,10 @@ class _Seq:
         self.ended = False       # finished: its slot is free (Engine._finish ran)
         self.forced = req.forced  # a replay record's tokens it verifies as drafts (None: none left)
 
+    def draft_room(self, n_ctx: int) -> int:
+        """How many draft tokens it may verify this step (its token limit and the context)."""
+        return min(self.max_tokens - len(self.tokens) - 1, n_ctx - self.n_past - 2)
+
 
 # The scheduler's inbox (Engine._incoming) carries these, nothing else.
 class _Admit(NamedTuple):
@@ -5042,11 +5186,11 @@ class SlotTable:
     what of its prompt that slot's KV already holds, which entry is evicted, and moving
     sequences to close gaps. Held by the Engine and used by its scheduler thread only;
     the counters are read by Engine.stats() (ints, atomic under the GIL), and submitting
-    threads read ``resident`` for a hint (Engine._disk_plan: a stale answer costs only a
+    threads read ``resident`` for a hint (DiskTier.submit: a stale answer costs only a
     needless disk read)."""
 
     def __init__(self, ctx: Context, model: Model, n_slots: int, chunk: int, cache_reuse: str,
-                 disk: Optional[DiskCache]):
+                 disk: Optional["DiskTier"] = None):
         self.ctx, self.model, self.chunk, self.disk = ctx, model, chunk, disk
         self.cache_reuse = cache_reuse   # "exact" or "all"; read at each admission
         self.free = list(range(n_slots))  # slots no active sequence holds
@@ -5093,11 +5237,11 @@ class SlotTable:
             return 0, 0  # recurrent state cannot be cut back: only an exact end can be continued
         return n_cached, n_exact
 
-    def take(self, req: Request, disk: Optional[tuple], reuse: bool = True, live: Sequence[tuple] = ()) -> tuple:
+    def take(self, req: Request, reuse: bool = True, live: Sequence[tuple] = ()) -> tuple:
         """A free slot for req: (slot, prompt tokens already in its KV, of which exact).
 
-        ``disk``: what Engine._disk_plan found on the disk tier for req ((length, state),
-        the state None when it was over the hold budget: loaded now). The memory tier:
+        The disk tier (DiskTier.found): what it holds of req's prompt past what memory
+        gives, read at submit or now. The memory tier:
         free slots keep their last KV (a finished request's or a session's). The longest
         reusable prefix wins; a plain entry or req's own session is continued in place,
         another session's entry is copied (llama_memory_seq_cp) so that session keeps it.
@@ -5106,8 +5250,6 @@ class SlotTable:
         ``live``: (slot, entry) of active sequences (Engine._live): when one holds more of
         req's prompt than any free slot, its KV is copied and cut to that.
         """
-        if disk is not None and disk[1] is None:
-            disk = self.disk.find(req.prompt, disk[0], req.cuts, more_than=0, scope=req.tenant)
         best, src = (0, 0), None
         for k in self.free if reuse else ():
             entry = self.resident.get(k)
@@ -5120,11 +5262,8 @@ class SlotTable:
             got = self.reusable(entry, req)
             if got[0] > best[0]:
                 best, src, shared = got, None, k
-        if disk is None and reuse and self.disk is not None and req.memory_hint > best[0]:
-            # At submit the memory tier held more of it, so the disk was not read; that slot
-            # has been taken since: the disk tier may have it (a read, not a recompute).
-            disk = self.disk.find(req.prompt, len(req.prompt) - 1, req.cuts, more_than=best[0], scope=req.tenant)
-        if disk is not None and disk[0] > best[0]:  # the disk tier has more of the prompt
+        disk = self.disk.found(req, best[0]) if self.disk is not None else None
+        if disk is not None:  # the disk tier has more of the prompt
             return self._restore(req, disk, cached=best[0])
         if shared is not None:  # an active sequence computed it: a copy of its stream, cut
             slot = self._victim(req, exclude=None)
@@ -5221,38 +5360,215 @@ class SlotTable:
         self.n_moves += 1
 
 
-# == 20. Off the step: replayed answers and warm-ahead ==========================
-# Work the engine does beside its decode steps. A request whose answer is on record
-# (section 11) is answered on its submitter's thread and never reaches the scheduler;
-# one whose record stopped at a shorter max_tokens verifies the record's tokens as
-# drafts (Replayer). When no request runs, the scheduler prefills what requests are
-# likely to start with (WarmAhead): the prompts given to Engine.warm (serve --warm) and
-# the chat heads requests came with most often (HeadHistory), a chunk a step, so a
-# request that arrives meanwhile waits at most that chunk.
+# == 20. Engine parts: the stores as plug-ins ==================================
+# The Engine schedules; what it remembers lives in parts it is handed (engine_parts
+# builds the list from the same arguments as the CLI's): the disk tier of the prefix
+# cache, replay records, the Palimpsest and warm-ahead. Each part hooks the points of a
+# request's life it cares about (EnginePart) and owns its counters and /metrics rows.
+# A request whose answer is on record is answered on its submitter's thread and never
+# reaches the scheduler (ReplayPart); when no request runs, the scheduler prefills what
+# requests are likely to start with (WarmAhead), a chunk a step, so a request that
+# arrives meanwhile waits at most that chunk.
 
 
-class Replayer:
-    """An engine's use of its ReplayStore: ``answer`` runs on a submitting thread,
-    ``drafts`` and ``keep`` on the scheduler thread."""
+class Metric(NamedTuple):
+    """One /metrics row: name after "reame_", type, help, and a value: a number, a
+    {label value: number} dict (with the label's name), or a histogram (section 28)."""
 
-    def __init__(self, store: ReplayStore, model: Model, n_ctx: int):
-        self.store, self.model, self.n_ctx = store, model, n_ctx
+    name: str
+    kind: str
+    help: str
+    value: object
+    label: Optional[str] = None
 
-    def answer(self, group: List[Request]) -> bool:
+
+class EnginePart:
+    """What a store does at each point of a request's life; every hook is optional.
+    ``submit`` runs on the submitting thread; admit, chunk, drafts, finish, release and
+    idle on the scheduler thread; stats and metrics on any thread."""
+
+    name = "part"
+    sources: Sequence[DraftSource] = ()  # draft sources it adds to speculation (made by attach)
+
+    def attach(self, engine: "Engine") -> None:
+        """The engine's model, context and slots exist (not yet its speculation): build
+        what needs them."""
+
+    def submit(self, group: List[Request]) -> bool:
+        """A group of choices (or a warm request, alone) is submitted. True: this part
+        answered it (every event sent; the scheduler never sees it)."""
+        return False
+
+    def admit(self, s: _Seq) -> None:
+        """A group's first sequence has its slot; its prompt is about to be prefilled."""
+
+    def chunk(self, s: _Seq, end: int) -> None:
+        """s's prompt is computed up to end, exactly (a whole chunk on an exact prefix)."""
+
+    def drafts(self, decoding: List[_Seq], plans: list, capacity: int) -> None:
+        """Fill in the draft plans of this step (plans[i] for decoding[i]) that are empty."""
+
+    def finish(self, s: _Seq, reason: str) -> None:
+        """s ended with "stop" or "length" (not cancelled, not failed)."""
+
+    def release(self, req: Request) -> None:
+        """req leaves without having started (cancelled or failed while it waited)."""
+
+    def idle(self) -> None:
+        """No request has run for a while."""
+
+    def stats(self) -> dict:
+        return {}
+
+    def metrics(self) -> List[Metric]:
+        return []
+
+    def close(self) -> None:
+        """The engine closes: finish what is queued."""
+
+
+class DiskTier(EnginePart):
+    """The prefix cache's disk tier (section 11) in the engine: at submit, the longest
+    prefix on disk is found (read, checked and decompressed on the submitting thread,
+    not the scheduler's) and the points worth a snapshot chosen; at a chunk end, a
+    snapshot is queued; the slot table restores what was found (SlotTable.take)."""
+
+    name = "disk"
+
+    def __init__(self, max_bytes: int, root: Optional[str] = None, records: Optional[RecordStore] = None):
+        self.max_bytes, self.root, self.records = max_bytes, root, records
+        self.hold_bytes = 256 << 20  # snapshot bytes queued requests may hold (read by submitters)
+        self._held = 0               # guarded by _lock
+        self._lock = threading.Lock()
+        self.n_snapshots = 0         # snapshots handed to the writer (the scheduler's)
+        self.cache: Optional[DiskCache] = None
+
+    def attach(self, engine: "Engine") -> None:
+        st = engine.ctx.settings  # what changes the snapshot bytes or their exactness is in the name and header
+        params = "kv=f16 swa_full=%s fa=%s chunk=%d ctx_train=%d llama_h=%s" % (
+            st["swa_full"], st["flash_attn"], engine.chunk, engine.model.n_ctx_train, _LLAMA_H_SHA256[:16])
+        self.block, self.slots = engine.chunk, engine.slots
+        self.cache = DiskCache(self.root or Config.from_env().kv_dir, engine.model.fingerprint, params,
+                               self.max_bytes, engine.chunk, self.records or engine.records)
+
+    def submit(self, group: List[Request]) -> bool:
+        """Find the longest prefix on disk and choose where to snapshot: at 256, 512,
+        1024, ... tokens (a shared prefix of any length finds a snapshot at least half as
+        long, for at most twice the prompt's bytes on disk), at the last chunk end before
+        the prompt's end, and at the extra cuts; at least 256 tokens. A warm prompt may be
+        restored whole (it needs no logits); others all but the last token."""
+        req = group[0]
+        n, c = len(req.prompt), self.block
+        # A hint from the memory tier (read without the scheduler: a stale answer only
+        # costs a needless disk read or a recompute): no disk read for what memory holds.
+        in_memory = max((common_prefix(e.tokens, req.prompt) for e in list(self.slots.resident.values())
+                         if e.tenant == req.tenant), default=0)
+        # Snapshots held by queued requests are bounded (hold_bytes): past it, only
+        # where one is is noted here, and the scheduler loads it when the request starts.
+        with self._lock:
+            room = self._held < self.hold_bytes
+        req.memory_hint = in_memory
+        found = self.cache.find(req.prompt, n if req.warm else n - 1, req.cuts, more_than=in_memory,
+                                scope=req.tenant, load=room)
+        if found is not None and found[1] is not None:
+            with self._lock:
+                if self._held + len(found[1]) <= self.hold_bytes:
+                    self._held += len(found[1])
+                else:
+                    found = (found[0], None)
+        req.disk = found
+        ends = set(range(c, n, c)) | set(req.cuts)
+        points = {max(ends, default=0)} | set(req.cuts)
+        p = 256
+        while p < n:
+            points.add(p // c * c)
+            p *= 2
+        req.snap = frozenset(x for x in points if x >= max(256, c))
+        return False
+
+    def release(self, req: Request) -> Optional[tuple]:
+        """req's find, taken off it (its bytes leave the hold budget)."""
+        disk, req.disk = req.disk, None
+        if disk is not None and disk[1] is not None:
+            with self._lock:
+                self._held -= len(disk[1])
+        return disk
+
+    def found(self, req: Request, in_memory: int) -> Optional[tuple]:
+        """At admission: what the disk tier gives req past the in_memory tokens the memory
+        tier gives it, (length, state), or None."""
+        disk = self.release(req)
+        if disk is not None and disk[1] is None:  # over the hold budget at submit: read now
+            disk = self.cache.find(req.prompt, disk[0], req.cuts, more_than=0, scope=req.tenant)
+        if disk is None and req.memory_hint > in_memory:
+            # At submit the memory tier held more of it, so the disk was not read; that slot
+            # has been taken since: the disk tier may have it (a read, not a recompute).
+            disk = self.cache.find(req.prompt, len(req.prompt) - 1, req.cuts, more_than=in_memory, scope=req.tenant)
+        return disk if disk is not None and disk[0] > in_memory else None
+
+    def chunk(self, s: _Seq, end: int) -> None:
+        prompt = s.req.prompt
+        if end in s.req.snap and self.cache.wants(prompt[:end], s.cuts, s.req.tenant):
+            self.cache.save(prompt[:end], s.cuts, self.slots.ctx.state_seq_get(s.seq_id), s.req.tenant)
+            self.n_snapshots += 1
+
+    def stats(self) -> dict:
+        return {"disk_snapshots": self.n_snapshots, "disk_held_bytes": self._held}
+
+    def metrics(self) -> List[Metric]:
+        d = self.cache.shelf
+        files, size = d.usage()
+        return [
+            Metric("disk_cache_misses_total", "counter", "prompt lookups the disk tier had nothing for",
+                   self.cache.n_missed),
+            Metric("disk_cache_written_total", "counter", "KV snapshots written to disk", d.n_saved),
+            Metric("disk_cache_evictions_total", "counter", "KV snapshot files evicted (size bound)", d.n_evicted),
+            Metric("disk_cache_rejected_total", "counter", "KV snapshot files that failed their checks (deleted)",
+                   d.n_bad),
+            Metric("disk_cache_files", "gauge", "KV snapshot files on disk", files),
+            Metric("disk_cache_bytes", "gauge", "bytes of KV snapshot files on disk", size),
+            Metric("disk_cache_enabled", "gauge", "1 while the disk tier is writable", int(d.enabled)),
+            Metric("disk_cache_held_bytes", "gauge", "snapshot bytes held by queued requests", self._held),
+            Metric("disk_cache_snapshots_total", "counter", "KV snapshots handed to the disk writer",
+                   self.n_snapshots)]
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+class ReplayPart(EnginePart):
+    """Replay records (section 12) in the engine: ``submit`` answers a group from its
+    records on the submitting thread; ``drafts`` has a sequence that continues a record
+    verify its tokens; ``finish`` keeps an answer. Only while every answer is the
+    contract's tokens (Engine.exact)."""
+
+    name = "replay"
+
+    def __init__(self, max_bytes: int, root: Optional[str] = None, records: Optional[RecordStore] = None):
+        self.max_bytes, self.root, self.records = max_bytes, root, records
+        self.store: Optional[ReplayStore] = None
+
+    def attach(self, engine: "Engine") -> None:
+        self.engine, self.model, self.n_ctx = engine, engine.model, engine.n_ctx
+        self.store = ReplayStore(self.root or Config.from_env().replay_dir, engine.model.fingerprint,
+                                 library_build_id(), engine.model.n_vocab, self.max_bytes,
+                                 self.records or engine.records)
+
+    def submit(self, group: List[Request]) -> bool:
         """Answer a group from its records when each choice has one that answers it whole:
         True then, with every event sent (this thread is the requests' only writer: the
         scheduler never sees them). Otherwise each choice keeps its key (its answer is kept
         when it ends), and a lone choice whose record stopped at a shorter max_tokens
         starts with the record's tokens to verify as drafts (Request.forced)."""
-        if any(r.params.top_logprobs is not None or (r.params.temperature > 0 and r.params.seed is None)
-               for r in group):
+        if group[0].warm or not group[0].replay or not self.engine.exact():
+            return False
+        if any(not r.params.deterministic or r.params.top_logprobs is not None for r in group):
             return False  # (logprobs are not kept; unseeded sampling is random)
         found = []
         for req in group:
             req.replay_key = self.store.key(req.prompt, req.params)
             rec = self.store.find(req.replay_key, req.tenant)
-            room = self.n_ctx - len(req.prompt)
-            found.append((rec, rec and rec.plan(min(req.params.max_tokens or room, room))))
+            found.append((rec, rec and rec.plan(req.params.token_limit(len(req.prompt), self.n_ctx))))
         if any(rec is None for rec, _ in found):
             return False
         if any(plan[1] is None for _, plan in found):
@@ -5292,30 +5608,109 @@ class Replayer:
                     self.store.continued()
                 s.forced = None
                 continue
-            k = min(_REPLAY_DRAFT_MAX, len(s.forced) - done, s.max_tokens - done - 1, self.n_ctx - s.n_past - 2,
-                    capacity - rows)
+            k = min(_REPLAY_DRAFT_MAX, len(s.forced) - done, s.draft_room(self.n_ctx), capacity - rows)
             if k > 0:
                 plans[j] = DraftPlan(_REPLAY_SOURCE, s.forced[done:done + k])
                 rows += k
 
-    def keep(self, s: _Seq, reason: str) -> None:
-        """A sequence ended: its answer is kept under its request's key."""
-        if s.req.replay_key is not None and reason in ("stop", "length"):
+    def finish(self, s: _Seq, reason: str) -> None:
+        """A sequence ended: its answer is kept under its request's key (cache_reuse may
+        have changed since it was submitted: only an exact answer is kept)."""
+        if s.req.replay_key is not None and self.engine.exact():
             self.store.put(s.req.replay_key, s.req.tenant, ReplayRecord(
                 list(s.tokens), "".join(s.req._text), reason, reason == "stop" and self.model.is_eog(s.last)))
 
+    def stats(self) -> dict:
+        r = self.store
+        return {"replays": r.n_replays, "replay_tokens": r.n_replay_tok, "replay_continued": r.n_continued}
 
-class WarmAhead:
+    def metrics(self) -> List[Metric]:
+        r, sh = self.store, self.store.shelf
+        return [
+            Metric("replays_total", "counter", "requests answered whole from a replay record (nothing computed)",
+                   r.n_replays),
+            Metric("replay_tokens_saved_total", "counter", "tokens of those answers: not computed", r.n_replay_tok),
+            Metric("replay_continued_total", "counter",
+                   "requests that went on past a record's tokens (verified as drafts)", r.n_continued),
+            Metric("replay_records_written_total", "counter", "replay records written to disk", sh.n_saved),
+            Metric("replay_records_rejected_total", "counter", "replay records that failed their checks (deleted)",
+                   sh.n_bad),
+            Metric("replay_records_evicted_total", "counter", "replay records evicted (size bound)", sh.n_evicted)]
+
+    def close(self) -> None:
+        self.store.close()
+
+
+class ArchivePart(EnginePart):
+    """The Palimpsest (section 13) in the engine: its draft sources join the speculation
+    controller; a sequence refreshes its scope's index when it starts (what any process
+    appended since) and stores its output when it ends."""
+
+    name = "archive"
+
+    def __init__(self, max_bytes: int, root: Optional[str] = None, records: Optional[RecordStore] = None):
+        self.max_bytes, self.root, self.records = max_bytes, root, records
+        self.archive: Optional[Palimpsest] = None
+
+    def attach(self, engine: "Engine") -> None:
+        self.archive = Palimpsest(self.root or Config.from_env().archive_dir, vocab_fingerprint(engine.model),
+                                  self.max_bytes, self.records or engine.records)
+        self.archive.refresh("shared")  # the archive so far: built in the background
+        self.sources = [ArchiveSource(self.archive), ArchiveResync(self.archive)]
+
+    def admit(self, s: _Seq) -> None:
+        if s.req.archive is not None:
+            self.archive.refresh(s.req.archive)
+
+    def finish(self, s: _Seq, reason: str) -> None:
+        if s.req.archive is not None and s.tokens:
+            self.archive.store(s.req.archive, s.req.prompt, s.tokens)
+
+    def stats(self) -> dict:
+        a = self.archive
+        return {"archive": {"stored": a.n_stored, "dropped": a.n_skipped + a.n_failed, "scopes": a.stats()}}
+
+    def metrics(self) -> List[Metric]:
+        a = self.archive  # all scopes together: a scope per key would list the other tenants to every caller
+        return [
+            Metric("archive_stored_total", "counter", "generations stored in the Palimpsest", a.n_stored),
+            Metric("archive_dropped_total", "counter", "generations not stored (too short, failed)",
+                   a.n_skipped + a.n_failed),
+            Metric("archive_tokens", "gauge", "tokens this process has read from the archive (all scopes)",
+                   sum(sc["tokens"] for sc in a.stats().values()))]
+
+    def close(self) -> None:
+        self.archive.close()
+
+
+class WarmAhead(EnginePart):
     """What the scheduler prefills ahead when no request runs: a queue of warm Requests
     (prefill only: their KV stays resident as a memory-tier entry) and, when idle, the
-    heads of HeadHistory. Scheduler thread only (HeadHistory.seen: any thread)."""
+    heads requests came with most (HeadHistory, beside the disk tier's snapshots: with
+    ``history_dir`` None, no history). Scheduler thread only (submit: any thread)."""
 
-    def __init__(self, slots: SlotTable, heads: Optional[HeadHistory], n_slots: int, make_request):
-        self.slots, self.heads, self.n_slots = slots, heads, n_slots
-        self._make_request = make_request  # (tokens, tenant) -> a warm Request (Engine._warm_request)
+    name = "warm"
+
+    def __init__(self, history_dir: Optional[str] = None, records: Optional[RecordStore] = None):
+        self.history_dir, self.records = history_dir, records
+        self.heads: Optional[HeadHistory] = None
         self.queue: collections.deque = collections.deque()  # warm Requests, after every real request
         self._tried: dict = {}   # (scope, head) -> when idle() last queued it
         self.idle_s = 1.0        # idle this long: warm the heads requests come with most
+
+    def attach(self, engine: "Engine") -> None:
+        self.slots, self.n_slots = engine.slots, engine.n_slots
+        self._make_request = engine._warm_request  # (tokens, tenant) -> a warm Request
+        if self.history_dir is not None:
+            folder = os.path.join(self.history_dir, engine.model.fingerprint)
+            shelf = (self.records or engine.records).shelf("prompt-head history", _HEADS_MAGIC, folder, "heads.json")
+            self.heads = HeadHistory(os.path.join(folder, "heads.json"), engine.model.n_vocab, shelf)
+
+    def submit(self, group: List[Request]) -> bool:
+        req = group[0]
+        if req.head and self.heads is not None:  # (a chat's system message: what idle warm-ahead prefills)
+            self.heads.seen(req.tenant, req.prompt[:req.head])
+        return False
 
     def worth(self, req: Request) -> bool:
         """Is starting this warm request worth it: not cancelled, not resident already, and
@@ -5347,6 +5742,27 @@ class WarmAhead:
                 self._tried.clear()
             self.queue.append(self._make_request(head, scope))
 
+    def close(self) -> None:
+        if self.heads is not None:
+            self.heads.save(force=True)
+
+
+def engine_parts(*, disk_cache: int = 0, disk_dir: Optional[str] = None, replay: int = 0,
+                 replay_dir: Optional[str] = None, archive: int = 0, archive_dir: Optional[str] = None,
+                 warm_ahead: bool = True, records: Optional[RecordStore] = None) -> List[EnginePart]:
+    """The parts an Engine is handed, from the sizes the CLI takes (0: off): warm-ahead
+    (its history beside the disk tier's snapshots), replay, the disk tier, the archive.
+    Their order is the order of their hooks: replay answers before the disk is read."""
+    parts: List[EnginePart] = [WarmAhead((disk_dir or Config.from_env().kv_dir) if warm_ahead and disk_cache
+                                         else None, records)]
+    if replay:
+        parts.append(ReplayPart(replay, replay_dir, records))
+    if disk_cache:
+        parts.append(DiskTier(disk_cache, disk_dir, records))
+    if archive:
+        parts.append(ArchivePart(archive, archive_dir, records))
+    return parts
+
 
 # == 21. Engine: the scheduler thread and continuous batching ==================
 # HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
@@ -5372,7 +5788,6 @@ class EngineCounters:
     n_prefills: int = 0            # prompts prefilled (a group of n choices counts once)
     n_twin_tok: int = 0            # tokens sampled from a twin's row, none computed for them
     n_cached_tok: int = 0          # prompt tokens reused from a resident KV
-    n_disk_snaps: int = 0          # snapshots handed to the disk writer
     kv_active: int = 0             # KV cells holding active sequences' tokens
     kv_cached: int = 0             # KV cells kept by free slots (the memory tier; reclaimable)
     n_prefill_tok: int = 0
@@ -5384,6 +5799,17 @@ class EngineCounters:
     n_warm_tok: int = 0            # their prompt tokens computed
     n_fast_verify_steps: int = 0   # decode steps with drafts that took the tiled kernel (spec_verify="fast")
     t_decode_only_py_s: float = 0.0  # Python time of steps with no prefill (build batch, sample, emit)
+
+
+# The speculation controller's counters on /metrics, by source: field, name, type, help.
+_SPEC_METRICS = (
+    ("proposed", "spec_proposed_tokens_total", "counter", "draft tokens verified, by source"),
+    ("accepted", "spec_accepted_tokens_total", "counter", "draft tokens that came true, by source"),
+    ("steps", "spec_verify_steps_total", "counter", "steps that verified drafts, by source"),
+    ("probes", "spec_probes_total", "counter", "probes of a source that did not pay, by source"),
+    ("k", "spec_draft_tokens", "gauge", "the last draft length chosen, by source"),
+    ("on", "spec_on", "gauge", "1 while the last decision for the source was to use it"),
+    ("gain", "spec_estimated_speedup", "gauge", "the expected speedup of the last decision, by source"))
 
 
 def _request_failure(e: Exception, where: str) -> ReameError:
@@ -5407,10 +5833,13 @@ class Engine:
 
     def __init__(self, model, *, n_ctx: int = 4096, n_slots: int = 4, n_threads: Optional[int] = None,
                  n_batch: int = 512, prefill_chunk: int = 128, cache_reuse: str = "exact", repack: bool = False,
-                 disk_cache: int = 0, disk_dir: Optional[str] = None, spec: str = "auto", spec_max: int = 16,
-                 draft=None, spec_verify: str = "exact", archive: int = 0, archive_dir: Optional[str] = None,
-                 suggest: bool = True, replay: int = 0, replay_dir: Optional[str] = None, warm_ahead: bool = True,
-                 **context_kw):
+                 spec: str = "auto", spec_max: int = 16, draft=None, spec_verify: str = "exact",
+                 suggest: bool = True, parts: Optional[Sequence[EnginePart]] = None,
+                 records: Optional[RecordStore] = None, disk_cache: int = 0, disk_dir: Optional[str] = None,
+                 replay: int = 0, replay_dir: Optional[str] = None, archive: int = 0,
+                 archive_dir: Optional[str] = None, warm_ahead: bool = True, **context_kw):
+        """``parts``: the stores the engine is handed (engine_parts); without them, the
+        sizes disk_cache, replay, archive (bytes; 0: off) and warm_ahead build them."""
         if cache_reuse not in ("exact", "all"):
             raise RequestError("cache_reuse must be 'exact' or 'all'")
         if spec_verify not in ("exact", "fast"):
@@ -5432,28 +5861,31 @@ class Engine:
         self._batch = Batch(self.ctx.n_batch)
         self.chunk = max(1, min(prefill_chunk, self.ctx.n_batch))  # prompt tokens per prefill decode
         self._system_heads: dict = {}  # system message -> its prompt head (chat_head); any thread
-        self.disk: Optional[DiskCache] = None
-        fingerprint = model_fingerprint(self.model) if disk_cache or replay else ""
-        if disk_cache:  # what changes the snapshot bytes or their exactness is in the file name and header
-            params = "kv=f16 swa_full=%s fa=%s chunk=%d ctx_train=%d llama_h=%s" % (
-                context_kw.get("swa_full", True), context_kw.get("flash_attn", -1), self.chunk,
-                self.model.n_ctx_train, _LLAMA_H_SHA256[:16])
-            root = disk_dir or os.path.join(Config.from_env().home, "kv")
-            self.disk = DiskCache(root, fingerprint, params, disk_cache, self.chunk)
-        self.replay: Optional[ReplayStore] = None
-        if replay:  # replay: its bound in bytes (0: answers are not kept)
-            root = replay_dir or os.path.join(Config.from_env().home, "replay")
-            self.replay = ReplayStore(root, fingerprint, library_build_id(), self.model.n_vocab, replay)
-        self._replayer = Replayer(self.replay, self.model, self.n_ctx) if self.replay is not None else None
+        self._own_records = records is None
+        self.records = records or RecordStore()
+        if parts is None:
+            parts = engine_parts(disk_cache=disk_cache, disk_dir=disk_dir, replay=replay, replay_dir=replay_dir,
+                                 archive=archive, archive_dir=archive_dir, warm_ahead=warm_ahead,
+                                 records=self.records)
+        self.parts: List[EnginePart] = list(parts)
+        self.warmer = next((p for p in self.parts if isinstance(p, WarmAhead)), None)
+        if self.warmer is None:  # (Engine.warm works without a history)
+            self.warmer = WarmAhead()
+            self.parts.insert(0, self.warmer)
+        disk = next((p for p in self.parts if isinstance(p, DiskTier)), None)
+        self._incoming: "queue.Queue" = queue.Queue()  # _Admit, _Warm, _Forget, _Stop (any thread puts)
+        self._ids = iter(range(1, 1 << 62))
+        self._ids_lock = threading.Lock()          # guards _ids
+        # Scheduler-owned (no lock: only the scheduler thread touches them).
+        self.slots = SlotTable(self.ctx, self.model, n_slots, self.chunk, cache_reuse, disk)
+        self._waiting: collections.deque = collections.deque()  # groups (lists of Requests)
+        self._active: List[_Seq] = []
+        for part in self.parts:
+            part.attach(self)
         sources: List[DraftSource] = [PromptLookup()]
         if suggest:  # Il Suggeritore: one free source per rule
             sources += [Suggestion(self.model, rule) for rule in SUGGEST_RULES]
-        self.archive: Optional[Palimpsest] = None
-        if archive:  # archive: its bound in bytes (0: no archive)
-            root = archive_dir or os.path.join(Config.from_env().home, "palimpsest")
-            self.archive = Palimpsest(root, vocab_fingerprint(self.model), archive)
-            self.archive.refresh("shared")  # the archive so far: built in the background
-            sources += [ArchiveSource(self.archive), ArchiveResync(self.archive)]
+        sources += [src for part in self.parts for src in part.sources]
         self.draft_model: Optional[Model] = None
         if draft is not None:  # a path or a loaded Model of the same vocabulary
             self.draft_model = draft if isinstance(draft, Model) else Model(draft)
@@ -5461,24 +5893,14 @@ class Engine:
             sources.append(DraftModel(self.draft_model, self.model, self.n_ctx, n_slots, n_threads))
         self.spec = SpecController(sources, default=spec_default, n_vocab=self.model.n_vocab)
         self._own_draft = draft is not None and not isinstance(draft, Model)
-        self._incoming: "queue.Queue" = queue.Queue()  # _Admit, _Warm, _Forget, _Stop (any thread puts)
-        self._ids = iter(range(1, 1 << 62))
-        self._ids_lock = threading.Lock()          # guards _ids
-        # Scheduler-owned (no lock: only the scheduler thread touches them).
-        self.slots = SlotTable(self.ctx, self.model, n_slots, self.chunk, cache_reuse, self.disk)
-        self._waiting: collections.deque = collections.deque()  # groups (lists of Requests)
-        # the prompt heads requests came with (warm-ahead's history), on disk beside the snapshots
-        self.heads = (HeadHistory(os.path.join(self.disk.dir, "heads.json"), self.model.n_vocab)
-                      if self.disk is not None else None)
-        self.warmer = WarmAhead(self.slots, self.heads if warm_ahead else None, n_slots, self._warm_request)
-        self._active: List[_Seq] = []
-        self.disk_hold_bytes = 256 << 20  # snapshot bytes queued requests may hold (read by submitters)
-        self._disk_held = 0               # guarded by _disk_lock
-        self._disk_lock = threading.Lock()
         self._closing = False
         self.counters = EngineCounters()
         self._thread = threading.Thread(target=self._run, name="reame-scheduler", daemon=True)
         self._thread.start()
+
+    def part(self, name: str) -> Optional[EnginePart]:
+        """The part of that name (EnginePart.name), or None: not handed to this engine."""
+        return next((p for p in self.parts if p.name == name), None)
 
     # -- public API (any thread) --
 
@@ -5514,41 +5936,32 @@ class Engine:
                                code="invalid_value")
         params = (params or SamplingParams(**kw)).validate()
         tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        if not tokens:
-            raise RequestError("the prompt is empty", code="invalid_prompt")
-        if len(tokens) >= self.n_ctx:
-            raise RequestError("the prompt has %d tokens; the context holds %d (start with a larger --ctx)"
-                               % (len(tokens), self.n_ctx), code="context_length_exceeded")
+        params.check_context(len(tokens), self.n_ctx)
         bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
         if bad:
             raise RequestError("token id %d is outside the vocabulary (0..%d)" % (bad[0], self.model.n_vocab - 1))
+        if spec is not None:
+            spec.validate()
+        if archive is not None and not re.match(r"^[A-Za-z0-9_-]{1,64}$", archive):
+            raise RequestError("archive scope %r: letters, digits, _ and - only" % archive)
         with self._ids_lock:
             rid = "req-%d" % next(self._ids)
         events = queue.SimpleQueue()
-        group = [Request(rid, tokens, params if params.seed is None or i == 0 else
-                         dataclasses.replace(params, seed=(params.seed + i) % (2 ** 32 - 1)),
-                         index=i, events=events, cache_tag=cache_tag if i == 0 else None)
-                 for i in range(n)]
-        group[0].cuts = tuple(sorted({p for p in snap_at if 0 < p < len(tokens) and p % self.chunk}))
-        if spec is not None:
-            spec.validate()
-            for req in group:
-                req.spec = spec
-        if archive is not None and not re.match(r"^[A-Za-z0-9_-]{1,64}$", archive):
-            raise RequestError("archive scope %r: letters, digits, _ and - only" % archive)
+        group = [Request(rid, tokens, params.for_choice(i), index=i, events=events,
+                         cache_tag=cache_tag if i == 0 else None) for i in range(n)]
         for req in group:
-            req.archive, req.tenant = archive, tenant
-        head = max((p for p in snap_at if 0 < p < len(tokens)), default=0)
-        if head and self.heads is not None:  # (a chat's system message: what idle warm-ahead prefills)
-            self.heads.seen(tenant, tokens[:head])
-        if self._replayer is not None and replay and self._exact() and self._replayer.answer(group):
-            return group  # answered: its events are all there
-        if self.disk is not None:
-            self._disk_plan(group[0])
-        self._incoming.put(_Admit(group))
+            req.spec, req.archive, req.tenant, req.replay = spec, archive, tenant, replay
+        group[0].cuts = tuple(sorted({p for p in snap_at if 0 < p < len(tokens) and p % self.chunk}))
+        group[0].head = max((p for p in snap_at if 0 < p < len(tokens)), default=0)
+        if not self._submitted(group):  # (answered by a part: its events are all there)
+            self._incoming.put(_Admit(group))
         return group
 
-    def _exact(self) -> bool:
+    def _submitted(self, group: List[Request]) -> bool:
+        """The parts' submit hooks, in order, until one answers the group."""
+        return any(part.submit(group) for part in self.parts)
+
+    def exact(self) -> bool:
         """Is every answer now the contract's tokens (replayable)? Not with cache_reuse="all"
         or spec_verify="fast": their tokens can differ from a cold run's at near-ties."""
         return self.spec_verify == "exact" and self.slots.cache_reuse == "exact"
@@ -5570,53 +5983,16 @@ class Engine:
         with self._ids_lock:
             rid = "warm-%d" % next(self._ids)
         req = Request(rid, tokens, SamplingParams(temperature=0, max_tokens=1))
-        req.warm, req.tenant, req.archive = True, tenant, None
+        req.warm, req.tenant, req.archive, req.replay = True, tenant, None, False
         req.cuts = (len(tokens),) if len(tokens) % self.chunk else ()  # its end is a chunk end, as a chat head's is
-        if self.disk is not None:  # (all of it may come from the disk: it needs no logits)
-            self._disk_plan(req, limit=len(tokens))
+        self._submitted([req])  # (the disk tier may restore all of it: it needs no logits)
         return req
 
-    def _disk_plan(self, req: Request, limit: Optional[int] = None) -> None:
-        """On the caller's thread: find the longest prefix on disk (read, checked and
-        decompressed here, not on the scheduler), and choose where to snapshot: at
-        256, 512, 1024, ... tokens (a shared prefix of any length finds a snapshot at
-        least half as long, for at most twice the prompt's bytes on disk), at the last
-        chunk end before the prompt's end, and at the extra cuts; at least 256 tokens. ``limit``: the
-        longest prefix to restore (default: all but the last token, which is computed for its logits)."""
-        n, c = len(req.prompt), self.chunk
-        # A hint from the memory tier (read without the scheduler: a stale answer only
-        # costs a needless disk read or a recompute): no disk read for what memory holds.
-        in_memory = max((common_prefix(e.tokens, req.prompt) for e in list(self.slots.resident.values())
-                         if e.tenant == req.tenant), default=0)
-        # Snapshots held by queued requests are bounded (disk_hold_bytes): past it, only
-        # where one is is noted here, and the scheduler loads it when the request starts.
-        with self._disk_lock:
-            room = self._disk_held < self.disk_hold_bytes
-        req.memory_hint = in_memory
-        found = self.disk.find(req.prompt, n - 1 if limit is None else limit, req.cuts, more_than=in_memory,
-                               scope=req.tenant, load=room)
-        if found is not None and found[1] is not None:
-            with self._disk_lock:
-                if self._disk_held + len(found[1]) <= self.disk_hold_bytes:
-                    self._disk_held += len(found[1])
-                else:
-                    found = (found[0], None)
-        req.disk = found
-        ends = set(range(c, n, c)) | set(req.cuts)
-        points = {max(ends, default=0)} | set(req.cuts)
-        p = 256
-        while p < n:
-            points.add(p // c * c)
-            p *= 2
-        req.snap = frozenset(x for x in points if x >= max(256, c))
-
-    def _take_disk(self, req: Request) -> Optional[tuple]:
-        """req's disk-tier find, taken off it (its bytes leave the hold budget)."""
-        disk, req.disk = req.disk, None
-        if disk is not None and disk[1] is not None:
-            with self._disk_lock:
-                self._disk_held -= len(disk[1])
-        return disk
+    def _drop(self, req: Request, error: Optional[ReameError] = None) -> None:
+        """A request that never started ends: cancelled, or with error."""
+        for part in self.parts:
+            part.release(req)
+        req._finish(None if error else Result("", [], "cancelled", len(req.prompt), 0), error)
 
     def prefix_boundary(self, messages: Sequence[dict], tokens: Sequence[int]) -> List[int]:
         """Where the part of a chat prompt shared by every question after the same system
@@ -5665,23 +6041,47 @@ class Engine:
 
     def stats(self) -> dict:
         c, sl = self.counters, self.slots
-        return {"steps": c.n_steps, "prefill_tokens": c.n_prefill_tok, "decode_tokens": c.n_decode_tok,
-                "prefills": c.n_prefills, "twin_tokens": c.n_twin_tok, "cached_tokens": c.n_cached_tok,
-                "cache_hits": sl.n_cache_hits, "cache_misses": sl.n_cache_misses,
-                "cache_evictions": sl.n_cache_evictions, "slot_moves": sl.n_moves,
-                "disk_hits": sl.n_disk_hits, "shared_prefixes": sl.n_shared, "disk_snapshots": c.n_disk_snaps, "disk_held_bytes": self._disk_held,
-                "decode_s": c.t_decode_s, "step_s": c.t_step_s,
-                "python_ms_per_decode_step": 1000 * c.t_decode_only_py_s / max(c.n_decode_only_steps, 1),
-                "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
-                "kv_cells_active": c.kv_active, "kv_cells_cached": c.kv_cached,
-                "kv_cells_total": self.n_ctx * self.n_slots, "spec": self.spec.stats(),
-                "fast_verify_steps": c.n_fast_verify_steps, "warm_prefills": c.n_warm, "warm_tokens": c.n_warm_tok,
-                "replays": self.replay.n_replays if self.replay else 0,
-                "replay_tokens": self.replay.n_replay_tok if self.replay else 0,
-                "replay_continued": self.replay.n_continued if self.replay else 0,
-                "archive": None if self.archive is None else {
-                    "stored": self.archive.n_stored, "dropped": self.archive.n_skipped + self.archive.n_failed,
-                    "scopes": self.archive.stats()}}
+        out = {"steps": c.n_steps, "prefill_tokens": c.n_prefill_tok, "decode_tokens": c.n_decode_tok,
+               "prefills": c.n_prefills, "twin_tokens": c.n_twin_tok, "cached_tokens": c.n_cached_tok,
+               "cache_hits": sl.n_cache_hits, "cache_misses": sl.n_cache_misses,
+               "cache_evictions": sl.n_cache_evictions, "slot_moves": sl.n_moves,
+               "disk_hits": sl.n_disk_hits, "shared_prefixes": sl.n_shared,
+               "decode_s": c.t_decode_s, "step_s": c.t_step_s,
+               "python_ms_per_decode_step": 1000 * c.t_decode_only_py_s / max(c.n_decode_only_steps, 1),
+               "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
+               "kv_cells_active": c.kv_active, "kv_cells_cached": c.kv_cached,
+               "kv_cells_total": self.n_ctx * self.n_slots, "spec": self.spec.stats(),
+               "fast_verify_steps": c.n_fast_verify_steps, "warm_prefills": c.n_warm, "warm_tokens": c.n_warm_tok}
+        for part in self.parts:
+            out.update(part.stats())
+        return out
+
+    def metrics(self) -> List[Metric]:
+        """The engine's /metrics rows: the scheduler's, then each part's."""
+        st = self.stats()
+        spec = st["spec"]
+        rows = [
+            Metric("active_sequences", "gauge", "sequences holding a slot", st["active"]),
+            Metric("queued_requests", "gauge", "requests waiting for a slot", st["waiting"]),
+            Metric("kv_cells_used", "gauge", "KV cells of active sequences", st["kv_cells_active"]),
+            Metric("kv_cells_cached", "gauge", "KV cells kept by free slots (the memory tier)", st["kv_cells_cached"]),
+            Metric("kv_cells_free", "gauge", "KV cells neither used nor cached",
+                   st["kv_cells_total"] - st["kv_cells_active"] - st["kv_cells_cached"]),
+            Metric("cache_hits_total", "counter", "prompts that reused resident KV", st["cache_hits"]),
+            Metric("cache_misses_total", "counter", "prompts that found no resident KV to reuse", st["cache_misses"]),
+            Metric("cache_evictions_total", "counter", "resident KV entries dropped for room", st["cache_evictions"]),
+            Metric("disk_cache_hits_total", "counter", "prompts that restored a prefix from disk", st["disk_hits"]),
+            Metric("prefills_total", "counter", "prompts prefilled", st["prefills"]),
+            Metric("twin_tokens_total", "counter", "tokens of n > 1 choices sampled from a shared row",
+                   st["twin_tokens"]),
+            Metric("prefill_tokens_total", "counter", "prompt tokens computed", st["prefill_tokens"]),
+            Metric("cached_prompt_tokens_total", "counter", "prompt tokens reused, not computed", st["cached_tokens"]),
+            Metric("decode_steps_total", "counter", "scheduler steps", st["steps"])]
+        for field, name, kind, help_text in _SPEC_METRICS:
+            rows.append(Metric(name, kind, help_text, {src: c[field] for src, c in spec.items()}, "source"))
+        for part in self.parts:
+            rows += part.metrics()
+        return rows
 
     def close(self) -> None:
         """Stop the scheduler (pending requests get an error) and free the context."""
@@ -5696,14 +6096,10 @@ class Engine:
             src.close()
         if self._own_draft:
             self.draft_model.close()
-        if self.disk is not None:
-            self.disk.close()
-        if self.replay is not None:
-            self.replay.close()
-        if self.heads is not None:
-            self.heads.save(force=True)
-        if self.archive is not None:
-            self.archive.close()
+        for part in self.parts:
+            part.close()
+        if self._own_records:
+            self.records.close()
         self.ctx.close()
         if self._own_model:
             self.model.close()
@@ -5738,7 +6134,8 @@ class Engine:
                 item = self._incoming.get(block=block, timeout=self.warmer.idle_s if block else None)
             except queue.Empty:
                 if block:  # idle for a while: prefill what requests are likely to need
-                    self.warmer.idle()
+                    for part in self.parts:
+                        part.idle()
                 break
             block = False
             if isinstance(item, _Stop):
@@ -5752,8 +6149,7 @@ class Engine:
         for group in [g for g in self._waiting if all(r.cancelled for r in g)]:
             self._waiting.remove(group)
             for req in group:
-                self._take_disk(req)
-                req._finish(Result("", [], "cancelled", len(req.prompt), 0))
+                self._drop(req)
         while self._waiting and len(self.slots.free) < len(self._waiting[0]):
             warm = next((s for s in self._active if s.req.warm), None)
             if warm is None:
@@ -5770,8 +6166,7 @@ class Engine:
             if self.warmer.worth(req):
                 self._start([req])
             else:
-                self._take_disk(req)
-                req._finish(Result("", [], "cancelled", len(req.prompt), 0))
+                self._drop(req)
         return True
 
     def _live(self, s: _Seq) -> _Resident:
@@ -5805,25 +6200,25 @@ class Engine:
             for i, req in enumerate(group):
                 live = [(a.seq_id, self._live(a)) for a in self._active
                         if a.n_exact] if i == 0 and self.model.can_truncate else ()
-                slot, n_cached, n_exact = self.slots.take(req, self._take_disk(req), reuse=i == 0, live=live)
+                slot, n_cached, n_exact = self.slots.take(req, reuse=i == 0, live=live)
                 p = req.params
                 sampler = Sampler(self.model, p)
-                room = self.n_ctx - len(req.prompt)
-                s = _Seq(req, slot, sampler, min(p.max_tokens or room, room), n_cached, n_exact)
+                s = _Seq(req, slot, sampler, p.token_limit(len(req.prompt), self.n_ctx), n_cached, n_exact)
                 seqs.append(s)
                 slot = None  # (s owns it now)
                 sampler.see_prompt(req.prompt)
-                scope = req.archive if self.archive is not None else None
-                if scope is not None and i == 0:
-                    self.archive.refresh(scope)  # what any process appended since
+                if i == 0:
+                    for part in self.parts:
+                        part.admit(s)
                 if not req.warm:
-                    s.spec = self.spec.begin(s.seq_id, list(req.prompt), req.spec, scope, p.schema)
+                    s.spec = self.spec.begin(s.seq_id, list(req.prompt), req.spec, req.archive, p.schema)
         except Exception as e:  # noqa: BLE001 - this group's failure, not the engine's
             if slot is not None:  # taken, not yet owned by a sequence
                 self.ctx.seq_rm(slot)
                 self.slots.free.append(slot)
             err = _request_failure(e, "starting request %s" % group[0].id)
-            self._take_disk(group[0])
+            for part in self.parts:
+                part.release(group[0])
             for s in seqs:
                 self._finish(s, None, err)
             for req in group:
@@ -5877,14 +6272,13 @@ class Engine:
             # (a sequence with twins does not speculate: they would have to follow every draft)
             ids = [s.seq_id for s in decoding]
             try:
-                plans = self.spec.plan([(None if s.twins or s.forced else s.spec,
-                                         min(s.max_tokens - len(s.tokens) - 1, self.n_ctx - s.n_past - 2))
+                plans = self.spec.plan([(None if s.twins or s.forced else s.spec, s.draft_room(self.n_ctx))
                                         for s in decoding], len(decoding), b.capacity, ids)
             except Exception:  # noqa: BLE001 - drafts are optional: this step goes without (same output)
                 log.exception("speculation controller failed; this step has no drafts")
                 plans = [None] * len(decoding)
-            if any(s.forced for s in decoding):
-                self._replayer.drafts(decoding, plans, b.capacity)
+            for part in self.parts:
+                part.drafts(decoding, plans, b.capacity)
             b.clear()
             for s, plan in zip(decoding, plans):
                 b.add(s.last, s.n_past, s.seq_id, True)
@@ -5943,9 +6337,8 @@ class Engine:
         self.counters.t_decode_s += time.perf_counter() - t1
         if s.n_exact == start and (end % self.chunk == 0 or end in s.cuts):
             s.n_exact = end  # a whole chunk on an exact prefix: what a cold prefill computes
-            if end in s.req.snap and self.disk.wants(prompt[:end], s.cuts, s.req.tenant):
-                self.disk.save(prompt[:end], s.cuts, self.ctx.state_seq_get(seq_id), s.req.tenant)  # the writer compresses
-                self.counters.n_disk_snaps += 1
+            for part in self.parts:
+                part.chunk(s, end)
         s.n_done = s.n_past = end
         self.counters.n_prefill_tok += end - start
         if s.req.warm:
@@ -6099,10 +6492,9 @@ class Engine:
         if error is not None:
             req._finish(None, error)
             return
-        if self.archive is not None and req.archive is not None and reason in ("stop", "length") and s.tokens:
-            self.archive.store(req.archive, req.prompt, s.tokens)
-        if self._replayer is not None and self._exact():  # (cache_reuse may have changed since it was submitted)
-            self._replayer.keep(s, reason)
+        if reason in ("stop", "length"):
+            for part in self.parts:
+                part.finish(s, reason)
         now = time.monotonic()
         req._finish(Result("".join(req._text), list(s.tokens), reason, s.n_prompt, len(s.tokens),
                            (s.t_first or now) - req.t_submit, now - req.t_submit, s.n_cached))
@@ -6112,12 +6504,9 @@ class Engine:
             self._finish(s, None, error)
         while self._waiting:
             for req in self._waiting.popleft():
-                self._take_disk(req)
-                req._finish(None, error)
+                self._drop(req, error)
         while self.warmer.queue:
-            req = self.warmer.queue.popleft()
-            self._take_disk(req)
-            req._finish(None, error)
+            self._drop(self.warmer.queue.popleft(), error)
         while True:
             try:
                 item = self._incoming.get_nowait()
@@ -6125,8 +6514,7 @@ class Engine:
                 break
             if isinstance(item, (_Admit, _Warm)):
                 for req in item.group if isinstance(item, _Admit) else [item.req]:
-                    self._take_disk(req)
-                    req._finish(None, error)
+                    self._drop(req, error)
 
 
 # == 22. Embeddings: pooled hidden states ======================================
@@ -6578,14 +6966,6 @@ def conclave_params(params: SamplingParams, temperature_given: bool = True) -> S
     return params
 
 
-def seeded_from(params: SamplingParams, start: int) -> SamplingParams:
-    """params for choices start, start+1, ... of a request submitted in waves: with a
-    seed, choice i samples with seed + i in whichever wave it runs."""
-    if params.seed is None or not start:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + start) % (2 ** 32 - 1))
-
-
 def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vote: str = "last_number",
                  early_stop: bool = True, on_event=None, alive=None, **submit_kw) -> ConclaveResult:
     """Submit n candidates (one prefill), tally them as they finish, cancel the rest once
@@ -6604,7 +6984,7 @@ def run_conclave(engine: "Engine", prompt, params: SamplingParams, n: int, *, vo
     reqs: List[Request] = []             # the wave running
     try:
         while start < n and not decided:
-            reqs = engine.submit_n(prompt, seeded_from(params, start), min(n - start, engine.n_slots), **submit_kw)
+            reqs = engine.submit_n(prompt, params.for_choice(start), min(n - start, engine.n_slots), **submit_kw)
             first_id = first_id or reqs[0].id
             decided = _conclave_wave(reqs, start, results, order, answers, n, vote, early_stop, on_event, alive)
             start += len(reqs)
@@ -6687,35 +7067,29 @@ def _field(body: dict, name: str, kinds, default=None, *, check=None, why=""):
     return value
 
 
-def _max_tokens_asked(body: dict) -> Optional[int]:
-    """The caller's own token limit: max_tokens, or its newer name max_completion_tokens."""
-    asked = _field(body, "max_completion_tokens", int, None, check=lambda v: v >= 1, why="an integer >= 1")
-    return _field(body, "max_tokens", int, asked, check=lambda v: v >= 1, why="an integer >= 1")
+def params_from_body(body: dict, max_tokens_cap: Optional[int] = None) -> SamplingParams:
+    """The sampling fields of a request body (SAMPLING_FIELDS: OpenAI's names, plus
+    llama-style top_k, min_p, repeat_penalty) -> SamplingParams, checked; max_tokens_cap:
+    the server's bound on max_tokens."""
+    return _params_given(body, max_tokens_cap)[0]
 
 
-def params_from_body(body: dict, max_tokens_cap: int) -> SamplingParams:
-    """OpenAI request fields (plus llama-style top_k, min_p, repeat_penalty) -> SamplingParams."""
-    num = (int, float)
-    stop = _field(body, "stop", (str, list), (), why="a string or a list of strings")
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    if any(not isinstance(x, str) for x in stop):
-        raise RequestError("'stop' must be a string or a list of strings", code="invalid_type")
-    max_tokens = _max_tokens_asked(body)
-    grammar, schema = structure_from_body(body)
-    return SamplingParams(
-        temperature=float(_field(body, "temperature", num, 1.0, why="a number in [0, 2]")),
-        top_p=float(_field(body, "top_p", num, 1.0, why="a number in (0, 1]")),
-        top_k=_field(body, "top_k", int, 40, why="an integer >= 0"),
-        min_p=float(_field(body, "min_p", num, 0.0, why="a number in [0, 1]")),
-        repeat_penalty=float(_field(body, "repeat_penalty", num, 1.0, why="a number in (0, 100]")),
-        presence_penalty=float(_field(body, "presence_penalty", num, 0.0, why="a number in [-2, 2]")),
-        frequency_penalty=float(_field(body, "frequency_penalty", num, 0.0, why="a number in [-2, 2]")),
-        seed=_field(body, "seed", int, None, why="an integer"),
-        max_tokens=min(max_tokens or max_tokens_cap, max_tokens_cap),
-        stop=stop,
-        grammar=grammar,
-        schema=schema,
-    ).validate()
+def _params_given(body: dict, max_tokens_cap: Optional[int]) -> tuple:
+    """(params_from_body's SamplingParams, the names of the fields the body gave)."""
+    values: dict = {}
+    for f in SAMPLING_FIELDS:
+        for name in f.api[::-1]:  # (the field's own name wins over an alias)
+            value = _field(body, name, f.kinds, None, check=f.check if f.name != "stop" else None,
+                           why="a string or a list of strings" if f.name == "stop" else f.why)
+            if value is not None:
+                values[f.name] = float(value) if f.kinds is _NUMBER else value
+    given = frozenset(values)
+    stop = values.get("stop", ())
+    values["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not isinstance(x, str) for x in values["stop"]):
+        raise RequestError("'stop' must be a string or a list of strings", code="invalid_type", param="stop")
+    values["grammar"], values["schema"] = structure_from_body(body)
+    return SamplingParams(max_tokens_cap=max_tokens_cap, **values).validate(), given
 
 
 def structure_from_body(body: dict) -> tuple:
@@ -6889,8 +7263,8 @@ def tools_from_body(body: dict) -> tuple:
     names = []
     for j, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _TOOL_NAME.match(fn["name"]) \
-                or not isinstance(fn.get("parameters", {}), dict):
+        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _TOOL_NAME.match(fn["name"])
+                or not isinstance(fn.get("parameters", {}), dict)):
             raise RequestError("'tools[%d]' must be {type: function, function: {name (A-Z a-z 0-9 _ -, up to 64), "
                                "description, parameters: a JSON schema}}" % j, code="invalid_value", param="tools")
         names.append(fn["name"])
@@ -7077,8 +7451,7 @@ class ApiRequest:
     """One request body, checked (request_from_body): everything the server needs to run it."""
 
     chat: bool                      # /v1/chat/completions (messages) or /v1/completions (prompt)
-    params: SamplingParams          # max_tokens capped by the server (--max-tokens, else the context)
-    max_tokens_asked: Optional[int]  # the caller's own max_tokens / max_completion_tokens
+    params: SamplingParams          # with the server's cap on max_tokens (serve --max-tokens)
     n: int = 1                      # choices
     best_of: int = 1                # > 1: candidates voted into one choice (the Conclave)
     stream: bool = False
@@ -7116,7 +7489,8 @@ def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_t
     ``tool_format``: the model's tool-call format (tool_format; None: no tools)."""
     most = max(MAX_CHOICES, n_slots)  # past n_slots they run in waves
     most_why = "an integer from 1 to %d" % most
-    api = ApiRequest(chat=chat, params=params_from_body(body, max_tokens_cap), max_tokens_asked=_max_tokens_asked(body),
+    params, given = _params_given(body, max_tokens_cap)
+    api = ApiRequest(chat=chat, params=params,
                      n=_field(body, "n", int, 1, check=lambda v: 1 <= v <= most, why=most_why),
                      best_of=_field(body, "best_of", int, 1, check=lambda v: 1 <= v <= most, why=most_why),
                      stream=_field(body, "stream", bool, False, why="a boolean"),
@@ -7134,7 +7508,7 @@ def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_t
         api.vote = check_extractor(_field(ext, "vote", str, "last_number", why="an extractor name"))
         api.early_stop = _field(ext, "early_stop", bool, True, why="a boolean")
         api.candidates = _field(ext, "candidates", bool, False, why="a boolean")
-        api.params = conclave_params(api.params, temperature_given=body.get("temperature") is not None)
+        api.params = conclave_params(api.params, temperature_given="temperature" in given)
     n_top = _logprobs_from_body(body, chat)
     if n_top is not None:
         if api.best_of > 1:
@@ -7201,6 +7575,7 @@ def embeddings_from_body(body: dict) -> tuple:
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _SESSION_MAX_BYTES = 64 << 20  # a saved session file read back (a longer one is not ours)
+_SESSION_MAGIC = b"REAMESS\x00"
 
 
 def _session_id(sid) -> str:
@@ -7248,9 +7623,11 @@ class Sessions:
     ``owner`` is the caller's scope (Server.authorized: "" without keys, else a keyed
     hash of the key); ids are validated before any path is built from them."""
 
-    def __init__(self, engine_fn, max_count: int = 256, idle_s: float = 3600.0, store: Optional[str] = None):
+    def __init__(self, engine_fn, max_count: int = 256, idle_s: float = 3600.0, store: Optional[str] = None,
+                 records: Optional[RecordStore] = None):
         self._engine_fn = engine_fn
         self.max_count, self.idle_s, self.store = max_count, idle_s, store
+        self._shelf = (records or RecordStore()).shelf("session", _SESSION_MAGIC, store, ".json") if store else None
         self._lock = threading.Lock()
         self._by_key: dict = {}  # (owner, id) -> _Session; guarded by _lock
         self._gone = collections.OrderedDict()  # (owner, id) that expired or were deleted: 404, not a new session
@@ -7317,13 +7694,10 @@ class Sessions:
         return os.path.join(self.store, owner or "open", sid + ".json")  # (both validated: no separators)
 
     def _save(self, s: _Session) -> None:
-        path = self._file(s.id, s.owner)
-        try:
-            _private_dirs(self.store, os.path.dirname(path))
-            _write_private(path, [json.dumps({"id": s.id, "chat": s.chat, "messages": s.messages, "text": s.text,
-                                              "tokens": s.n_tokens, "created": s.created}).encode()])
-        except OSError as e:
-            log.warning("cannot save session %s (%s): it lives in memory only", s.id, e)
+        payload = json.dumps({"id": s.id, "chat": s.chat, "messages": s.messages, "text": s.text,
+                              "tokens": s.n_tokens, "created": s.created}).encode()
+        if not self._shelf.write(self._file(s.id, s.owner), payload):
+            log.warning("cannot save session %s: it lives in memory only", s.id)
 
     def _load(self, sid: str, owner: str) -> Optional[_Session]:
         path = self._file(sid, owner)
@@ -7332,10 +7706,13 @@ class Sessions:
                 os.remove(path)
                 self._gone[(owner, sid)] = True
                 return None
-            d = json.loads(_read_private(path, _SESSION_MAX_BYTES).decode("utf-8"))
+            payload = self._shelf.read(path, _SESSION_MAX_BYTES)
+            if payload is None:
+                return None
+            d = json.loads(bytes(payload).decode("utf-8"))
             s = _Session(sid, owner, bool(d["chat"]))
-            s.messages, s.text, s.n_tokens, s.created = _messages_from_body(d) if s.chat else [], str(d["text"]), \
-                int(d["tokens"]), float(d["created"])
+            s.messages = _messages_from_body(d) if s.chat else []
+            s.text, s.n_tokens, s.created = str(d["text"]), int(d["tokens"]), float(d["created"])
             return s
         except (OSError, ValueError, KeyError, TypeError, RecursionError, ReameError):
             return None
@@ -7656,11 +8033,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if api.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in history):
                 turns = tool_messages(api.tool_format, history, api.tools if api.calls_tools else ())
             tokens = eng.chat_prompt(turns) if api.chat else eng.model.tokenize(text)
-            if len(tokens) >= eng.n_ctx or (api.max_tokens_asked is not None and
-                                             len(tokens) + api.params.max_tokens > eng.n_ctx):
-                raise RequestError("prompt (%d tokens) plus max_tokens (%d) is over the context (%d tokens "
-                                   "per sequence)" % (len(tokens), api.params.max_tokens, eng.n_ctx),
-                                   code="context_length_exceeded")
+            api.params.check_context(len(tokens), eng.n_ctx)  # (before a stream starts; submit checks too)
             kw = dict(snap_at=eng.prefix_boundary(turns, tokens) if api.chat else (), spec=api.spec,
                       archive=api.archive, tenant=srv.tenant(owner), replay=api.replay)
             if api.best_of > 1:
@@ -7668,7 +8041,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
 
             def submit(start: int, k: int) -> List[Request]:  # choices start..start+k-1 (a wave)
-                return eng.submit_n(tokens, seeded_from(api.params, start), k,
+                return eng.submit_n(tokens, api.params.for_choice(start), k,
                                     cache_tag=session.tag if session else None, **kw)
 
             def done(results: List[Result]) -> None:
@@ -7939,74 +8312,10 @@ class _Histogram:
                       "%s_count %d" % (name, self.n)]
 
 
-# /metrics, one line per metric here: name (after "reame_"), type, help, and the key of
-# Server._metric_values it reads: a number, a {label value: number} dict (the label's
-# name last), a _Histogram, or None (not reported: a disk tier or archive that is off).
-_METRICS = (
-    ("requests_total", "counter", "HTTP requests answered, by status", "requests", "status"),
-    ("prompt_tokens_total", "counter", "prompt tokens of answered requests", "prompt_tokens", None),
-    ("completion_tokens_total", "counter", "tokens generated for answered requests", "completion_tokens", None),
-    ("time_to_first_token_seconds", "histogram", "submit to first token", "ttft", None),
-    ("time_per_output_token_seconds", "histogram", "time per token after the first", "per_token", None),
-    ("disk_cache_misses_total", "counter", "prompt lookups the disk tier had nothing for", "disk_misses", None),
-    ("disk_cache_written_total", "counter", "KV snapshots written to disk", "disk_written", None),
-    ("disk_cache_evictions_total", "counter", "KV snapshot files evicted (size bound)", "disk_evicted", None),
-    ("disk_cache_rejected_total", "counter", "KV snapshot files that failed their checks (deleted)", "disk_bad",
-     None),
-    ("disk_cache_files", "gauge", "KV snapshot files on disk", "disk_files", None),
-    ("disk_cache_bytes", "gauge", "bytes of KV snapshot files on disk", "disk_bytes", None),
-    ("disk_cache_enabled", "gauge", "1 while the disk tier is writable", "disk_enabled", None),
-    ("disk_cache_held_bytes", "gauge", "snapshot bytes held by queued requests", "disk_held", None),
-    ("active_sequences", "gauge", "sequences holding a slot", "active", None),
-    ("queued_requests", "gauge", "requests waiting for a slot", "waiting", None),
-    ("kv_cells_used", "gauge", "KV cells of active sequences", "kv_used", None),
-    ("kv_cells_cached", "gauge", "KV cells kept by free slots (the memory tier)", "kv_cached", None),
-    ("kv_cells_free", "gauge", "KV cells neither used nor cached", "kv_free", None),
-    ("cache_hits_total", "counter", "prompts that reused resident KV", "cache_hits", None),
-    ("cache_misses_total", "counter", "prompts that found no resident KV to reuse", "cache_misses", None),
-    ("cache_evictions_total", "counter", "resident KV entries dropped for room", "cache_evictions", None),
-    ("disk_cache_hits_total", "counter", "prompts that restored a prefix from disk", "disk_hits", None),
-    ("disk_cache_snapshots_total", "counter", "KV snapshots handed to the disk writer", "disk_snapshots", None),
-    ("sessions", "gauge", "conversations kept (all keys)", "sessions", None),
-    ("prefills_total", "counter", "prompts prefilled", "prefills", None),
-    ("twin_tokens_total", "counter", "tokens of n > 1 choices sampled from a shared row", "twin_tokens", None),
-    ("prefill_tokens_total", "counter", "prompt tokens computed", "prefill_tokens", None),
-    ("cached_prompt_tokens_total", "counter", "prompt tokens reused, not computed", "cached_tokens", None),
-    ("decode_steps_total", "counter", "scheduler steps", "steps", None),
-    ("spec_proposed_tokens_total", "counter", "draft tokens verified, by source", "spec_proposed", "source"),
-    ("spec_accepted_tokens_total", "counter", "draft tokens that came true, by source", "spec_accepted", "source"),
-    ("spec_verify_steps_total", "counter", "steps that verified drafts, by source", "spec_steps", "source"),
-    ("spec_probes_total", "counter", "probes of a source that did not pay, by source", "spec_probes", "source"),
-    ("spec_draft_tokens", "gauge", "the last draft length chosen, by source", "spec_k", "source"),
-    ("spec_on", "gauge", "1 while the last decision for the source was to use it", "spec_on", "source"),
-    ("spec_estimated_speedup", "gauge", "the expected speedup of the last decision, by source", "spec_gain",
-     "source"),
-    ("replays_total", "counter", "requests answered whole from a replay record (nothing computed)", "replays",
-     None),
-    ("replay_tokens_saved_total", "counter", "tokens of those answers: not computed", "replay_tokens", None),
-    ("replay_continued_total", "counter", "requests that went on past a record's tokens (verified as drafts)",
-     "replay_continued", None),
-    ("replay_records_written_total", "counter", "replay records written to disk", "replay_written", None),
-    ("replay_records_rejected_total", "counter", "replay records that failed their checks (deleted)", "replay_bad",
-     None),
-    ("replay_records_evicted_total", "counter", "replay records evicted (size bound)", "replay_evicted", None),
-    ("conclaves_total", "counter", "best_of requests voted", "conclaves", None),
-    ("conclave_candidates_total", "counter", "best_of candidates, by state", "conclave_candidates", "state"),
-    ("conclave_tokens_saved_total", "counter", "tokens early stops saved (estimate)", "conclave_saved", None),
-    ("archive_stored_total", "counter", "generations stored in the Palimpsest", "archive_stored", None),
-    ("archive_dropped_total", "counter", "generations not stored (too short, failed)", "archive_dropped", None),
-    ("archive_tokens", "gauge", "tokens this process has read from the archive (all scopes)", "archive_tokens",
-     None),
-)
-
-
-def _metrics_text(values: dict) -> str:
-    """The Prometheus text of _METRICS from their values (Server._metric_values)."""
+def _metrics_text(rows: Sequence[Metric]) -> str:
+    """The Prometheus text of metric rows (Server.metrics)."""
     lines = []
-    for name, kind, help_text, key, label in _METRICS:
-        v = values.get(key)
-        if v is None:
-            continue
+    for name, kind, help_text, v, label in rows:
         full = "reame_" + name
         lines += ["# HELP %s %s" % (full, help_text), "# TYPE %s %s" % (full, kind)]
         if isinstance(v, _Histogram):
@@ -8023,8 +8332,8 @@ def _installation_secret() -> bytes:
     bytes, 0600, made on first use; two servers starting at once agree on it). Without
     a writable REAME_HOME: a secret for this process only (then sessions and archives
     kept on disk are not found again after a restart; logged)."""
-    home = Config.from_env().home
-    path = os.path.join(home, "secret")
+    cfg = Config.from_env()
+    home, path = cfg.home, cfg.secret_path
     for _ in range(50):
         try:
             data = _read_private(path, 4096)
@@ -8123,8 +8432,10 @@ class Server:
                  max_sessions: int = 256, session_idle_s: float = 3600.0, session_dir: Optional[str] = None,
                  header_timeout_s: float = 30.0, body_timeout_s: float = 60.0, max_connections: int = 256,
                  max_body_in_flight: int = 16 << 20, shared_cache: bool = False, secret: Optional[bytes] = None,
-                 embedding_model: Optional[str] = None):
+                 embedding_model: Optional[str] = None, records: Optional[RecordStore] = None):
         self.engine, self.model_name = engine, model_name
+        self._own_records = records is None and session_dir is not None
+        self.records = records if records is not None or session_dir is None else RecordStore()
         self.api_keys = tuple(k.encode() for k in api_keys if k)
         # a key's scope (directories, cache, metrics) is a keyed hash: the names on disk do
         # not let anyone test guesses of a key offline without this installation's secret
@@ -8135,7 +8446,7 @@ class Server:
         self.header_timeout_s, self.body_timeout_s = header_timeout_s, body_timeout_s
         self.max_body_in_flight = max_body_in_flight
         self.body_in_flight = 0  # bytes of request bodies being read or served now; guarded by _lock
-        self.sessions = Sessions(lambda: self.engine, max_sessions, session_idle_s, session_dir)
+        self.sessions = Sessions(lambda: self.engine, max_sessions, session_idle_s, session_dir, self.records)
         self.embedding_model = embedding_model  # a GGUF for /v1/embeddings (None: the served model)
         self._embedder: Optional[Embedder] = None  # made at the first /v1/embeddings; guarded by _embedder_lock
         self._embedder_lock = threading.Lock()
@@ -8160,8 +8471,8 @@ class Server:
         threading.Thread(target=self._watchdog, name="reame-watchdog", daemon=True).start()
 
     @property
-    def max_tokens_cap(self) -> int:
-        return self._max_tokens_cap or self.engine.n_ctx
+    def max_tokens_cap(self) -> Optional[int]:
+        return self._max_tokens_cap  # (None: the context is the bound)
 
     def count(self, status: int, results: Sequence[Result] = ()) -> None:
         with self._lock:
@@ -8221,43 +8532,29 @@ class Server:
             err.headers = [("Retry-After", str(self.retry_after()))]
             raise err
 
-    def _metric_values(self) -> dict:
-        """A snapshot of everything /metrics reports (section 27's _METRICS)."""
-        eng = self.engine
-        st = eng.stats()
+    def metrics(self) -> List[Metric]:
+        """Everything /metrics reports: the server's rows, then the engine's."""
         with self._lock:
-            v = {"requests": dict(self.n_requests), "prompt_tokens": self.n_prompt_tok,
-                 "completion_tokens": self.n_completion_tok, "ttft": copy.deepcopy(self.h_ttft),
-                 "per_token": copy.deepcopy(self.h_token), "conclaves": self.conclave.get("runs", 0),
-                 "conclave_candidates": {k: self.conclave.get(k, 0) for k in ("started", "finished", "cancelled")},
-                 "conclave_saved": self.conclave.get("saved_tokens", 0)}
-        if eng.disk is not None:
-            d = eng.disk
-            files, size = d.usage()
-            v.update(disk_misses=d.n_missed, disk_written=d.n_saved, disk_evicted=d.n_evicted, disk_bad=d.n_bad,
-                     disk_files=files, disk_bytes=size, disk_enabled=int(d.enabled), disk_held=st["disk_held_bytes"])
-        v.update(active=st["active"], waiting=st["waiting"], kv_used=st["kv_cells_active"],
-                 kv_cached=st["kv_cells_cached"],
-                 kv_free=st["kv_cells_total"] - st["kv_cells_active"] - st["kv_cells_cached"],
-                 cache_hits=st["cache_hits"], cache_misses=st["cache_misses"], cache_evictions=st["cache_evictions"],
-                 disk_hits=st["disk_hits"], disk_snapshots=st["disk_snapshots"], sessions=len(self.sessions),
-                 prefills=st["prefills"], twin_tokens=st["twin_tokens"], prefill_tokens=st["prefill_tokens"],
-                 cached_tokens=st["cached_tokens"], steps=st["steps"])
-        if eng.replay is not None:
-            r = eng.replay
-            v.update(replays=r.n_replays, replay_tokens=r.n_replay_tok, replay_continued=r.n_continued,
-                     replay_written=r.n_saved, replay_bad=r.n_bad, replay_evicted=r.n_evicted)
-        for key, field in (("spec_proposed", "proposed"), ("spec_accepted", "accepted"), ("spec_steps", "steps"),
-                           ("spec_probes", "probes"), ("spec_k", "k"), ("spec_on", "on"), ("spec_gain", "gain")):
-            v[key] = {name: c[field] for name, c in st["spec"].items()}
-        arc = st["archive"]
-        if arc is not None:  # all scopes together: a scope per key would list the other tenants to every caller
-            v.update(archive_stored=arc["stored"], archive_dropped=arc["dropped"],
-                     archive_tokens=sum(sc["tokens"] for sc in arc["scopes"].values()))
-        return v
+            conclave = {k: self.conclave.get(k, 0) for k in ("runs", "started", "finished", "cancelled", "saved_tokens")}
+            rows = [
+                Metric("requests_total", "counter", "HTTP requests answered, by status", dict(self.n_requests),
+                       "status"),
+                Metric("prompt_tokens_total", "counter", "prompt tokens of answered requests", self.n_prompt_tok),
+                Metric("completion_tokens_total", "counter", "tokens generated for answered requests",
+                       self.n_completion_tok),
+                Metric("time_to_first_token_seconds", "histogram", "submit to first token", copy.deepcopy(self.h_ttft)),
+                Metric("time_per_output_token_seconds", "histogram", "time per token after the first",
+                       copy.deepcopy(self.h_token))]
+        rows += [
+            Metric("sessions", "gauge", "conversations kept (all keys)", len(self.sessions)),
+            Metric("conclaves_total", "counter", "best_of requests voted", conclave.pop("runs")),
+            Metric("conclave_tokens_saved_total", "counter", "tokens early stops saved (estimate)",
+                   conclave.pop("saved_tokens")),
+            Metric("conclave_candidates_total", "counter", "best_of candidates, by state", conclave, "state")]
+        return rows + self.engine.metrics()
 
     def metrics_text(self) -> str:
-        return _metrics_text(self._metric_values())
+        return _metrics_text(self.metrics())
 
     def embedder(self) -> Embedder:
         """The Embedder for /v1/embeddings, made on first use (a context of its own)."""
@@ -8300,6 +8597,8 @@ class Server:
         self._stop.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+        if self._own_records:
+            self.records.close()
         with self._embedder_lock:
             if self._embedder is not None:
                 self._embedder.close()
@@ -8373,8 +8672,8 @@ def _draft_path(args) -> Optional[str]:
         return None
 
 
-def _engine_kwargs(args) -> dict:
-    """Engine options shared by run and serve."""
+def _engine_kwargs(args, records: Optional[RecordStore] = None) -> dict:
+    """Engine options shared by run and serve, with the parts (the stores) handed to it."""
     if not 1 <= args.spec_max <= 32:
         raise RequestError("--spec-max must be between 1 and 32")
     archive = 0 if args.no_archive else parse_size(args.archive_size)
@@ -8383,9 +8682,11 @@ def _engine_kwargs(args) -> dict:
     replay = 0 if args.no_replay or args.no_disk_cache else parse_size(args.replay_size)
     if replay and replay < 1 << 20:
         raise RequestError("--replay-size must be at least 1M (or use --no-replay)")
-    return dict(n_ctx=args.ctx, n_threads=args.threads, disk_cache=_disk_cache_bytes(args), spec=args.spec,
-                spec_max=args.spec_max, spec_verify=args.spec_verify, draft=_draft_path(args), archive=archive,
-                suggest=not args.no_suggest, replay=replay, warm_ahead=not args.no_warm_ahead)
+    parts = engine_parts(disk_cache=_disk_cache_bytes(args), replay=replay, archive=archive,
+                         warm_ahead=not args.no_warm_ahead, records=records)
+    return dict(n_ctx=args.ctx, n_threads=args.threads, spec=args.spec, spec_max=args.spec_max,
+                spec_verify=args.spec_verify, draft=_draft_path(args), suggest=not args.no_suggest, parts=parts,
+                records=records)
 
 
 def _disk_cache_bytes(args) -> int:
@@ -8393,7 +8694,7 @@ def _disk_cache_bytes(args) -> int:
         return 0
     if args.cache_size is not None:
         return parse_size(args.cache_size)
-    return default_cache_bytes(os.path.join(Config.from_env().home, "kv"))
+    return default_cache_bytes(Config.from_env().kv_dir)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -8613,11 +8914,12 @@ def _cmd_serve(args) -> int:
     name = _spec_for(args.model).alias if _spec_for(args.model) else os.path.basename(path)
     embedding = resolve_model(args.embedding_model) if args.embedding_model else None
     # The port opens first (/health says "loading"), then the model loads.
+    records = RecordStore()  # (one writer for the engine's stores and the sessions)
     server = Server(None, name, host=args.host, port=args.port, api_keys=keys, max_tokens_cap=args.max_tokens,
                     max_queue=args.max_queue, max_sessions=args.sessions, session_idle_s=args.session_idle,
-                    session_dir=None if args.no_disk_cache else os.path.join(Config.from_env().home, "sessions"),
+                    session_dir=None if args.no_disk_cache else Config.from_env().sessions_dir,
                     max_connections=args.max_connections, shared_cache=args.shared_cache,
-                    embedding_model=embedding)
+                    embedding_model=embedding, records=records)
 
     def on_signal(signum, frame):
         threading.Thread(target=server.shutdown, name="reame-shutdown", daemon=True).start()
@@ -8627,9 +8929,10 @@ def _cmd_serve(args) -> int:
     http_thread = threading.Thread(target=server.serve_forever, name="reame-http", daemon=True)
     http_thread.start()
     try:
-        engine = Engine(path, n_slots=args.parallel, cache_reuse=args.cache_reuse, **_engine_kwargs(args))
+        engine = Engine(path, n_slots=args.parallel, cache_reuse=args.cache_reuse, **_engine_kwargs(args, records))
     except BaseException:
         server.shutdown()
+        records.close()
         raise
     server.engine = engine
     if args.warm:
@@ -8652,6 +8955,7 @@ def _cmd_serve(args) -> int:
             time.sleep(0.05)
         time.sleep(0.2)  # let handler threads write their last bytes
         engine.close()
+        records.close()
     return 0
 
 
@@ -8742,8 +9046,8 @@ def _cmd_list(args) -> int:
 
 
 def _cmd_cache(args) -> int:
-    root = os.path.join(Config.from_env().home, "kv")
-    replays = os.path.join(Config.from_env().home, "replay")
+    cfg = Config.from_env()
+    root, replays = cfg.kv_dir, cfg.replay_dir
     n_replays = sum(name.endswith(".rp") for _, _, names in os.walk(replays) for name in names)
     if args.action == "clear":  # every file derived from prompts: snapshots, prompt heads, replay records
         n = len(kv_cache_entries(root))
@@ -8782,7 +9086,7 @@ def _cmd_cache(args) -> int:
 
 
 def _cmd_archive(args) -> int:
-    root = os.path.join(Config.from_env().home, "palimpsest")
+    root = Config.from_env().archive_dir
     scopes = [(v, sc) for v in sorted(os.listdir(root)) if os.path.isdir(os.path.join(root, v))
               for sc in sorted(os.listdir(os.path.join(root, v)))] if os.path.isdir(root) else []
     if args.action == "clear":
