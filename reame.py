@@ -13,33 +13,36 @@ On a CPU, never compute the same thing twice. One file, standard library only
 Sections (``grep -n '^# == ' reame.py`` prints the map):
 
     1. Imports and optional dependencies
-    2. Configuration (REAME_* environment, read once)
+    2. Configuration
     3. Errors
     4. Helpers: logging, threads, text streaming, progress
-    5. libllama binding (ctypes, in llama.h order)
+    5. libllama binding
     6. Model, context and batch wrappers
     7. Grammars: GBNF checked before llama.cpp parses it
     8. Sampling
     9. Model registry and download
-   10. Prefix KV cache: disk tier
-   11. Replay: finished answers, answered again
-   12. Palimpsest: the archive of generations
-   13. Speculation: draft sources and the controller
-   14. The draft model
-   15. Structured output: json_schema to GBNF
-   16. Reading JSON as it is written: JsonScan
-   17. Il Suggeritore: structure as drafts
-   18. Requests: what the engine takes and gives back
-   19. Slots: the memory tier, and consecutive sequence ids
-   20. Off the step: replayed answers and warm-ahead
-   21. Engine: the scheduler thread and continuous batching
-   22. Embeddings: pooled hidden states
-   23. The Conclave: best-of-N in one batch, voted
-   24. Request bodies: OpenAI JSON to engine arguments
-   25. Sessions: conversations the server keeps
-   26. HTTP requests: routes and answers (OpenAI-compatible)
-   27. HTTP server: connections, tenants, limits, metrics
-   28. Command line
+   10. Records on disk: one store
+   11. Prefix KV cache: disk tier
+   12. Replay: finished answers, answered again
+   13. Palimpsest: the archive of generations
+   14. Speculation: what pays, and the draft sources
+   15. The speculation controller
+   16. The draft model
+   17. Structured output: json_schema to GBNF
+   18. Reading JSON as it is written: JsonScan
+   19. Il Suggeritore: structure as drafts
+   20. Requests: what the engine takes and gives back
+   21. Slots: the memory tier, and consecutive sequence ids
+   22. Engine parts: the stores as plug-ins
+   23. The scheduler: one batch per step
+   24. Engine: the model, its slots and parts, and what callers use
+   25. Embeddings: pooled hidden states
+   26. The Conclave: best-of-N in one batch, voted
+   27. Request bodies: OpenAI JSON to engine arguments
+   28. Sessions: conversations the server keeps
+   29. HTTP requests: routes and answers
+   30. HTTP server: connections, tenants, limits, metrics
+   31. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -153,11 +156,11 @@ class Config:
         return os.path.join(self.home, "palimpsest")
 
     @property
-    def sessions_dir(self) -> str:  # serve's session histories (section 26)
+    def sessions_dir(self) -> str:  # serve's session histories (section 28)
         return os.path.join(self.home, "sessions")
 
     @property
-    def secret_path(self) -> str:   # the installation secret (section 28)
+    def secret_path(self) -> str:   # the installation secret (section 30)
         return os.path.join(self.home, "secret")
 
 
@@ -746,7 +749,7 @@ class _Library:
             self.tiled_rows = n
 
     def build_id(self) -> str:
-        """A hash of the loaded libraries' bytes (replay keys: section 11)."""
+        """A hash of the loaded libraries' bytes (replay keys: section 12)."""
         if self._build_id is None:
             h = hashlib.sha256()
             for p in self._files:
@@ -1169,7 +1172,7 @@ class Context:
         p.flash_attn_type = flash_attn  # -1 auto (on for CPU): its kernel skips masked cells, so a
         # sequence's attention does not depend on its neighbours in the unified KV
         p.no_perf = True
-        if embeddings:  # pooled per sequence: llama_get_embeddings_seq (section 22)
+        if embeddings:  # pooled per sequence: llama_get_embeddings_seq (section 25)
             p.embeddings, p.pooling_type = True, LLAMA_POOLING_TYPE_MEAN
         L.take_errors()
         ptr = L.llama_init_from_model(model.ptr, p)
@@ -1246,7 +1249,7 @@ class Context:
 
 
 # == 7. Grammars: GBNF checked before llama.cpp parses it ======================
-# A grammar (a raw ``grammar``, or the GBNF a json_schema becomes, section 15) is read in
+# A grammar (a raw ``grammar``, or the GBNF a json_schema becomes, section 17) is read in
 # Python first, because llama.cpp's grammar code has no bounds of its own: gbnf_check, then
 # llama.cpp's parser (grammar_sampler, check_grammar). Sampling (section 8) never puts the
 # grammar in llama.cpp's chain.
@@ -1666,7 +1669,7 @@ class _ParamField(NamedTuple):
 _NUMBER = (int, float)
 # The one table of sampling fields: params_from_body reads bodies by it, validate checks
 # by it; the defaults are SamplingParams'. (grammar and schema come from response_format,
-# top_logprobs from logprobs: see section 25.)
+# top_logprobs from logprobs: see section 27.)
 SAMPLING_FIELDS = (
     _ParamField("temperature", _NUMBER, lambda v: 0 <= v <= 2, "a number in [0, 2]", ("temperature",)),
     _ParamField("top_p", _NUMBER, lambda v: 0 < v <= 1, "a number in (0, 1]", ("top_p",)),
@@ -2443,18 +2446,18 @@ class Shelf:
         self.enabled = False
 
 
-# == 10. Prefix KV cache: disk tier ============================================
+# == 11. Prefix KV cache: disk tier ============================================
 # Snapshots of prompt prefixes' KV (llama_state_seq_get_data), compressed, one file per
 # prefix under $REAME_HOME/kv/<model fingerprint>/, named by a hash of the fingerprint,
 # the KV parameters and the prefix's tokens: another process, or this one after a
 # restart, finds a prefix without an index. The engine snapshots only whole prefill
-# chunks on an exact prefix (section 19), so a restored prefix is what a cold prefill
+# chunks on an exact prefix (section 21), so a restored prefix is what a cold prefill
 # computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
 # tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
 # the least recently used files go first when the directory is over its size bound.
 # Compression and writing run on a writer thread, never the scheduler. Beside the
 # snapshots, heads.json counts the prompt heads requests come with (HeadHistory): what an
-# idle engine prefills ahead (warm-ahead, section 21).
+# idle engine prefills ahead (warm-ahead, section 22).
 
 _KV_MAGIC = b"REAMEKV\x00"
 _HEADS_MAGIC = b"REAMEHD\x00"
@@ -2729,7 +2732,7 @@ def kv_cache_prune(root: str, max_bytes: int) -> tuple:
     return tuple(freed)
 
 
-# == 11. Replay: finished answers, answered again ==============================
+# == 12. Replay: finished answers, answered again ==============================
 # Greedy output is the contract: the same model, kernels, prompt tokens and sampling
 # parameters give the same tokens alone, batched, speculated or after a cache hit (and
 # seed for seed when sampling). So a finished answer can be given again without
@@ -2737,7 +2740,7 @@ def kv_cache_prune(root: str, max_bytes: int) -> tuple:
 # them (model, libraries, prompt, every sampling field but max_tokens), one folder per
 # tenant: $REAME_HOME/replay/<model fingerprint>/<scope>/. max_tokens is not in the key:
 # a record answers any max_tokens up to its own, and a longer one continues from its
-# tokens, which the engine verifies as drafts (section 21): nothing is taken on trust.
+# tokens, which the engine verifies as drafts (section 23): nothing is taken on trust.
 # Unseeded sampling is random and never replayed. Records are small JSON files,
 # checksummed and written whole (0600) by a writer thread; a bad one is deleted and
 # recomputed; the least recently used go first past the size bound.
@@ -2925,7 +2928,7 @@ class ReplayStore:
         return self.shelf.usage()
 
 
-# == 12. Palimpsest: the archive of generations ================================
+# == 13. Palimpsest: the archive of generations ================================
 # Every completed generation (with its prompt's tail, for context) is appended to an
 # on-disk archive per vocabulary and scope (one per API key), so a later request, in
 # this process, another one or after a restart, can draft from what was written
@@ -3373,9 +3376,9 @@ class Palimpsest:
             self.records.close(timeout)
 
 
-# == 13. Speculation: draft sources and the controller =========================
+# == 14. Speculation: what pays, and the draft sources ==========================
 # Draft sources propose tokens; the target verifies them in the scheduler's batch
-# step (section 21) and keeps the longest run it would have produced itself. The
+# step (section 23) and keeps the longest run it would have produced itself. The
 # controller measures, live, what a verify step of k+1 tokens costs against one
 # token, and how often each source is right by draft position, and speculates only
 # where that pays. Everything that decides is a pure function, tested without a model.
@@ -3699,7 +3702,7 @@ class PromptLookup(DraftSource):
 
 
 class ArchiveSource(DraftSource):
-    """Palimpsest (section 12) as a draft source: what followed the sequence's end in
+    """Palimpsest (section 13) as a draft source: what followed the sequence's end in
     earlier generations of its scope, in this process, another one or a past run."""
 
     name = "archive"
@@ -3730,6 +3733,22 @@ class ArchiveResync(ArchiveSource):
 
 
 # -- the controller
+
+
+# == 15. The speculation controller ============================================
+# Each step the controller asks the allowed sources for drafts, weighs what a verify
+# step of k+1 tokens would cost against what it would likely win (CostModel, Acceptance),
+# and plans the drafts the step verifies; what came true feeds back into its estimates.
+
+# The speculation controller's counters on /metrics, by source: field, name, type, help.
+_SPEC_METRICS = (
+    ("proposed", "spec_proposed_tokens_total", "counter", "draft tokens verified, by source"),
+    ("accepted", "spec_accepted_tokens_total", "counter", "draft tokens that came true, by source"),
+    ("steps", "spec_verify_steps_total", "counter", "steps that verified drafts, by source"),
+    ("probes", "spec_probes_total", "counter", "probes of a source that did not pay, by source"),
+    ("k", "spec_draft_tokens", "gauge", "the last draft length chosen, by source"),
+    ("on", "spec_on", "gauge", "1 while the last decision for the source was to use it"),
+    ("gain", "spec_estimated_speedup", "gauge", "the expected speedup of the last decision, by source"))
 
 
 class DraftPlan(NamedTuple):
@@ -4071,9 +4090,9 @@ class SpecController:
         return {name: dict(c) for name, c in self.counters.items()}
 
 
-# == 14. The draft model =======================================================
+# == 16. The draft model =======================================================
 # A small model of the target's vocabulary drafting greedily in a context of its own:
-# a draft source (section 13) that costs to ask. --draft MODEL, or paired automatically
+# a draft source (section 14) that costs to ask. --draft MODEL, or paired automatically
 # (DRAFT_PAIRS); its KV follows each sequence lazily, rolled back where drafts failed.
 
 
@@ -4208,12 +4227,12 @@ class DraftModel(DraftSource):
         self.ctx.close()
 
 
-# == 15. Structured output: json_schema to GBNF ================================
+# == 17. Structured output: json_schema to GBNF ================================
 # response_format's json_object and json_schema, and a raw grammar, constrain decoding
 # through llama.cpp's grammar sampler (section 7); here a json_schema becomes GBNF:
 # objects with required properties, arrays with item bounds, strings with length
 # bounds, numbers, booleans, enum and const, anyOf/oneOf, $ref (_SCHEMA_KNOWN); anything
-# else is a 400 naming it. Il Suggeritore (section 17) drafts where a constraint leaves
+# else is a 400 naming it. Il Suggeritore (section 19) drafts where a constraint leaves
 # one way on.
 
 _GBNF_BASE = r'''
@@ -4418,11 +4437,11 @@ def json_schema_grammar(schema: dict) -> str:
     return "\n".join(lines) + "\n" + _GBNF_BASE
 
 
-# == 16. Reading JSON as it is written: JsonScan ===============================
+# == 18. Reading JSON as it is written: JsonScan ===============================
 # Il Suggeritore's JSON reader: it follows the JSON a model is writing, token by token,
 # and says what must or probably comes next: the punctuation and keys a json_schema
 # forces (schema_gaps), and what the previous objects of the same array agreed on.
-# Pure: text in, proposal out; the draft source in section 17 calls it.
+# Pure: text in, proposal out; the draft source in section 19 calls it.
 
 
 def _schema_type(node: dict) -> Optional[str]:
@@ -4713,16 +4732,16 @@ class JsonScan:
             i, cur, n = i + 1, "", n + 1
 
 
-# == 17. Il Suggeritore: structure as drafts ===================================
+# == 19. Il Suggeritore: structure as drafts ===================================
 # The prompter of the opera house: it whispers what structure comes next, and the
 # model, verifying in the batch, takes it or not. Rules are pure functions of the text
 # generated so far (a numbered list's next number, a table's separator row, a record's
 # next field, the punctuation and keys the previous JSON object had); a request's
 # json_schema adds its keys and punctuation. Each rule is its own free draft source,
-# shadow-scored by the controller (section 13), so a rule that keeps missing on a
+# shadow-scored by the controller (section 14), so a rule that keeps missing on a
 # request stops costing verify rows. Proposed text becomes tokens only where they line
-# up with what the model would emit (align_proposal). JSON is read by section 16;
-# section 15 turns a json_schema into a GBNF grammar (real constraints).
+# up with what the model would emit (align_proposal). JSON is read by section 18;
+# section 17 turns a json_schema into a GBNF grammar (real constraints).
 
 _LIST_ITEM = re.compile(r"^([ \t]*)(\d{1,4})([.)])[ \t]+\S")
 _BULLET = re.compile(r"^([ \t]*)([-*+\u2022])[ \t]+\S")
@@ -4971,7 +4990,7 @@ class Suggestion(DraftSource):
         return out
 
 
-# == 18. Requests: what the engine takes and gives back ========================
+# == 20. Requests: what the engine takes and gives back ========================
 # A Request is one generation as its submitter sees it (events to read, cancel, wait);
 # a _Seq is the scheduler's private state of it while it holds a slot; a Result is
 # what it produced.
@@ -4991,7 +5010,7 @@ class Result:
     n_cached_tok: int = 0       # prompt tokens whose KV was reused, not computed
     index: int = 0              # the choice's index in an n-choice group
     logprobs: Optional[list] = None  # with params.top_logprobs: each token's logprob_entry
-    replayed: bool = False      # answered whole from a replay record (section 11), nothing computed
+    replayed: bool = False      # answered whole from a replay record (section 12), nothing computed
 
 
 class Request:
@@ -5018,7 +5037,7 @@ class Request:
         self.memory_hint = 0  # what the memory tier held of the prompt at submit (the disk was searched past it)
         self.spec: Optional[SpecOptions] = None  # None: the engine's default
         self.archive: Optional[str] = None       # archive scope (None: not stored, not drafted from)
-        self.replay_key: Optional[str] = None    # its answer is kept under this key (section 11)
+        self.replay_key: Optional[str] = None    # its answer is kept under this key (section 12)
         self.forced: Optional[list] = None       # a replay record's tokens: its first tokens, verified as drafts
         self.warm = False  # warm-ahead: prefill only (no token), the KV stays resident for requests to come
         self.head = 0      # the chat head's length (its system message): what warm-ahead counts
@@ -5144,7 +5163,7 @@ class _Stop(NamedTuple):
     """Shut the scheduler down: what is queued or running ends with an error."""
 
 
-# == 19. Slots: the memory tier, and consecutive sequence ids ==================
+# == 21. Slots: the memory tier, and consecutive sequence ids ==================
 # Each slot is one sequence of the llama context (one KV stream). A free slot keeps its
 # last KV (a finished request's, or a session's): the memory tier a new request's
 # prompt is matched against. The sequences that decode are kept on consecutive slots,
@@ -5360,7 +5379,7 @@ class SlotTable:
         self.n_moves += 1
 
 
-# == 20. Engine parts: the stores as plug-ins ==================================
+# == 22. Engine parts: the stores as plug-ins ==================================
 # The Engine schedules; what it remembers lives in parts it is handed (engine_parts
 # builds the list from the same arguments as the CLI's): the disk tier of the prefix
 # cache, replay records, the Palimpsest and warm-ahead. Each part hooks the points of a
@@ -5373,7 +5392,7 @@ class SlotTable:
 
 class Metric(NamedTuple):
     """One /metrics row: name after "reame_", type, help, and a value: a number, a
-    {label value: number} dict (with the label's name), or a histogram (section 28)."""
+    {label value: number} dict (with the label's name), or a histogram (section 30)."""
 
     name: str
     kind: str
@@ -5747,38 +5766,6 @@ class WarmAhead(EnginePart):
             self.heads.save(force=True)
 
 
-def engine_parts(*, disk_cache: int = 0, disk_dir: Optional[str] = None, replay: int = 0,
-                 replay_dir: Optional[str] = None, archive: int = 0, archive_dir: Optional[str] = None,
-                 warm_ahead: bool = True, records: Optional[RecordStore] = None) -> List[EnginePart]:
-    """The parts an Engine is handed, from the sizes the CLI takes (0: off): warm-ahead
-    (its history beside the disk tier's snapshots), replay, the disk tier, the archive.
-    Their order is the order of their hooks: replay answers before the disk is read."""
-    parts: List[EnginePart] = [WarmAhead((disk_dir or Config.from_env().kv_dir) if warm_ahead and disk_cache
-                                         else None, records)]
-    if replay:
-        parts.append(ReplayPart(replay, replay_dir, records))
-    if disk_cache:
-        parts.append(DiskTier(disk_cache, disk_dir, records))
-    if archive:
-        parts.append(ArchivePart(archive, archive_dir, records))
-    return parts
-
-
-# == 21. Engine: the scheduler thread and continuous batching ==================
-# HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
-# thread owns the llama context: each step it admits waiting requests into free
-# slots, runs ONE llama_decode with the next token of every generating sequence,
-# then one prefill chunk of a new prompt in its own llama_decode (see _step for why),
-# samples, and emits text. A request for n choices is a group: one prefill, then the
-# others are twins of the first (Engine._twins_sample): while their tokens are its tokens they
-# sample from its rows and compute none of their own; one that samples another token
-# gets a copy of its KV (llama_memory_seq_cp) and goes its own way. A request with a
-# cache_tag (a session) leaves its KV resident in its slot when it ends, and the next
-# request with that tag prefills only what follows the common token prefix.
-# Off the step (section 20): a request whose answer is on record is answered on its
-# submitter's thread, and warm-ahead prefills likely prompt heads while no request runs.
-
-
 @dataclasses.dataclass
 class EngineCounters:
     """What the scheduler has done. Written by its thread only, read by anyone (ints and
@@ -5801,17 +5788,6 @@ class EngineCounters:
     t_decode_only_py_s: float = 0.0  # Python time of steps with no prefill (build batch, sample, emit)
 
 
-# The speculation controller's counters on /metrics, by source: field, name, type, help.
-_SPEC_METRICS = (
-    ("proposed", "spec_proposed_tokens_total", "counter", "draft tokens verified, by source"),
-    ("accepted", "spec_accepted_tokens_total", "counter", "draft tokens that came true, by source"),
-    ("steps", "spec_verify_steps_total", "counter", "steps that verified drafts, by source"),
-    ("probes", "spec_probes_total", "counter", "probes of a source that did not pay, by source"),
-    ("k", "spec_draft_tokens", "gauge", "the last draft length chosen, by source"),
-    ("on", "spec_on", "gauge", "1 while the last decision for the source was to use it"),
-    ("gain", "spec_estimated_speedup", "gauge", "the expected speedup of the last decision, by source"))
-
-
 def _request_failure(e: Exception, where: str) -> ReameError:
     """The error one request ends with when something on its own path raised: a
     ReameError as it is; anything else is a bug, logged with its traceback, and the
@@ -5823,294 +5799,43 @@ def _request_failure(e: Exception, where: str) -> ReameError:
                        code="internal_error")
 
 
-class Engine:
-    """A model, one context with ``n_slots`` sequences, and the scheduler thread.
+def engine_parts(*, disk_cache: int = 0, disk_dir: Optional[str] = None, replay: int = 0,
+                 replay_dir: Optional[str] = None, archive: int = 0, archive_dir: Optional[str] = None,
+                 warm_ahead: bool = True, records: Optional[RecordStore] = None) -> List[EnginePart]:
+    """The parts an Engine is handed, from the sizes the CLI takes (0: off): warm-ahead
+    (its history beside the disk tier's snapshots), replay, the disk tier, the archive.
+    Their order is the order of their hooks: replay answers before the disk is read."""
+    parts: List[EnginePart] = [WarmAhead((disk_dir or Config.from_env().kv_dir) if warm_ahead and disk_cache
+                                         else None, records)]
+    if replay:
+        parts.append(ReplayPart(replay, replay_dir, records))
+    if disk_cache:
+        parts.append(DiskTier(disk_cache, disk_dir, records))
+    if archive:
+        parts.append(ArchivePart(archive, archive_dir, records))
+    return parts
 
-    ``n_ctx`` is per sequence (what a user thinks of as the context); the KV memory
-    holds ``n_ctx * n_slots`` cells in one stream per slot, so a request never waits on
-    another's tokens once it has a slot.
-    """
 
-    def __init__(self, model, *, n_ctx: int = 4096, n_slots: int = 4, n_threads: Optional[int] = None,
-                 n_batch: int = 512, prefill_chunk: int = 128, cache_reuse: str = "exact", repack: bool = False,
-                 spec: str = "auto", spec_max: int = 16, draft=None, spec_verify: str = "exact",
-                 suggest: bool = True, parts: Optional[Sequence[EnginePart]] = None,
-                 records: Optional[RecordStore] = None, disk_cache: int = 0, disk_dir: Optional[str] = None,
-                 replay: int = 0, replay_dir: Optional[str] = None, archive: int = 0,
-                 archive_dir: Optional[str] = None, warm_ahead: bool = True, **context_kw):
-        """``parts``: the stores the engine is handed (engine_parts); without them, the
-        sizes disk_cache, replay, archive (bytes; 0: off) and warm_ahead build them."""
-        if cache_reuse not in ("exact", "all"):
-            raise RequestError("cache_reuse must be 'exact' or 'all'")
-        if spec_verify not in ("exact", "fast"):
-            raise RequestError("spec_verify must be 'exact' or 'fast'")
-        # fast: a decode step with drafts may take ggml's tiled matmul (16 rows for ~6 steps'
-        # time instead of ~12), whose rounding differs: every sequence in that step can then
-        # get other tokens at near-ties than a plain decode gives. Opt-in, like cache_reuse="all".
-        self.spec_verify = spec_verify
-        spec_default = SpecOptions(spec, spec_max).validate()
-        if _np is None:
-            log.info("numpy is not installed: greedy sampling uses llama.cpp's sampler chain "
-                     "(the same tokens, about 1 ms more per token)")
-        self._own_model = not isinstance(model, Model)
-        self.model = Model(model, repack=repack) if self._own_model else model
-        self.n_ctx = min(n_ctx, self.model.n_ctx_train or n_ctx)
-        self.n_slots = n_slots
-        self.ctx = Context(self.model, n_ctx=self.n_ctx * n_slots, n_seq_max=n_slots, n_batch=n_batch,
-                           n_threads=n_threads, **context_kw)
-        self._batch = Batch(self.ctx.n_batch)
-        self.chunk = max(1, min(prefill_chunk, self.ctx.n_batch))  # prompt tokens per prefill decode
-        self._system_heads: dict = {}  # system message -> its prompt head (chat_head); any thread
-        self._own_records = records is None
-        self.records = records or RecordStore()
-        if parts is None:
-            parts = engine_parts(disk_cache=disk_cache, disk_dir=disk_dir, replay=replay, replay_dir=replay_dir,
-                                 archive=archive, archive_dir=archive_dir, warm_ahead=warm_ahead,
-                                 records=self.records)
-        self.parts: List[EnginePart] = list(parts)
-        self.warmer = next((p for p in self.parts if isinstance(p, WarmAhead)), None)
-        if self.warmer is None:  # (Engine.warm works without a history)
-            self.warmer = WarmAhead()
-            self.parts.insert(0, self.warmer)
-        disk = next((p for p in self.parts if isinstance(p, DiskTier)), None)
-        self._incoming: "queue.Queue" = queue.Queue()  # _Admit, _Warm, _Forget, _Stop (any thread puts)
-        self._ids = iter(range(1, 1 << 62))
-        self._ids_lock = threading.Lock()          # guards _ids
-        # Scheduler-owned (no lock: only the scheduler thread touches them).
-        self.slots = SlotTable(self.ctx, self.model, n_slots, self.chunk, cache_reuse, disk)
-        self._waiting: collections.deque = collections.deque()  # groups (lists of Requests)
-        self._active: List[_Seq] = []
-        for part in self.parts:
-            part.attach(self)
-        sources: List[DraftSource] = [PromptLookup()]
-        if suggest:  # Il Suggeritore: one free source per rule
-            sources += [Suggestion(self.model, rule) for rule in SUGGEST_RULES]
-        sources += [src for part in self.parts for src in part.sources]
-        self.draft_model: Optional[Model] = None
-        if draft is not None:  # a path or a loaded Model of the same vocabulary
-            self.draft_model = draft if isinstance(draft, Model) else Model(draft)
-            check_draft_pair(self.model, self.draft_model)
-            sources.append(DraftModel(self.draft_model, self.model, self.n_ctx, n_slots, n_threads))
-        self.spec = SpecController(sources, default=spec_default, n_vocab=self.model.n_vocab)
-        self._own_draft = draft is not None and not isinstance(draft, Model)
-        self._closing = False
-        self.counters = EngineCounters()
-        self._thread = threading.Thread(target=self._run, name="reame-scheduler", daemon=True)
-        self._thread.start()
+# == 23. The scheduler: one batch per step =====================================
+# HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
+# thread owns the llama context: each step it admits waiting requests into free
+# slots, runs ONE llama_decode with the next token of every generating sequence,
+# then one prefill chunk of a new prompt in its own llama_decode (see _step for why),
+# samples, and emits text. A request for n choices is a group: one prefill, then the
+# others are twins of the first (Engine._twins_sample): while their tokens are its tokens they
+# sample from its rows and compute none of their own; one that samples another token
+# gets a copy of its KV (llama_memory_seq_cp) and goes its own way. A request with a
+# cache_tag (a session) leaves its KV resident in its slot when it ends, and the next
+# request with that tag prefills only what follows the common token prefix.
+# Off the step (section 22): a request whose answer is on record is answered on its
+# submitter's thread, and warm-ahead prefills likely prompt heads while no request runs.
 
-    def part(self, name: str) -> Optional[EnginePart]:
-        """The part of that name (EnginePart.name), or None: not handed to this engine."""
-        return next((p for p in self.parts if p.name == name), None)
 
-    # -- public API (any thread) --
+class _Scheduler:
+    """The scheduler thread's half of the Engine (section 24 is the other: what callers
+    use): admission, the step, sampling, finishing. Everything here runs on that thread
+    and touches the state the Engine made (slots, parts, speculation, the batch)."""
 
-    def submit(self, prompt, params: Optional[SamplingParams] = None, *, cache_tag: Optional[str] = None,
-               **kw) -> Request:
-        """Queue a prompt (text or token ids). Returns the Request to read from.
-
-        ``cache_tag``: keep this sequence's KV resident when it ends, and reuse the
-        resident KV of an earlier request with the same tag (a session).
-        """
-        return self.submit_n(prompt, params, 1, cache_tag=cache_tag, **kw)[0]
-
-    def submit_n(self, prompt, params: Optional[SamplingParams] = None, n: int = 1, *,
-                 cache_tag: Optional[str] = None, snap_at: Sequence[int] = (),
-                 spec: Optional[SpecOptions] = None, archive: Optional[str] = "shared", tenant: str = "",
-                 replay: bool = True, **kw) -> List[Request]:
-        """Queue n choices of one prompt: one prefill, KV copied to n-1 more slots.
-
-        They share one events queue (events carry the choice index). With a seed,
-        choice i samples with seed + i. ``snap_at``: prompt lengths where a prefill chunk
-        also ends, worth reusing and snapshotting (the end of a chat's system message:
-        then a request with the same system prompt reuses all of it, exactly).
-        ``spec``: speculation for these choices (default: the engine's). ``archive``: the
-        archive scope the output is stored in and drafted from (None: neither).
-        ``tenant``: the prefix cache (memory and disk) these choices reuse and feed: one
-        tenant's prompts are never reused for another's ("": the shared cache).
-        ``replay``: answer from, and keep, replay records (with an engine that keeps them).
-        """
-        if self._closing:
-            raise EngineError("engine is shut down")
-        if not 1 <= n <= self.n_slots:
-            raise RequestError("'n' must be between 1 and %d (the number of parallel slots)" % self.n_slots,
-                               code="invalid_value")
-        params = (params or SamplingParams(**kw)).validate()
-        tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        params.check_context(len(tokens), self.n_ctx)
-        bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
-        if bad:
-            raise RequestError("token id %d is outside the vocabulary (0..%d)" % (bad[0], self.model.n_vocab - 1))
-        if spec is not None:
-            spec.validate()
-        if archive is not None and not re.match(r"^[A-Za-z0-9_-]{1,64}$", archive):
-            raise RequestError("archive scope %r: letters, digits, _ and - only" % archive)
-        with self._ids_lock:
-            rid = "req-%d" % next(self._ids)
-        events = queue.SimpleQueue()
-        group = [Request(rid, tokens, params.for_choice(i), index=i, events=events,
-                         cache_tag=cache_tag if i == 0 else None) for i in range(n)]
-        for req in group:
-            req.spec, req.archive, req.tenant, req.replay = spec, archive, tenant, replay
-        group[0].cuts = tuple(sorted({p for p in snap_at if 0 < p < len(tokens) and p % self.chunk}))
-        group[0].head = max((p for p in snap_at if 0 < p < len(tokens)), default=0)
-        if not self._submitted(group):  # (answered by a part: its events are all there)
-            self._incoming.put(_Admit(group))
-        return group
-
-    def _submitted(self, group: List[Request]) -> bool:
-        """The parts' submit hooks, in order, until one answers the group."""
-        return any(part.submit(group) for part in self.parts)
-
-    def exact(self) -> bool:
-        """Is every answer now the contract's tokens (replayable)? Not with cache_reuse="all"
-        or spec_verify="fast": their tokens can differ from a cold run's at near-ties."""
-        return self.spec_verify == "exact" and self.slots.cache_reuse == "exact"
-
-    def warm(self, prompt, *, tenant: str = "") -> Request:
-        """Prefill a prompt ahead, so a request that starts with it finds its KV resident
-        (the memory tier; and on the disk tier, like any prefill). It runs when no request
-        needs the scheduler, a chunk a step, and gives its slot back to a request that
-        needs it (what it prefilled so far stays). Returns a Request that finishes with
-        finish_reason "warm" (or "cancelled")."""
-        tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        if not 0 < len(tokens) < self.n_ctx:
-            raise RequestError("a warm-ahead prompt must have 1 to %d tokens, not %d" % (self.n_ctx - 1, len(tokens)))
-        req = self._warm_request(tokens, tenant)
-        self._incoming.put(_Warm(req))
-        return req
-
-    def _warm_request(self, tokens: List[int], tenant: str) -> Request:
-        with self._ids_lock:
-            rid = "warm-%d" % next(self._ids)
-        req = Request(rid, tokens, SamplingParams(temperature=0, max_tokens=1))
-        req.warm, req.tenant, req.archive, req.replay = True, tenant, None, False
-        req.cuts = (len(tokens),) if len(tokens) % self.chunk else ()  # its end is a chunk end, as a chat head's is
-        self._submitted([req])  # (the disk tier may restore all of it: it needs no logits)
-        return req
-
-    def _drop(self, req: Request, error: Optional[ReameError] = None) -> None:
-        """A request that never started ends: cancelled, or with error."""
-        for part in self.parts:
-            part.release(req)
-        req._finish(None if error else Result("", [], "cancelled", len(req.prompt), 0), error)
-
-    def prefix_boundary(self, messages: Sequence[dict], tokens: Sequence[int]) -> List[int]:
-        """Where the part of a chat prompt shared by every question after the same system
-        message ends ([] without one). Found by templating the system message with two
-        different user turns, so it works whatever the template does with a system
-        message (gemma folds it into the first user turn)."""
-        if not messages or messages[0].get("role") != "system" or not self.model.chat_template:
-            return []
-        n = common_prefix(self.chat_head(messages[0]), tokens)
-        return [n] if n > 1 else []
-
-    def chat_head(self, system: dict) -> List[int]:
-        """The tokens every chat prompt that opens with this system message starts with."""
-        key = (system.get("content"),)
-        head = self._system_heads.get(key)
-        if head is None:
-            a, b = (self.model.chat_tokens([system, {"role": "user", "content": q}]) for q in ("A", "B"))
-            head = a[:common_prefix(a, b)]
-            if len(self._system_heads) > 64:
-                self._system_heads.clear()
-            self._system_heads[key] = head
-        return head
-
-    def forget(self, cache_tag: str) -> None:
-        """Drop the resident KV kept for ``cache_tag`` (a deleted session)."""
-        self._incoming.put(_Forget(cache_tag))
-
-    def complete(self, prompt, params: Optional[SamplingParams] = None, **kw) -> Result:
-        """Submit and wait: the whole Result."""
-        return self.submit(prompt, params, **kw).wait()
-
-    def chat_prompt(self, messages: Sequence[dict]) -> List[int]:
-        """Messages -> prompt tokens with the model's own chat template."""
-        return self.model.chat_tokens(messages)
-
-    @property
-    def cache_reuse(self) -> str:
-        """"exact" or "all" (section 19); may change between requests."""
-        return self.slots.cache_reuse
-
-    @cache_reuse.setter
-    def cache_reuse(self, mode: str) -> None:
-        if mode not in ("exact", "all"):
-            raise RequestError("cache_reuse must be 'exact' or 'all'")
-        self.slots.cache_reuse = mode
-
-    def stats(self) -> dict:
-        c, sl = self.counters, self.slots
-        out = {"steps": c.n_steps, "prefill_tokens": c.n_prefill_tok, "decode_tokens": c.n_decode_tok,
-               "prefills": c.n_prefills, "twin_tokens": c.n_twin_tok, "cached_tokens": c.n_cached_tok,
-               "cache_hits": sl.n_cache_hits, "cache_misses": sl.n_cache_misses,
-               "cache_evictions": sl.n_cache_evictions, "slot_moves": sl.n_moves,
-               "disk_hits": sl.n_disk_hits, "shared_prefixes": sl.n_shared,
-               "decode_s": c.t_decode_s, "step_s": c.t_step_s,
-               "python_ms_per_decode_step": 1000 * c.t_decode_only_py_s / max(c.n_decode_only_steps, 1),
-               "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
-               "kv_cells_active": c.kv_active, "kv_cells_cached": c.kv_cached,
-               "kv_cells_total": self.n_ctx * self.n_slots, "spec": self.spec.stats(),
-               "fast_verify_steps": c.n_fast_verify_steps, "warm_prefills": c.n_warm, "warm_tokens": c.n_warm_tok}
-        for part in self.parts:
-            out.update(part.stats())
-        return out
-
-    def metrics(self) -> List[Metric]:
-        """The engine's /metrics rows: the scheduler's, then each part's."""
-        st = self.stats()
-        spec = st["spec"]
-        rows = [
-            Metric("active_sequences", "gauge", "sequences holding a slot", st["active"]),
-            Metric("queued_requests", "gauge", "requests waiting for a slot", st["waiting"]),
-            Metric("kv_cells_used", "gauge", "KV cells of active sequences", st["kv_cells_active"]),
-            Metric("kv_cells_cached", "gauge", "KV cells kept by free slots (the memory tier)", st["kv_cells_cached"]),
-            Metric("kv_cells_free", "gauge", "KV cells neither used nor cached",
-                   st["kv_cells_total"] - st["kv_cells_active"] - st["kv_cells_cached"]),
-            Metric("cache_hits_total", "counter", "prompts that reused resident KV", st["cache_hits"]),
-            Metric("cache_misses_total", "counter", "prompts that found no resident KV to reuse", st["cache_misses"]),
-            Metric("cache_evictions_total", "counter", "resident KV entries dropped for room", st["cache_evictions"]),
-            Metric("disk_cache_hits_total", "counter", "prompts that restored a prefix from disk", st["disk_hits"]),
-            Metric("prefills_total", "counter", "prompts prefilled", st["prefills"]),
-            Metric("twin_tokens_total", "counter", "tokens of n > 1 choices sampled from a shared row",
-                   st["twin_tokens"]),
-            Metric("prefill_tokens_total", "counter", "prompt tokens computed", st["prefill_tokens"]),
-            Metric("cached_prompt_tokens_total", "counter", "prompt tokens reused, not computed", st["cached_tokens"]),
-            Metric("decode_steps_total", "counter", "scheduler steps", st["steps"])]
-        for field, name, kind, help_text in _SPEC_METRICS:
-            rows.append(Metric(name, kind, help_text, {src: c[field] for src, c in spec.items()}, "source"))
-        for part in self.parts:
-            rows += part.metrics()
-        return rows
-
-    def close(self) -> None:
-        """Stop the scheduler (pending requests get an error) and free the context."""
-        if self._closing:
-            return
-        self._closing = True
-        self._incoming.put(_Stop())
-        self._thread.join()
-        self._fail_all(EngineError("engine is shut down"))  # a submit that raced close()
-        self._batch.close()
-        for src in self.spec.sources.values():
-            src.close()
-        if self._own_draft:
-            self.draft_model.close()
-        for part in self.parts:
-            part.close()
-        if self._own_records:
-            self.records.close()
-        self.ctx.close()
-        if self._own_model:
-            self.model.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    # -- the scheduler thread --
 
     def _run(self) -> None:
         while True:
@@ -6517,7 +6242,300 @@ class Engine:
                     self._drop(req, error)
 
 
-# == 22. Embeddings: pooled hidden states ======================================
+# == 24. Engine: the model, its slots and parts, and what callers use ==========
+# Engine.submit_n checks a prompt, asks the parts (a replay may answer it there, on the
+# submitting thread), and queues it for the scheduler thread (section 23).
+
+
+class Engine(_Scheduler):
+    """A model, one context with ``n_slots`` sequences, and the scheduler thread.
+
+    ``n_ctx`` is per sequence (what a user thinks of as the context); the KV memory
+    holds ``n_ctx * n_slots`` cells in one stream per slot, so a request never waits on
+    another's tokens once it has a slot.
+    """
+
+    def __init__(self, model, *, n_ctx: int = 4096, n_slots: int = 4, n_threads: Optional[int] = None,
+                 n_batch: int = 512, prefill_chunk: int = 128, cache_reuse: str = "exact", repack: bool = False,
+                 spec: str = "auto", spec_max: int = 16, draft=None, spec_verify: str = "exact",
+                 suggest: bool = True, parts: Optional[Sequence[EnginePart]] = None,
+                 records: Optional[RecordStore] = None, disk_cache: int = 0, disk_dir: Optional[str] = None,
+                 replay: int = 0, replay_dir: Optional[str] = None, archive: int = 0,
+                 archive_dir: Optional[str] = None, warm_ahead: bool = True, **context_kw):
+        """``parts``: the stores the engine is handed (engine_parts); without them, the
+        sizes disk_cache, replay, archive (bytes; 0: off) and warm_ahead build them."""
+        if cache_reuse not in ("exact", "all"):
+            raise RequestError("cache_reuse must be 'exact' or 'all'")
+        if spec_verify not in ("exact", "fast"):
+            raise RequestError("spec_verify must be 'exact' or 'fast'")
+        # fast: a decode step with drafts may take ggml's tiled matmul (16 rows for ~6 steps'
+        # time instead of ~12), whose rounding differs: every sequence in that step can then
+        # get other tokens at near-ties than a plain decode gives. Opt-in, like cache_reuse="all".
+        self.spec_verify = spec_verify
+        spec_default = SpecOptions(spec, spec_max).validate()
+        if _np is None:
+            log.info("numpy is not installed: greedy sampling uses llama.cpp's sampler chain "
+                     "(the same tokens, about 1 ms more per token)")
+        self._own_model = not isinstance(model, Model)
+        self.model = Model(model, repack=repack) if self._own_model else model
+        self.n_ctx = min(n_ctx, self.model.n_ctx_train or n_ctx)
+        self.n_slots = n_slots
+        self.ctx = Context(self.model, n_ctx=self.n_ctx * n_slots, n_seq_max=n_slots, n_batch=n_batch,
+                           n_threads=n_threads, **context_kw)
+        self._batch = Batch(self.ctx.n_batch)
+        self.chunk = max(1, min(prefill_chunk, self.ctx.n_batch))  # prompt tokens per prefill decode
+        self._system_heads: dict = {}  # system message -> its prompt head (chat_head); any thread
+        self._own_records = records is None
+        self.records = records or RecordStore()
+        if parts is None:
+            parts = engine_parts(disk_cache=disk_cache, disk_dir=disk_dir, replay=replay, replay_dir=replay_dir,
+                                 archive=archive, archive_dir=archive_dir, warm_ahead=warm_ahead,
+                                 records=self.records)
+        self.parts: List[EnginePart] = list(parts)
+        self.warmer = next((p for p in self.parts if isinstance(p, WarmAhead)), None)
+        if self.warmer is None:  # (Engine.warm works without a history)
+            self.warmer = WarmAhead()
+            self.parts.insert(0, self.warmer)
+        disk = next((p for p in self.parts if isinstance(p, DiskTier)), None)
+        self._incoming: "queue.Queue" = queue.Queue()  # _Admit, _Warm, _Forget, _Stop (any thread puts)
+        self._ids = iter(range(1, 1 << 62))
+        self._ids_lock = threading.Lock()          # guards _ids
+        # Scheduler-owned (no lock: only the scheduler thread touches them).
+        self.slots = SlotTable(self.ctx, self.model, n_slots, self.chunk, cache_reuse, disk)
+        self._waiting: collections.deque = collections.deque()  # groups (lists of Requests)
+        self._active: List[_Seq] = []
+        for part in self.parts:
+            part.attach(self)
+        sources: List[DraftSource] = [PromptLookup()]
+        if suggest:  # Il Suggeritore: one free source per rule
+            sources += [Suggestion(self.model, rule) for rule in SUGGEST_RULES]
+        sources += [src for part in self.parts for src in part.sources]
+        self.draft_model: Optional[Model] = None
+        if draft is not None:  # a path or a loaded Model of the same vocabulary
+            self.draft_model = draft if isinstance(draft, Model) else Model(draft)
+            check_draft_pair(self.model, self.draft_model)
+            sources.append(DraftModel(self.draft_model, self.model, self.n_ctx, n_slots, n_threads))
+        self.spec = SpecController(sources, default=spec_default, n_vocab=self.model.n_vocab)
+        self._own_draft = draft is not None and not isinstance(draft, Model)
+        self._closing = False
+        self.counters = EngineCounters()
+        self._thread = threading.Thread(target=self._run, name="reame-scheduler", daemon=True)
+        self._thread.start()
+
+    def part(self, name: str) -> Optional[EnginePart]:
+        """The part of that name (EnginePart.name), or None: not handed to this engine."""
+        return next((p for p in self.parts if p.name == name), None)
+
+    # -- public API (any thread) --
+
+    def submit(self, prompt, params: Optional[SamplingParams] = None, *, cache_tag: Optional[str] = None,
+               **kw) -> Request:
+        """Queue a prompt (text or token ids). Returns the Request to read from.
+
+        ``cache_tag``: keep this sequence's KV resident when it ends, and reuse the
+        resident KV of an earlier request with the same tag (a session).
+        """
+        return self.submit_n(prompt, params, 1, cache_tag=cache_tag, **kw)[0]
+
+    def submit_n(self, prompt, params: Optional[SamplingParams] = None, n: int = 1, *,
+                 cache_tag: Optional[str] = None, snap_at: Sequence[int] = (),
+                 spec: Optional[SpecOptions] = None, archive: Optional[str] = "shared", tenant: str = "",
+                 replay: bool = True, **kw) -> List[Request]:
+        """Queue n choices of one prompt: one prefill, KV copied to n-1 more slots.
+
+        They share one events queue (events carry the choice index). With a seed,
+        choice i samples with seed + i. ``snap_at``: prompt lengths where a prefill chunk
+        also ends, worth reusing and snapshotting (the end of a chat's system message:
+        then a request with the same system prompt reuses all of it, exactly).
+        ``spec``: speculation for these choices (default: the engine's). ``archive``: the
+        archive scope the output is stored in and drafted from (None: neither).
+        ``tenant``: the prefix cache (memory and disk) these choices reuse and feed: one
+        tenant's prompts are never reused for another's ("": the shared cache).
+        ``replay``: answer from, and keep, replay records (with an engine that keeps them).
+        """
+        if self._closing:
+            raise EngineError("engine is shut down")
+        if not 1 <= n <= self.n_slots:
+            raise RequestError("'n' must be between 1 and %d (the number of parallel slots)" % self.n_slots,
+                               code="invalid_value")
+        params = (params or SamplingParams(**kw)).validate()
+        tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        params.check_context(len(tokens), self.n_ctx)
+        bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
+        if bad:
+            raise RequestError("token id %d is outside the vocabulary (0..%d)" % (bad[0], self.model.n_vocab - 1))
+        if spec is not None:
+            spec.validate()
+        if archive is not None and not re.match(r"^[A-Za-z0-9_-]{1,64}$", archive):
+            raise RequestError("archive scope %r: letters, digits, _ and - only" % archive)
+        with self._ids_lock:
+            rid = "req-%d" % next(self._ids)
+        events = queue.SimpleQueue()
+        group = [Request(rid, tokens, params.for_choice(i), index=i, events=events,
+                         cache_tag=cache_tag if i == 0 else None) for i in range(n)]
+        for req in group:
+            req.spec, req.archive, req.tenant, req.replay = spec, archive, tenant, replay
+        group[0].cuts = tuple(sorted({p for p in snap_at if 0 < p < len(tokens) and p % self.chunk}))
+        group[0].head = max((p for p in snap_at if 0 < p < len(tokens)), default=0)
+        if not self._submitted(group):  # (answered by a part: its events are all there)
+            self._incoming.put(_Admit(group))
+        return group
+
+    def _submitted(self, group: List[Request]) -> bool:
+        """The parts' submit hooks, in order, until one answers the group."""
+        return any(part.submit(group) for part in self.parts)
+
+    def exact(self) -> bool:
+        """Is every answer now the contract's tokens (replayable)? Not with cache_reuse="all"
+        or spec_verify="fast": their tokens can differ from a cold run's at near-ties."""
+        return self.spec_verify == "exact" and self.slots.cache_reuse == "exact"
+
+    def warm(self, prompt, *, tenant: str = "") -> Request:
+        """Prefill a prompt ahead, so a request that starts with it finds its KV resident
+        (the memory tier; and on the disk tier, like any prefill). It runs when no request
+        needs the scheduler, a chunk a step, and gives its slot back to a request that
+        needs it (what it prefilled so far stays). Returns a Request that finishes with
+        finish_reason "warm" (or "cancelled")."""
+        tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not 0 < len(tokens) < self.n_ctx:
+            raise RequestError("a warm-ahead prompt must have 1 to %d tokens, not %d" % (self.n_ctx - 1, len(tokens)))
+        req = self._warm_request(tokens, tenant)
+        self._incoming.put(_Warm(req))
+        return req
+
+    def _warm_request(self, tokens: List[int], tenant: str) -> Request:
+        with self._ids_lock:
+            rid = "warm-%d" % next(self._ids)
+        req = Request(rid, tokens, SamplingParams(temperature=0, max_tokens=1))
+        req.warm, req.tenant, req.archive, req.replay = True, tenant, None, False
+        req.cuts = (len(tokens),) if len(tokens) % self.chunk else ()  # its end is a chunk end, as a chat head's is
+        self._submitted([req])  # (the disk tier may restore all of it: it needs no logits)
+        return req
+
+    def _drop(self, req: Request, error: Optional[ReameError] = None) -> None:
+        """A request that never started ends: cancelled, or with error."""
+        for part in self.parts:
+            part.release(req)
+        req._finish(None if error else Result("", [], "cancelled", len(req.prompt), 0), error)
+
+    def prefix_boundary(self, messages: Sequence[dict], tokens: Sequence[int]) -> List[int]:
+        """Where the part of a chat prompt shared by every question after the same system
+        message ends ([] without one). Found by templating the system message with two
+        different user turns, so it works whatever the template does with a system
+        message (gemma folds it into the first user turn)."""
+        if not messages or messages[0].get("role") != "system" or not self.model.chat_template:
+            return []
+        n = common_prefix(self.chat_head(messages[0]), tokens)
+        return [n] if n > 1 else []
+
+    def chat_head(self, system: dict) -> List[int]:
+        """The tokens every chat prompt that opens with this system message starts with."""
+        key = (system.get("content"),)
+        head = self._system_heads.get(key)
+        if head is None:
+            a, b = (self.model.chat_tokens([system, {"role": "user", "content": q}]) for q in ("A", "B"))
+            head = a[:common_prefix(a, b)]
+            if len(self._system_heads) > 64:
+                self._system_heads.clear()
+            self._system_heads[key] = head
+        return head
+
+    def forget(self, cache_tag: str) -> None:
+        """Drop the resident KV kept for ``cache_tag`` (a deleted session)."""
+        self._incoming.put(_Forget(cache_tag))
+
+    def complete(self, prompt, params: Optional[SamplingParams] = None, **kw) -> Result:
+        """Submit and wait: the whole Result."""
+        return self.submit(prompt, params, **kw).wait()
+
+    def chat_prompt(self, messages: Sequence[dict]) -> List[int]:
+        """Messages -> prompt tokens with the model's own chat template."""
+        return self.model.chat_tokens(messages)
+
+    @property
+    def cache_reuse(self) -> str:
+        """"exact" or "all" (section 21); may change between requests."""
+        return self.slots.cache_reuse
+
+    @cache_reuse.setter
+    def cache_reuse(self, mode: str) -> None:
+        if mode not in ("exact", "all"):
+            raise RequestError("cache_reuse must be 'exact' or 'all'")
+        self.slots.cache_reuse = mode
+
+    def stats(self) -> dict:
+        c, sl = self.counters, self.slots
+        out = {"steps": c.n_steps, "prefill_tokens": c.n_prefill_tok, "decode_tokens": c.n_decode_tok,
+               "prefills": c.n_prefills, "twin_tokens": c.n_twin_tok, "cached_tokens": c.n_cached_tok,
+               "cache_hits": sl.n_cache_hits, "cache_misses": sl.n_cache_misses,
+               "cache_evictions": sl.n_cache_evictions, "slot_moves": sl.n_moves,
+               "disk_hits": sl.n_disk_hits, "shared_prefixes": sl.n_shared,
+               "decode_s": c.t_decode_s, "step_s": c.t_step_s,
+               "python_ms_per_decode_step": 1000 * c.t_decode_only_py_s / max(c.n_decode_only_steps, 1),
+               "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
+               "kv_cells_active": c.kv_active, "kv_cells_cached": c.kv_cached,
+               "kv_cells_total": self.n_ctx * self.n_slots, "spec": self.spec.stats(),
+               "fast_verify_steps": c.n_fast_verify_steps, "warm_prefills": c.n_warm, "warm_tokens": c.n_warm_tok}
+        for part in self.parts:
+            out.update(part.stats())
+        return out
+
+    def metrics(self) -> List[Metric]:
+        """The engine's /metrics rows: the scheduler's, then each part's."""
+        st = self.stats()
+        spec = st["spec"]
+        rows = [
+            Metric("active_sequences", "gauge", "sequences holding a slot", st["active"]),
+            Metric("queued_requests", "gauge", "requests waiting for a slot", st["waiting"]),
+            Metric("kv_cells_used", "gauge", "KV cells of active sequences", st["kv_cells_active"]),
+            Metric("kv_cells_cached", "gauge", "KV cells kept by free slots (the memory tier)", st["kv_cells_cached"]),
+            Metric("kv_cells_free", "gauge", "KV cells neither used nor cached",
+                   st["kv_cells_total"] - st["kv_cells_active"] - st["kv_cells_cached"]),
+            Metric("cache_hits_total", "counter", "prompts that reused resident KV", st["cache_hits"]),
+            Metric("cache_misses_total", "counter", "prompts that found no resident KV to reuse", st["cache_misses"]),
+            Metric("cache_evictions_total", "counter", "resident KV entries dropped for room", st["cache_evictions"]),
+            Metric("disk_cache_hits_total", "counter", "prompts that restored a prefix from disk", st["disk_hits"]),
+            Metric("prefills_total", "counter", "prompts prefilled", st["prefills"]),
+            Metric("twin_tokens_total", "counter", "tokens of n > 1 choices sampled from a shared row",
+                   st["twin_tokens"]),
+            Metric("prefill_tokens_total", "counter", "prompt tokens computed", st["prefill_tokens"]),
+            Metric("cached_prompt_tokens_total", "counter", "prompt tokens reused, not computed", st["cached_tokens"]),
+            Metric("decode_steps_total", "counter", "scheduler steps", st["steps"])]
+        rows += [Metric(name, kind, help_text, {src: c[field] for src, c in spec.items()}, "source")
+                 for field, name, kind, help_text in _SPEC_METRICS]
+        for part in self.parts:
+            rows += part.metrics()
+        return rows
+
+    def close(self) -> None:
+        """Stop the scheduler (pending requests get an error) and free the context."""
+        if self._closing:
+            return
+        self._closing = True
+        self._incoming.put(_Stop())
+        self._thread.join()
+        self._fail_all(EngineError("engine is shut down"))  # a submit that raced close()
+        self._batch.close()
+        for src in self.spec.sources.values():
+            src.close()
+        if self._own_draft:
+            self.draft_model.close()
+        for part in self.parts:
+            part.close()
+        if self._own_records:
+            self.records.close()
+        self.ctx.close()
+        if self._own_model:
+            self.model.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# == 25. Embeddings: pooled hidden states ======================================
 # /v1/embeddings: a model's hidden states, mean-pooled per input and L2-normalized, from
 # a llama context of their own in embedding mode: the served model's weights (shared, no
 # second copy), or an embedding GGUF given with --embedding-model. A generative model's
@@ -6589,7 +6607,7 @@ class Embedder:
                 self.model.close()
 
 
-# == 23. The Conclave: best-of-N in one batch, voted ===========================
+# == 26. The Conclave: best-of-N in one batch, voted ===========================
 # N candidates of one prompt: one prefill, its KV copied to N-1 more slots
 # (Engine.submit_n), all decoded in the same steps with different seeds. As each
 # finishes, its answer is extracted and tallied; once the rest cannot change the
@@ -7036,7 +7054,7 @@ def _conclave_wave(reqs: List[Request], start: int, results: list, order: list, 
     return decided
 
 
-# == 24. Request bodies: OpenAI JSON to engine arguments =======================
+# == 27. Request bodies: OpenAI JSON to engine arguments =======================
 # What a request body asks for, checked field by field (a 400 with the field's name
 # and the reason, never a traceback): request_from_body turns a body into one
 # ApiRequest (sampling, structure, choices, streaming, session, speculation, archive,
@@ -7568,7 +7586,7 @@ def embeddings_from_body(body: dict) -> tuple:
     return inputs, fmt == "base64"
 
 
-# == 25. Sessions: conversations the server keeps ==============================
+# == 28. Sessions: conversations the server keeps ==============================
 # A session id names a conversation whose history the server keeps, so a client
 # sends only its new message, and whose KV stays resident in the engine (its cache
 # tag) between turns. Sessions belong to the API key that made them.
@@ -7743,10 +7761,10 @@ class Sessions:
                 self._drop(s)
 
 
-# == 26. HTTP requests: routes and answers =====================================
+# == 29. HTTP requests: routes and answers =====================================
 # OpenAI-compatible endpoints on the standard library's http.server. One thread per
-# connection (section 27 binds this handler to its Server): it frames, authenticates,
-# reads the request (section 24), submits to the Engine, and writes JSON or SSE from the
+# connection (section 30 binds this handler to its Server): it frames, authenticates,
+# reads the request (section 27), submits to the Engine, and writes JSON or SSE from the
 # Request's events. It never touches the llama context.
 
 _MAX_BODY_BYTES = 8 << 20
@@ -7994,7 +8012,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send_json(200, {"id": sid, "object": "session", "deleted": True})
 
     def _embeddings(self):
-        """POST /v1/embeddings (section 22): unit vectors, floats or base64 of float32."""
+        """POST /v1/embeddings (section 25): unit vectors, floats or base64 of float32."""
         self._owner()
         srv = self.server_ref
         inputs, as_base64 = embeddings_from_body(self._read_body())
@@ -8015,7 +8033,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                               "usage": {"prompt_tokens": n, "total_tokens": n}})
 
     def _completion(self):
-        """Who is calling -> the request (section 24) -> admission -> submit -> the answer."""
+        """Who is calling -> the request (section 27) -> admission -> submit -> the answer."""
         owner = self._owner()
         srv, eng = self.server_ref, self.server_ref.engine
         api = request_from_body(self._read_body(), chat=self.path.split("?", 1)[0] == "/v1/chat/completions",
@@ -8115,7 +8133,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send_json(200, dict(self._envelope(api, rid, False), choices=choices, usage=_usage(results), **extra))
 
     def _conclave(self, api: ApiRequest, tokens: List[int], submit_kw: dict) -> None:
-        """best_of: candidates voted (section 23). The response has one choice, the
+        """best_of: candidates voted (section 26). The response has one choice, the
         winner, and a "conclave" object: the answer, the votes, candidates finished and
         cancelled (and each candidate with "reame": {"candidates": true}). Streaming
         sends the winner once decided, or, with candidates, every candidate's text as
@@ -8285,7 +8303,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return None
 
 
-# == 27. HTTP server: connections, tenants, limits, metrics ====================
+# == 30. HTTP server: connections, tenants, limits, metrics ====================
 # The Server owns what is shared by the handler threads: the listening socket and its
 # connection cap, API keys and their keyed scope names, the body and queue budgets, the
 # sessions, the embedder, and the counters /metrics reports (one table, _METRICS).
@@ -8605,7 +8623,7 @@ class Server:
                 self._embedder = None
 
 
-# == 28. Command line ==========================================================
+# == 31. Command line ==========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or

@@ -729,7 +729,7 @@ def test_open_with_deadline_gives_up(monkeypatch):
     assert time.monotonic() - t0 < 3
 
 
-# == 10. Prefix KV cache: disk tier ============================================
+# == 11. Prefix KV cache: disk tier ============================================
 
 
 _SHIP_SYSTEM = "You are a careful assistant for a shipping company. Rules: " + "Be brief. Cite the order id. " * 30
@@ -875,12 +875,14 @@ def test_disk_tier_rejects_bad_files(qwen_model, tmp_path, caplog):
                 data = bytearray()
             elif damage == "future_version":
                 data[8:12] = (99).to_bytes(4, "little")
-            else:  # the header says another model made it
-                hlen = int.from_bytes(data[12:16], "little")
-                head = json.loads(data[16:16 + hlen])
+            else:  # the header says another model made it (a well-framed record)
+                payload = bytes(data[reame._RECORD_HEAD.size:])
+                hlen = int.from_bytes(payload[:4], "little")
+                head = json.loads(payload[4:4 + hlen])
                 head["fingerprint"] = "0" * 32
                 raw = json.dumps(head).encode()
-                data = data[:12] + len(raw).to_bytes(4, "little") + raw + data[16 + hlen:]
+                payload = len(raw).to_bytes(4, "little") + raw + payload[4 + hlen:]
+                data = reame.frame_record(reame._KV_MAGIC, payload) + payload
             f.write_bytes(bytes(data))
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="reame"):
@@ -901,7 +903,8 @@ def test_disk_tier_size_bound_and_lru(tmp_path):
     for i in range(6):
         tokens = [i] * 4
         assert cache.wants(tokens)
-        cache._write(tokens, bytes(rng.getrandbits(8) for _ in range(60_000)))  # incompressible
+        cache.save(tokens, (), bytes(rng.getrandbits(8) for _ in range(60_000)))  # incompressible
+        cache.records.flush()
         assert cache.usage()[1] <= cache.max_bytes
         time.sleep(0.02)
         if i == 1:  # use the first one: now it is more recent than the second
@@ -923,11 +926,13 @@ def test_disk_tier_codecs_roundtrip(tmp_path, monkeypatch):
         if codec == "zlib":
             monkeypatch.setattr(reame, "_zstd", None)
         cache = reame.DiskCache(str(tmp_path / codec), "f" * 32, "p", max_bytes=1 << 20, block=2)
-        cache._write([1, 2], state)
+        cache.save([1, 2], (), state)
+        cache.records.flush()
         path = cache.candidates([1, 2], 2)[0][1]
-        data = open(path, "rb").read()
-        head = json.loads(data[16:16 + int.from_bytes(data[12:16], "little")])
-        assert head["codec"] == codec and head["size"] < len(state) // 10
+        payload = open(path, "rb").read()[reame._RECORD_HEAD.size:]
+        hlen = int.from_bytes(payload[:4], "little")
+        head = json.loads(payload[4:4 + hlen])
+        assert head["codec"] == codec and len(payload) - 4 - hlen < len(state) // 10
         assert cache.find([1, 2, 3], 2) == (2, state)
         cache.close()
 
@@ -952,7 +957,8 @@ def test_disk_tier_sigkill_mid_write_leaves_no_file(tmp_path):
         "import reame\n"
         "os.fsync = lambda fd: time.sleep(60)\n"
         "c = reame.DiskCache(%r, 'f' * 32, 'p', max_bytes=1 << 30, block=2)\n"
-        "c._write([1, 2], os.urandom(1 << 20))\n" % (HERE, str(tmp_path)))
+        "c.save([1, 2], (), os.urandom(1 << 20))\n"
+        "c.records.flush(600)\n" % (HERE, str(tmp_path)))
     p = subprocess.Popen([sys.executable, "-c", script])
     d = tmp_path / ("f" * 32)
     deadline = time.monotonic() + 60
@@ -976,7 +982,7 @@ def test_queued_requests_hold_bounded_snapshots(qwen_model, tmp_path):
     eng = reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv)
     try:
         for budget in (1, 256 << 20):
-            eng.disk_hold_bytes = budget
+            eng.part("disk").hold_bytes = budget
             _drop_cache(eng)
             tokens, snap = _ship_chat(eng, "Where is order 17?")
             hits = eng.slots.n_disk_hits
@@ -1020,7 +1026,7 @@ def test_parse_size():
         reame.parse_size("lots")
 
 
-# == 11. Replay: finished answers, answered again ==============================
+# == 12. Replay: finished answers, answered again ==============================
 
 
 def _replay_engine(model, tmp_path, **kw):
@@ -1143,19 +1149,19 @@ def test_replay_rejects_a_bad_record_and_recomputes(qwen_model, tmp_path):
     with _replay_engine(qwen_model, tmp_path) as eng:
         want = eng.complete(prompt, temperature=0, max_tokens=12)
         eng.complete(other, temperature=0, max_tokens=12)
-        path = pathlib.Path(eng.replay.path(eng.replay.key(eng.model.tokenize(prompt),
+        path = pathlib.Path(eng.part("replay").store.path(eng.part("replay").store.key(eng.model.tokenize(prompt),
                                                             reame.SamplingParams(temperature=0)), ""))
-        other_path = pathlib.Path(eng.replay.path(eng.replay.key(eng.model.tokenize(other),
+        other_path = pathlib.Path(eng.part("replay").store.path(eng.part("replay").store.key(eng.model.tokenize(other),
                                                                   reame.SamplingParams(temperature=0)), ""))
     good = path.read_bytes()
-    body = json.loads(good[48:])
+    body = json.loads(good[reame._RECORD_HEAD.size:])
     forged = json.dumps(dict(body, tokens=[10 ** 9])).encode()
-    forged = good[:12] + len(forged).to_bytes(4, "little") + hashlib.sha256(forged).digest() + forged
+    forged = reame.frame_record(reame._REPLAY_MAGIC, forged) + forged  # well framed, tokens outside the vocabulary
     for bad in (good[:-1] + bytes([good[-1] ^ 1]), good[:40], other_path.read_bytes(), forged):
         path.write_bytes(bad)
         with _replay_engine(qwen_model, tmp_path) as eng:
             res = eng.complete(prompt, temperature=0, max_tokens=12)
-            assert not res.replayed and res.tokens == want.tokens and eng.replay.n_bad == 1
+            assert not res.replayed and res.tokens == want.tokens and eng.part("replay").store.shelf.n_bad == 1
         assert path.read_bytes() == good  # written again by the recomputed answer
 
 
@@ -1176,8 +1182,8 @@ def test_server_replay_per_key_streamed_and_opt_out(gemma, tmp_path):
         assert "reame" not in outs[0] and outs[1]["reame"] == {"replayed": True} and "reame" not in outs[2]
         assert outs[1]["choices"] == outs[0]["choices"] == outs[2]["choices"]
         assert all(outs[1]["usage"][k] == outs[0]["usage"][k] for k in ("prompt_tokens", "completion_tokens"))
-        eng.replay.flush()
-        assert len(os.listdir(eng.replay.dir)) == 2  # a folder per key
+        eng.part("replay").store.flush()
+        assert len(os.listdir(eng.part("replay").store.dir)) == 2  # a folder per key
         status, payload = _http(srv, "POST", "/v1/chat/completions", dict(body, stream=True), key="k2")
         chunks = _sse(payload)
         assert chunks[-1]["reame"] == {"replayed": True} and chunks[-1]["choices"][0]["finish_reason"]
@@ -1195,7 +1201,7 @@ def test_server_replay_per_key_streamed_and_opt_out(gemma, tmp_path):
         eng.close()
 
 
-# == 12. Palimpsest: the archive of generations ================================
+# == 13. Palimpsest: the archive of generations ================================
 # Pure: records, the index's drafts; files: torn records, concurrent appends, the bound.
 
 
@@ -1379,7 +1385,7 @@ def _archive_run(eng, prompt, mode="on", archive="shared", max_tokens=64):
     before = eng.stats()["spec"]["archive"]["accepted"]
     r = eng.submit(prompt, p, spec=reame.SpecOptions(mode, 16, ("archive",) if mode == "on" else ()),
                    archive=archive).wait()
-    eng.archive.flush()
+    eng.part("archive").archive.flush()
     return r, eng.stats()["spec"]["archive"]["accepted"] - before
 
 
@@ -1394,7 +1400,7 @@ def test_archive_second_request_drafts_from_the_first(qwen, qwen_archive):
     assert third.tokens == plain.tokens
     # after a restart, from the disk
     with reame.Engine(qwen_archive.model, n_ctx=1024, n_slots=2, archive=64 << 20,
-                      archive_dir=os.path.dirname(qwen_archive.archive.dir)) as again:
+                      archive_dir=os.path.dirname(qwen_archive.part("archive").archive.dir)) as again:
         r, accepted = _archive_run(again, prompt)
         assert r.tokens == plain.tokens and accepted >= 0.6 * len(r.tokens)
 
@@ -1417,9 +1423,9 @@ def test_archive_scopes_never_cross_and_opt_out(qwen_archive):
         assert any(sc == "keyB" for sc, _ in seen) and all(d == [] for sc, d in seen if sc == "keyB")
         a2, got_a = _archive_run(eng, prompt, archive="keyA")
         assert a2.tokens == a.tokens and got_a > 0 and any(d for sc, d in seen if sc == "keyA")
-        stored = eng.archive.n_stored
+        stored = eng.part("archive").archive.n_stored
         c, got_c = _archive_run(eng, prompt, archive=None)     # opted out: neither used nor stored
-        assert c.tokens == a.tokens and got_c == 0 and eng.archive.n_stored == stored
+        assert c.tokens == a.tokens and got_c == 0 and eng.part("archive").archive.n_stored == stored
         assert all(d == [] for sc, d in seen if sc is None)
     finally:
         del src.propose
@@ -1427,7 +1433,7 @@ def test_archive_scopes_never_cross_and_opt_out(qwen_archive):
         eng.submit(prompt, archive="../etc")
 
 
-# == 13. Speculation: draft sources and the controller =========================
+# == 14. Speculation: what pays, and the draft sources =========================
 # Pure: draft lookup and the controller's decisions, with synthetic costs and acceptance.
 
 
@@ -2008,7 +2014,7 @@ def test_spec_verify_fast_takes_the_tiled_kernel():
         reame.Engine(path, spec_verify="sloppy")
 
 
-# == 14. The draft model =======================================================
+# == 16. The draft model =======================================================
 
 
 @pytest.fixture(scope="module")
@@ -2051,7 +2057,7 @@ def test_draft_model_of_another_vocabulary_is_refused(gemma):
         reame.check_draft_pair(gemma.model, reame.Model(_model_path("qwen2.5-coder-0.5b"), vocab_only=True))
 
 
-# == 15. Structured output: json_schema to GBNF ================================
+# == 17. Structured output: json_schema to GBNF ================================
 
 
 def test_json_schema_grammar_converts_and_rejects(qwen):
@@ -2131,7 +2137,7 @@ def test_json_schema_output_always_validates(qwen):
     assert qwen.stats()["spec"]["suggest.json"]["accepted"] - before > 20
 
 
-# == 16. Reading JSON as it is written: JsonScan ===============================
+# == 18. Reading JSON as it is written: JsonScan ===============================
 
 
 def test_json_scan_repeats_the_previous_records_layout():
@@ -2190,7 +2196,7 @@ def test_json_scan_schema_hints_and_enums():
     assert reame.schema_gaps({"type": "string"}) is None
 
 
-# == 17. Il Suggeritore: structure as drafts ===================================
+# == 19. Il Suggeritore: structure as drafts ===================================
 
 
 def test_suggest_rules_lists_markdown_fields():
@@ -2280,7 +2286,7 @@ def test_suggeritore_values_equal_plain_greedy_and_get_accepted(qwen):
     assert qwen.stats()["spec"]["suggest.values"]["accepted"] - before >= 10
 
 
-# == 19. Slots: the memory tier, and consecutive sequence ids ==================
+# == 21. Slots: the memory tier, and consecutive sequence ids ==================
 
 
 @pytest.mark.parametrize("fixture", ["qwen", "gemma"])
@@ -2370,7 +2376,7 @@ def test_concurrent_requests_compute_a_shared_head_once(qwen_model):
     assert st["prefill_tokens"] == sum(len(t) for t, _ in asks) - 3 * head
 
 
-# == 20. Engine parts: the stores as plug-ins ==================================
+# == 22. Engine parts: the stores as plug-ins ==================================
 
 
 _WARM_SYSTEM = "You answer questions about a library's opening hours and loans. " + "Keep answers short. " * 90
@@ -2459,7 +2465,7 @@ def test_idle_warm_ahead_from_the_head_history_and_after_a_restart(qwen_model, t
             f.write(bad)
         with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv) as eng:
             eng.warmer.idle_s = 0.2
-            assert eng.heads.top(8, 1) == []
+            assert eng.warmer.heads.top(8, 1) == []
             time.sleep(0.5)
             assert eng.stats()["warm_prefills"] == 0 and eng.complete("Hi", temperature=0, max_tokens=2).tokens
     with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv, warm_ahead=False) as eng:
@@ -2498,7 +2504,7 @@ def test_serve_warm_file(tmp_path):
     assert out.returncode != 0 and "line 1" in out.stderr
 
 
-# == 21. Engine: the scheduler thread and continuous batching ==================
+# == 24. Engine: the model, its slots and parts, and what callers use ==========
 
 
 def test_greedy_is_deterministic(qwen):
@@ -2665,7 +2671,7 @@ def test_greedy_same_without_numpy(gemma):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == want
 
 
-# == 23. The Conclave: best-of-N in one batch, voted ===========================
+# == 26. The Conclave: best-of-N in one batch, voted ===========================
 
 
 def test_conclave_extractors():
@@ -2761,7 +2767,7 @@ def test_conclave_one_prefill_shared_steps_early_stop(qwen5):
         reame.run_conclave(eng, prompt, reame.SamplingParams(temperature=0), 3)
 
 
-# == 24. Request bodies: OpenAI JSON to engine arguments =======================
+# == 27. Request bodies: OpenAI JSON to engine arguments =======================
 # Socketless: request bodies -> ApiRequest / SamplingParams, or the 400 naming the field.
 
 
@@ -3103,7 +3109,7 @@ def test_llama3_tool_format_as_its_template_writes_it(qwen, monkeypatch):
     assert [prose.feed(t) for t in ("\n", "It", " is")] == ["", "\nIt", " is"]
 
 
-# == 25. Sessions: conversations the server keeps ==============================
+# == 28. Sessions: conversations the server keeps ==============================
 
 
 def test_server_sessions(server, gemma):
@@ -3216,7 +3222,7 @@ def test_a_session_is_free_when_its_answer_ends(server):
     assert _http(server, "DELETE", "/v1/sessions/" + sid)[0] == 200
 
 
-# == 26. HTTP requests: routes and answers =====================================
+# == 29. HTTP requests: routes and answers =====================================
 # Socketless first: the handler runs over in-memory streams, as CPython's test_httpservers
 # drives BaseHTTPRequestHandler: the request's bytes come from a BytesIO, the answer goes to
 # a buffer. The Server has no engine ("loading"): its listening socket is bound on port 0,
@@ -3896,7 +3902,7 @@ def test_server_logs_one_line_per_request_without_prompt_text(server):
     assert "secret" not in text and "k1" not in text
 
 
-# == 27. HTTP server: connections, tenants, limits, metrics ====================
+# == 30. HTTP server: connections, tenants, limits, metrics ====================
 
 
 def test_server_bearer_is_case_insensitive_and_binds_ipv6(gemma):
@@ -3986,12 +3992,12 @@ def test_server_archive_scoped_per_key_and_opt_out(gemma, tmp_path):
         for key in ("k1", "k2"):
             status, payload = _http(srv, "POST", "/v1/chat/completions", body, key=key)
             assert status == 200, payload
-        eng.archive.flush()
-        scopes = sorted(os.listdir(eng.archive.dir))
+        eng.part("archive").archive.flush()
+        scopes = sorted(os.listdir(eng.part("archive").archive.dir))
         assert len(scopes) == 2 and "shared" not in scopes and not any(k in "".join(scopes) for k in ("k1", "k2"))
-        stored = eng.archive.n_stored
+        stored = eng.part("archive").archive.n_stored
         status, payload = _http(srv, "POST", "/v1/chat/completions", dict(body, reame={"archive": False}))
-        assert status == 200 and eng.archive.n_stored == stored
+        assert status == 200 and eng.part("archive").archive.n_stored == stored
         status, payload = _http(srv, "POST", "/v1/chat/completions", dict(body, reame={"archive": "no"}))
         assert status == 400 and "archive" in json.loads(payload)["error"]["message"]
         status, payload = _http(srv, "GET", "/metrics")
@@ -4816,17 +4822,17 @@ def test_attack_crafted_archive_segment(qwen_model, tmp_path):
     try:
         prompt = eng.model.tokenize("def add(a, b):\n    return a + b\n\ndef mul(a, b):\n")
         plain = eng.complete(prompt, temperature=0, max_tokens=24, spec=reame.SpecOptions("off"), archive=None)
-        scope = tmp_path / eng.archive.dir.split(os.sep)[-1] / "shared"
+        scope = tmp_path / eng.part("archive").archive.dir.split(os.sep)[-1] / "shared"
         scope.mkdir(parents=True, exist_ok=True)
         run = list(prompt[-8:]) + [eng.model.n_vocab + 5, 10 ** 9] * 20
         (scope / "seg-00000001.pal").write_bytes(reame.pal_record(run, 8))
         (scope / "seg-x.pal").write_bytes(b"junk")
         got = eng.complete(prompt, temperature=0, max_tokens=24, spec=reame.SpecOptions("on"))
         assert got.text == plain.text
-        stored = eng.archive.n_stored
+        stored = eng.part("archive").archive.n_stored
         eng.complete("Hello", temperature=0, max_tokens=4)
-        eng.archive.flush()
-        assert eng.archive.n_stored == stored + 1 and eng.archive.n_failed == 0
+        eng.part("archive").archive.flush()
+        assert eng.part("archive").archive.n_stored == stored + 1 and eng.part("archive").archive.n_failed == 0
         assert (scope / "seg-00000001.pal").stat().st_size > len(reame.pal_record(run, 8))
     finally:
         eng.close()
@@ -4872,10 +4878,10 @@ def test_attack_metrics_name_no_tenant(gemma, tmp_path):
     try:
         for key in ("k1", "k2"):
             assert _http(srv, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, key=key)[0] == 200
-        eng.archive.flush()
+        eng.part("archive").archive.flush()
         _, payload = _http(srv, "GET", "/metrics", key="k1")
         text = payload.decode()
-        scopes = os.listdir(eng.archive.dir)
+        scopes = os.listdir(eng.part("archive").archive.dir)
         assert len(scopes) == 2 and not any(sc in text for sc in scopes) and "scope=" not in text
         assert "reame_archive_tokens " in text
         secret = os.path.join(reame.Config.from_env().home, "secret")
@@ -4895,9 +4901,11 @@ def test_attack_files_under_reame_home(qwen_model, tmp_path, monkeypatch, capsys
     assert arch.stat().st_mode & 0o777 == 0o700 and (arch / ".lock").stat().st_mode & 0o777 == 0o600
     kv = tmp_path / "home" / "kv" / "f"
     kv.mkdir(parents=True)
-    huge = reame._KV_MAGIC + (1).to_bytes(4, "little") + (0xFFFFFFFF).to_bytes(4, "little") + b"{}"
+    huge = (0xFFFFFFFF).to_bytes(4, "little") + b"{}"  # (well framed: the snapshot header's checks are tested)
+    huge = reame.frame_record(reame._KV_MAGIC, huge) + huge
     deep = b"[" * 100000 + b"]" * 100000
-    nested = reame._KV_MAGIC + (1).to_bytes(4, "little") + len(deep).to_bytes(4, "little") + deep
+    nested = len(deep).to_bytes(4, "little") + deep
+    nested = reame.frame_record(reame._KV_MAGIC, nested) + nested
     (kv / "a.kv").write_bytes(huge)
     (kv / "b.kv").write_bytes(nested)
     monkeypatch.setenv("REAME_HOME", str(tmp_path / "home"))
@@ -4908,7 +4916,7 @@ def test_attack_files_under_reame_home(qwen_model, tmp_path, monkeypatch, capsys
     d = reame.DiskCache(str(tmp_path / "home" / "kv2"), "fp", "p", 1 << 30, 128)
     try:
         (pathlib.Path(d.dir) / "x.kv").write_bytes(nested)
-        assert d._load(os.path.join(d.dir, "x.kv"), [1]) is None and d.n_bad == 1
+        assert d._load(os.path.join(d.dir, "x.kv"), [1]) is None and d.shelf.n_bad == 1
     finally:
         d.close()
 
@@ -5557,7 +5565,7 @@ def test_soak_runs_clean(tmp_path):
     assert soak_failures(dict(report, crash={"returncode": -9, "at_s": 1.0, "in_flight": []}))  # it can fail
 
 
-# == 28. Command line ==========================================================
+# == 31. Command line ==========================================================
 
 
 def test_cli_help_explains_every_command():
