@@ -7,9 +7,9 @@ request bodies and the HTTP handler over in-memory streams). Tier 1 uses the rea
 (gemma3-270m, qwen2.5-coder-0.5b) pulled by `reame.py pull`; a missing model or library is
 a failure, never a skip.
 
-The soak (section 27): the attack table against one `reame.py serve` under load, with
-normal clients, disconnects and a /health prober; a pass/fail run of a few minutes, not a
-pytest test (test_soak_runs_clean runs it for 20 seconds):
+The soak (in the HTTP server's section): the attack table against one `reame.py serve`
+under load, with normal clients, disconnects and a /health prober; a pass/fail run of a few
+minutes, not a pytest test (test_soak_runs_clean runs it for 20 seconds):
 
     python3 test_reame.py soak [--seconds 600] [--model gemma3-270m] [--attacks A,B]
 """
@@ -489,6 +489,8 @@ def test_rows_of_one_step_get_the_logits_they_get_alone(qwen):
 
 
 _LIT1000 = "abcdefghij" * 100
+
+
 _GRAMMAR_BOMBS = {  # each crashed llama.cpp, made it build without end, or took minutes
     "nested groups": "root ::= " + "(" * 65 + '"a"' + ")" * 65,
     "rule chain": "root ::= r0\n" + "".join("r%d ::= r%d\n" % (i, i + 1) for i in range(12000)) + 'r12000 ::= "a"',
@@ -1433,8 +1435,8 @@ def test_archive_scopes_never_cross_and_opt_out(qwen_archive):
         eng.submit(prompt, archive="../etc")
 
 
-# == 14. Speculation: what pays, and the draft sources =========================
-# Pure: draft lookup and the controller's decisions, with synthetic costs and acceptance.
+# == 14. Speculation: what pays, and the draft sources ==========================
+# Pure: draft lookup, what a draft is worth, the cost model.
 
 
 def lookup_draft(tokens, k, n_min=2, n_max=5):
@@ -1565,6 +1567,10 @@ def test_cost_model_follows_the_machine_without_going_stale():
     before = cm.cost(1)
     cm.observe(1, 2.0)
     assert cm.cost(1) < 1.1 * before
+
+
+# == 15. The speculation controller ============================================
+# Pure: the controller's decisions, with synthetic costs and acceptance.
 
 
 class _FixedSource(reame.DraftSource):
@@ -1932,6 +1938,7 @@ def test_controller_survives_a_failing_draft_source(caplog):
 
 
 # Real models: the greedy contract with speculation on.
+
 
 _QUOTE_TEXT = ("The lighthouse keeper, Ada Marlow, kept a logbook for thirty-one years. Each morning she "
                "wrote the wind, the height of the swell, and the names of the ships that passed the point. "
@@ -2504,22 +2511,7 @@ def test_serve_warm_file(tmp_path):
     assert out.returncode != 0 and "line 1" in out.stderr
 
 
-# == 24. Engine: the model, its slots and parts, and what callers use ==========
-
-
-def test_greedy_is_deterministic(qwen):
-    p = _chat(qwen, "Write a haiku about the sea.")
-    a = qwen.complete(p, temperature=0, max_tokens=24)
-    b = qwen.complete(p, temperature=0, max_tokens=24)
-    assert a.tokens == b.tokens and a.text == b.text
-    assert a.n_gen_tok == len(a.tokens) > 0
-    assert a.text.strip()
-
-
-def test_qwen_answers_sensibly(qwen):
-    r = qwen.complete(_chat(qwen, "What is the capital of France? Answer in one word."), temperature=0, max_tokens=10)
-    assert "Paris" in r.text
-    assert r.finish_reason == "stop"
+# == 23. The scheduler: one batch per step =====================================
 
 
 @pytest.mark.parametrize("fixture", ["qwen", "gemma"])
@@ -2534,6 +2526,16 @@ def test_batched_equals_alone(fixture, request):
     assert together == alone
     # they really shared steps: 4 x 32 tokens in far fewer than 4 x 32 steps
     assert eng.counters.n_steps - steps0 < 2 * 32 + 8
+
+
+def test_batched_equals_alone_long_prompts(gemma):
+    """Past 512 KV cells llama.cpp's CPU attention changes kernels; output must not."""
+    base = "Here is a long story about a kingdom by the sea, its kings, its ships and its people. " * 40
+    prompts = [_chat(gemma, base + q) for q in ["Summarize it.", "Who rules?", "List the ships.", "What next?"]]
+    assert all(len(p) > 600 for p in prompts)
+    alone = [gemma.complete(p, temperature=0, max_tokens=24).tokens for p in prompts]
+    reqs = [gemma.submit(p, temperature=0, max_tokens=24) for p in prompts]
+    assert [r.wait().tokens for r in reqs] == alone
 
 
 def test_every_decode_of_the_process_runs_on_one_thread(qwen, monkeypatch):
@@ -2553,6 +2555,79 @@ def test_every_decode_of_the_process_runs_on_one_thread(qwen, monkeypatch):
         b = qwen.submit("Say hi.", reame.SamplingParams(temperature=0, max_tokens=4))
         assert a.wait().n_gen_tok and b.wait().n_gen_tok
     assert seen == {"reame-compute"}
+
+
+def test_cancel_frees_the_slot():
+    eng = reame.Engine(_model_path("gemma3-270m"), n_ctx=512, n_slots=1)
+    try:
+        req = eng.submit("Once upon a time", temperature=0.8, seed=1, max_tokens=400)
+        it = iter(req)
+        next(it)
+        req.cancel()
+        res = req.wait(30)
+        assert res.finish_reason == "cancelled"
+        assert res.n_gen_tok < 400
+        # the only slot is free again: the next request runs to completion
+        r2 = eng.complete("Hello", temperature=0, max_tokens=4)
+        assert r2.finish_reason in ("length", "stop")
+        deadline = time.monotonic() + 5  # (the counts are the scheduler's after its step: a moment after the answer)
+        while (eng.stats()["active"] or eng.stats()["kv_cells_active"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = eng.stats()
+        assert st["active"] == 0 and st["kv_cells_active"] == 0
+        # the slot's KV is kept only as the memory tier's cache of the last prompt
+        assert eng.ctx.seq_pos_max(0) == st["kv_cells_cached"] - 1 < 16
+    finally:
+        eng.close()
+
+
+def test_n_choices_engine(qwen):
+    """n choices: one prefill, KV copied by seq_cp; greedy choices equal the single answer."""
+    p = _chat(qwen, "Name three primary colors.")
+    alone = qwen.complete(p, temperature=0, max_tokens=16)
+    pre = qwen.stats()
+    outs = [r.wait() for r in qwen.submit_n(p, reame.SamplingParams(temperature=0, max_tokens=16), 3)]
+    post = qwen.stats()
+    assert post["prefills"] == pre["prefills"] + 1
+    assert [o.tokens for o in outs] == [alone.tokens] * 3 and [o.index for o in outs] == [0, 1, 2]
+    # greedy choices are twins all the way: one row a step, the other two sample from it
+    assert post["decode_tokens"] - pre["decode_tokens"] <= len(alone.tokens)
+    assert post["twin_tokens"] - pre["twin_tokens"] >= 2 * len(alone.tokens)
+    with pytest.raises(reame.RequestError):
+        qwen.submit_n(p, None, 5)  # more choices than slots
+
+
+def test_twins_go_on_when_the_first_choice_is_cancelled(qwen):
+    """Cancelling the first of n greedy choices, whose rows its twins read, leaves the
+    others to finish on a copy of its KV, with the tokens they would have had."""
+    p = _chat(qwen, "Count from one to twenty in words, separated by commas.")
+    alone = qwen.complete(p, temperature=0, max_tokens=32)
+    reqs = qwen.submit_n(p, reame.SamplingParams(temperature=0, max_tokens=32), 3)
+    seen = 0
+    while seen < 4:  # a few tokens in, cancel choice 0
+        kind, _, i = reqs[0].events.get(timeout=120)
+        seen += kind == "text" and i == 0
+    reqs[0].cancel()
+    assert reqs[0].wait(120).finish_reason == "cancelled"
+    assert [r.wait(120).tokens for r in reqs[1:]] == [alone.tokens] * 2
+
+
+# == 24. Engine: the model, its slots and parts, and what callers use ==========
+
+
+def test_greedy_is_deterministic(qwen):
+    p = _chat(qwen, "Write a haiku about the sea.")
+    a = qwen.complete(p, temperature=0, max_tokens=24)
+    b = qwen.complete(p, temperature=0, max_tokens=24)
+    assert a.tokens == b.tokens and a.text == b.text
+    assert a.n_gen_tok == len(a.tokens) > 0
+    assert a.text.strip()
+
+
+def test_qwen_answers_sensibly(qwen):
+    r = qwen.complete(_chat(qwen, "What is the capital of France? Answer in one word."), temperature=0, max_tokens=10)
+    assert "Paris" in r.text
+    assert r.finish_reason == "stop"
 
 
 def test_utf8_streams_whole_characters(qwen):
@@ -2586,77 +2661,12 @@ def test_max_tokens_gives_length(gemma):
         assert r.n_gen_tok == 5
 
 
-def test_cancel_frees_the_slot():
-    eng = reame.Engine(_model_path("gemma3-270m"), n_ctx=512, n_slots=1)
-    try:
-        req = eng.submit("Once upon a time", temperature=0.8, seed=1, max_tokens=400)
-        it = iter(req)
-        next(it)
-        req.cancel()
-        res = req.wait(30)
-        assert res.finish_reason == "cancelled"
-        assert res.n_gen_tok < 400
-        # the only slot is free again: the next request runs to completion
-        r2 = eng.complete("Hello", temperature=0, max_tokens=4)
-        assert r2.finish_reason in ("length", "stop")
-        deadline = time.monotonic() + 5  # (the counts are the scheduler's after its step: a moment after the answer)
-        while (eng.stats()["active"] or eng.stats()["kv_cells_active"]) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        st = eng.stats()
-        assert st["active"] == 0 and st["kv_cells_active"] == 0
-        # the slot's KV is kept only as the memory tier's cache of the last prompt
-        assert eng.ctx.seq_pos_max(0) == st["kv_cells_cached"] - 1 < 16
-    finally:
-        eng.close()
-
-
 def test_prompt_too_long_is_a_request_error(gemma):
     with pytest.raises(reame.RequestError) as e:
         gemma.submit(list(range(10, 2000)))
     assert "context" in str(e.value)
     with pytest.raises(reame.RequestError):
         gemma.submit([])
-
-
-def test_batched_equals_alone_long_prompts(gemma):
-    """Past 512 KV cells llama.cpp's CPU attention changes kernels; output must not."""
-    base = "Here is a long story about a kingdom by the sea, its kings, its ships and its people. " * 40
-    prompts = [_chat(gemma, base + q) for q in ["Summarize it.", "Who rules?", "List the ships.", "What next?"]]
-    assert all(len(p) > 600 for p in prompts)
-    alone = [gemma.complete(p, temperature=0, max_tokens=24).tokens for p in prompts]
-    reqs = [gemma.submit(p, temperature=0, max_tokens=24) for p in prompts]
-    assert [r.wait().tokens for r in reqs] == alone
-
-
-def test_n_choices_engine(qwen):
-    """n choices: one prefill, KV copied by seq_cp; greedy choices equal the single answer."""
-    p = _chat(qwen, "Name three primary colors.")
-    alone = qwen.complete(p, temperature=0, max_tokens=16)
-    pre = qwen.stats()
-    outs = [r.wait() for r in qwen.submit_n(p, reame.SamplingParams(temperature=0, max_tokens=16), 3)]
-    post = qwen.stats()
-    assert post["prefills"] == pre["prefills"] + 1
-    assert [o.tokens for o in outs] == [alone.tokens] * 3 and [o.index for o in outs] == [0, 1, 2]
-    # greedy choices are twins all the way: one row a step, the other two sample from it
-    assert post["decode_tokens"] - pre["decode_tokens"] <= len(alone.tokens)
-    assert post["twin_tokens"] - pre["twin_tokens"] >= 2 * len(alone.tokens)
-    with pytest.raises(reame.RequestError):
-        qwen.submit_n(p, None, 5)  # more choices than slots
-
-
-def test_twins_go_on_when_the_first_choice_is_cancelled(qwen):
-    """Cancelling the first of n greedy choices, whose rows its twins read, leaves the
-    others to finish on a copy of its KV, with the tokens they would have had."""
-    p = _chat(qwen, "Count from one to twenty in words, separated by commas.")
-    alone = qwen.complete(p, temperature=0, max_tokens=32)
-    reqs = qwen.submit_n(p, reame.SamplingParams(temperature=0, max_tokens=32), 3)
-    seen = 0
-    while seen < 4:  # a few tokens in, cancel choice 0
-        kind, _, i = reqs[0].events.get(timeout=120)
-        seen += kind == "text" and i == 0
-    reqs[0].cancel()
-    assert reqs[0].wait(120).finish_reason == "cancelled"
-    assert [r.wait(120).tokens for r in reqs[1:]] == [alone.tokens] * 2
 
 
 def test_greedy_same_without_numpy(gemma):
@@ -2779,15 +2789,22 @@ def _api(body: dict, chat: bool = False, **kw):
 
 
 _HI = [{"role": "user", "content": "Hi"}]
+
+
 _PERSON_SCHEMA = {"type": "object", "required": ["name", "age"],
                   "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+
+
 _WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
     "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
         "city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+
+
 _TIME = {"type": "function", "function": {"name": "get_time", "description": "The local time in a city.",
                                           "parameters": {"type": "object", "required": ["city"],
                                                          "properties": {"city": {"type": "string"}}}}}
+
 
 # (what, body, chat, request_from_body's other arguments, what the ApiRequest holds: a field,
 # "params.x" for its SamplingParams' x, "limit" for the most tokens it may answer a 10-token
@@ -3331,7 +3348,8 @@ def test_handler_refuses_a_missing_or_wrong_key(memory_server, auth):
                          ("POST", "/v1/chat/completions"), ("POST", "/v1/embeddings"), ("GET", "/v1/sessions/s"),
                          ("DELETE", "/v1/sessions/s")):
         body = b'{"prompt": "Hi"}' if method == "POST" else b""
-        resp = _one(memory_server, _raw_head(method, path, body=body, headers=[("Authorization", auth)] if auth else []))
+        head = _raw_head(method, path, body=body, headers=[("Authorization", auth)] if auth else [])
+        resp = _one(memory_server, head)
         _openai_error(resp, 401, "invalid_api_key")
         assert resp[1]["www-authenticate"] == "Bearer", resp[1]
 
@@ -4063,7 +4081,7 @@ def test_server_sixteen_clients_some_leaving(server, gemma):
     assert _http(server, "GET", "/v1/models")[0] == 200
 
 
-# -- 27, attacked: one request can neither crash the server nor reach another tenant --------
+# -- Attacked: one request can neither crash the server nor reach another tenant ------------
 # One table of attacks, _ATTACKS: each row says how to send it (in raw bytes where http.client
 # would fix the very headers it gets wrong) and what answer is acceptable. test_attack_table
 # runs each row against the module's server (gemma3-270m, port 0) while a victim stream of
@@ -4073,9 +4091,15 @@ def test_server_sixteen_clients_some_leaving(server, gemma):
 # connection cap) run in the tests after it; the soak (below) runs the whole table, cycling,
 # against one `reame.py serve` under load.
 
+
 _CHAT, _COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
 _ATTACK_S = 30.0      # an attack's time limit (all ask for <= 48 tokens): past it, 'timeout'
+
+
 _HEALTH_MAX_S = 1.0   # /health slower than this fails a test under attack, and the soak
+
 
 _VICTIM = {"messages": [{"role": "user", "content": "Name three colours of the rainbow."}], "temperature": 0,
            "max_tokens": 24, "stream": True}
@@ -4183,6 +4207,7 @@ def _resp_choices(resp: dict) -> list:
 
 
 # What an answer must be: each returns accept(resp) -> None, or what is wrong.
+
 
 def _refused(*codes, statuses=()):
     """A refusal: a status among statuses (else any 4xx or 503) with the error JSON, its code
@@ -4319,6 +4344,7 @@ def _judge(attack: _Attack, resp: dict) -> tuple:
 
 # How rows send: one request each, on a fresh connection.
 
+
 def _send(data: Callable, linger_s: float = 0.0, timeout_s: float = _ATTACK_S) -> Callable:
     """send(target) for the bytes data(target) (linger_s: also read what follows the answer)."""
     return lambda t: _raw_exchange(t.port, data(t), timeout_s=timeout_s, linger_s=linger_s)
@@ -4404,6 +4430,8 @@ def _small_completion(size: int = 0) -> bytes:
 
 
 _DEAD_END = 'root ::= "a" <[999999]>'  # parses; after "a" no token (no such id), nor the end, is allowed
+
+
 # A class that matches no character: llama.cpp still lets through tokens that are the first
 # bytes of a character (a partial UTF-8 sequence might complete into one), so the text is
 # "a" and replacement characters until max_tokens: answered, not refused.
@@ -4468,8 +4496,8 @@ def _attack_table() -> list:
                      _refused()))
     a.append(_Attack("stop-list-5000", _post(_COMPLETIONS, comp(
         "Count: 1, 2, 3,", stop=["stop-%05d-%s" % (i, "x" * 80) for i in range(5000)])), _refused_or_answered()))
-    a.append(_Attack("stop-strings-long", _post(_COMPLETIONS, comp("Count: 1, 2, 3,", stop=[c * 250000 for c in "yzw"])),
-                     _refused_or_answered()))
+    a.append(_Attack("stop-strings-long", _post(_COMPLETIONS, comp(
+        "Count: 1, 2, 3,", stop=[c * 250000 for c in "yzw"])), _refused_or_answered()))
     a.append(_Attack("max-tokens-huge", _post(_CHAT, chat("Say OK.", max_tokens=10 ** 18)), _refused_or_answered()))
     a.append(_Attack("unknown-fields", _post(_CHAT, chat(
         "Say OK.", logit_bias={"1": 100, "2": -100}, logprobs=True, top_logprobs=5, user="x", metadata={"k": "v"},
@@ -4614,8 +4642,8 @@ def test_attack_judge_refuses_what_it_must():
     ]
     for name, r in cases:
         assert _judge(_attack(name), r)[1], (name, r)
-    assert _judge(_attack("grammar-dead-end"), resp(400, json.dumps({"error": {
-        "message": "dead end", "type": "invalid_request_error", "code": "grammar_dead_end"}}).encode())) == ("400", None)
+    dead_end = {"error": {"message": "dead end", "type": "invalid_request_error", "code": "grammar_dead_end"}}
+    assert _judge(_attack("grammar-dead-end"), resp(400, json.dumps(dead_end).encode())) == ("400", None)
     names = [a.name for a in _ATTACKS]
     assert len(names) == len(set(names)) and len(names) >= 50
 
@@ -4921,7 +4949,7 @@ def test_attack_files_under_reame_home(qwen_model, tmp_path, monkeypatch, capsys
         d.close()
 
 
-# -- 27, the soak: the attack table against one `reame.py serve` under load --------------
+# -- The soak: the attack table against one `reame.py serve` under load --------------------
 # `python3 test_reame.py soak [--seconds 600] [--model gemma3-270m] [--attacks A,B]`, a
 # pass/fail run (exit status 1 on a failure); test_soak_runs_clean runs it for 20 seconds.
 # One `reame.py serve MODEL --parallel 4 --ctx 1024 --max-connections 64` with two API keys
@@ -4942,11 +4970,22 @@ def test_attack_files_under_reame_home(qwen_model, tmp_path, monkeypatch, capsys
 # is recorded with what was in flight and ends the run; one that hangs makes its requests
 # time out, and is killed at the end.
 
+
 _SOAK_KEYS = ("soak-key-tenant-a", "soak-key-tenant-b")  # two tenants: sessions are scoped per key
+
+
 _SOAK_CTX, _SOAK_PARALLEL, _SOAK_MAX_CONNECTIONS = 1024, 4, 64
+
+
 _SOAK_CLIENTS, _SOAK_ATTACKERS = 8, 2
+
+
 _SOAK_HEADROOM = 24      # connections idle-connections leaves to the soak's own clients and prober
+
+
 _SOAK_REQUEST_S = 120.0  # a normal request's time limit (8 clients share 4 slots on a small machine)
+
+
 _SOAK_DRAIN_S = 60.0     # after the load: time for threads to finish and for /metrics to read idle
 
 
@@ -4970,7 +5009,8 @@ class _ServeProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError("reame serve exited with %s; log tail:\n%s" % (self.proc.returncode, self.log_tail()))
+                raise RuntimeError("reame serve exited with %s; log tail:\n%s"
+                                   % (self.proc.returncode, self.log_tail()))
             if self.port is None:
                 with open(self.log_path, "rb") as f:
                     m = re.search(rb"serving .*?http://127\.0\.0\.1:(\d+)", f.read())
@@ -5095,6 +5135,7 @@ def _soak_answer(port: int, req: dict) -> str:
 
 
 # Disconnects: requests the client abandons; the server must notice (or finish) and free the slot.
+
 
 def _disconnect(port: int, data: bytes, wait_for: Optional[bytes] = None, hold_s: float = 0.0) -> str:
     """Send data, wait until wait_for arrives (or hold_s passes), close. Returns what happened."""
@@ -5732,14 +5773,15 @@ def test_c_kernels_batched_equal_alone(tmp_path):
         assert r.returncode == 0 and r.stdout.rstrip().endswith("test_kernels: PASS"), "%s:\n%s" % (name, r.stdout[-4000:])
 
 
-# -- `python3 test_reame.py soak`: section 27's soak from the command line ------------------
+# -- `python3 test_reame.py soak`: the soak of the HTTP server's section, from the command line --
 
 
 def _main(argv=None) -> int:
     """`python3 test_reame.py soak ...`: the soak, a pass/fail run (exit status 1 on a failure)."""
     p = argparse.ArgumentParser(prog="test_reame.py", description="Reame's tests run with pytest; this runs the soak.")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("soak", help="one reame.py serve under load, attacks and disconnects (section 27)")
+    s = sub.add_parser("soak", help="one reame.py serve under load, attacks and disconnects "
+                                    "(the HTTP server's section)")
     s.add_argument("--seconds", type=float, default=600.0, help="seconds of load (default 600)")
     s.add_argument("--model", default="gemma3-270m", help="a pulled model (default gemma3-270m)")
     s.add_argument("--attacks", default=None, metavar="A,B", help="only these rows of the attack table (default: all)")
@@ -5751,7 +5793,8 @@ def _main(argv=None) -> int:
         names = [n.strip() for n in args.attacks.split(",") if n.strip()]
         unknown = sorted(set(names) - {a.name for a in _ATTACKS})
         if unknown:
-            p.error("unknown attack(s) %s; the table has: %s" % (", ".join(unknown), ", ".join(a.name for a in _ATTACKS)))
+            p.error("unknown attack(s) %s; the table has: %s"
+                    % (", ".join(unknown), ", ".join(a.name for a in _ATTACKS)))
     report = run_soak(args.seconds, args.model, names, args.seed,
                       say=lambda msg: print("soak: " + msg, file=sys.stderr, flush=True))
     print_soak(report, sys.stdout.write)
