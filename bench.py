@@ -1161,23 +1161,27 @@ def run_prefix_cache(args, noise: CpuNoise) -> dict:
 
 def print_prefix(p: dict, w) -> None:
     c, r, g, s, mib = p["config"], p["ratios"], p["goals"], p["snapshot_size"], 2 ** 20
-    w("Prefix cache: a %d-token system prompt (an employee handbook) + short questions, %s, max_tokens %d, %d repeat%s"
-      "\n"
-      "(reame.py serve --parallel 1 on a fresh temporary REAME_HOME vs llama-server -np 1 --cache-ram %s, %d threads, "
-      "ctx %d; TTFT = send to first content chunk, client side)\n\n%-34s %10s %16s %10s %16s %9s\n%s\n"
+    w("Prefix cache: a %d-token system prompt (an employee handbook) + short questions, %s, max_tokens %d, "
+      "%d repeat%s\n(reame.py serve --parallel 1 on a fresh temporary REAME_HOME vs llama-server -np 1 --cache-ram "
+      "%s, %d threads, ctx %d; TTFT = send to first content chunk, client side)\n\n%-34s %10s %16s %10s %16s %9s\n%s\n"
       % (c["system_tokens"], c["model"], c["max_tokens"], c["repeats"], "" if c["repeats"] == 1 else "s (medians)",
          c["server_cache_ram"], c["threads"], c["ctx_per_slot"], "case (question)", "Reame s", "cached/prompt",
          "server s", "cached/prompt", "srv/Reame", "-" * 100))
-    for case, row in p["table"].items():
-        cells = [(_fmt(d["ttft_s"], 3) + ("*" if any((z or 0) > NOISY_FRAC for z in d["noise"]) else ""), "%s/%s" % (
+    def cells(d: Optional[dict]) -> tuple:  # TTFT (* if noisy), cached/prompt tokens of the first repeat
+        if not d:
+            return "-", "-"
+        return (_fmt(d["ttft_s"], 3) + ("*" if any((z or 0) > NOISY_FRAC for z in d["noise"]) else ""), "%s/%s" % (
             d["cached_tokens"][0] if d["cached_tokens"] else "-", d["prompt_tokens"][0] if d["prompt_tokens"] else "-"))
-            if d else ("-", "-") for d in (row.get("reame"), row.get("server"))]
-        w("%-34s %10s %16s %10s %16s %9s\n" % (PREFIX_CASES[case], *cells[0], *cells[1], _x(row["server_over_reame"])))
+
+    for case, row in p["table"].items():
+        w("%-34s %10s %16s %10s %16s %9s\n" % (PREFIX_CASES[case], *cells(row.get("reame")), *cells(row.get("server")),
+                                                _x(row["server_over_reame"])))
     w("(cached/prompt: usage's cached_tokens (llama-server: timings.cache_n) / prompt_tokens, first repeat; "
       "llama-server's restart is a cold start (no disk tier); srv/Reame > 1: Reame is faster; * = noisy run)\n")
-    for case, row in p["table"].items() if c["repeats"] > 1 else ():
-        w("  runs %-8s Reame %s | server %s\n" % (case, *(" ".join(_fmt(x, 3) for x in row.get(side, {}).get(
-            "ttft_runs", [])) for side in ("reame", "server"))))
+    if c["repeats"] > 1:
+        for case, row in p["table"].items():
+            w("  runs %-8s Reame %s | server %s\n" % (case, *(" ".join(_fmt(x, 3) for x in row.get(side, {}).get(
+                "ttft_runs", [])) for side in SIDES)))
     verdict = {None: "-", True: "met", False: "NOT MET"}
     w("\nReame cold / after-restart TTFT: %sx   (goal >= 20x: %s)\nReame cold / warm TTFT: %sx; cold / second "
       "process: %sx\nReame warm vs llama-server warm: server/Reame %sx   (goal >= 1, no worse: %s)\n" % (
@@ -1190,11 +1194,12 @@ def print_prefix(p: dict, w) -> None:
           % (s["largest_tokens"], s["raw_bytes_per_1k_tokens"] / mib, s["compressed_bytes_per_1k_tokens"] / mib,
              "/".join(s["codec"]), s["compression_ratio"], s["files"], s["all_files_compression_ratio"],
              s["disk_bytes_first_repeat"] / mib))
-    for h in p["snapshots"][0] if s["files"] else ():
-        w("  %5d tokens: %7.1f MiB raw -> %7.1f MiB %s (%.2f -> %.2f MiB per 1k tokens)\n" % (
-            h["tokens"], h["raw_size"] / mib, h["size"] / mib, h["codec"], h["raw_bytes_per_1k_tokens"] / mib,
-            h["compressed_bytes_per_1k_tokens"] / mib))
-    w("" if s["files"] else "no snapshot files were written\n")
+        for h in p["snapshots"][0]:
+            w("  %5d tokens: %7.1f MiB raw -> %7.1f MiB %s (%.2f -> %.2f MiB per 1k tokens)\n" % (
+                h["tokens"], h["raw_size"] / mib, h["size"] / mib, h["codec"], h["raw_bytes_per_1k_tokens"] / mib,
+                h["compressed_bytes_per_1k_tokens"] / mib))
+    else:
+        w("no snapshot files were written\n")
     if p["text_identical"]:
         w("greedy text identical Reame vs server: %s\n" % ", ".join("%s %s" % kv for kv in p["text_identical"].items()))
     w("Reame exit codes after SIGTERM: %s\nprefix cache Reame:  %s\n%sserver logs: %s\n" % (
@@ -1784,7 +1789,7 @@ def run_palimpsest(args, noise: CpuNoise) -> dict:
                             if cfg == "on":  # (its answer is archived before the next run starts)
                                 add_accepted(acc, r["accepted"], lambda src: src in ("archive", "archive.resync"))
                                 first_on = r["tokens"] if first_on is None else first_on
-                                eng.archive.flush()
+                                eng.part("archive").archive.flush()
                     out["workloads"][name] = {"off": runs["off"], "on": runs["on"], "greedy_equal": equal,
                                               "ratio": ratio(median(runs["on"]), median(runs["off"])),
                                               "accepted": [sum(x) for x in zip((0, 0), *acc.values())],
