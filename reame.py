@@ -887,6 +887,7 @@ class Model:
                              "pull` again)" % (self.path, why), status=500, code="model_load_failed")
         self._ptr = ptr
         self._fingerprint: Optional[str] = None
+        self._system_heads: dict = {}  # system message -> its prompt head (chat_head); any thread
         self._vocab = L.llama_model_get_vocab(ptr)
         self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(ptr)
@@ -1036,6 +1037,28 @@ class Model:
                 content = content.rstrip(" \t\n\v\f\r")
             out += self.tokenize(content, add_special=False, parse_special=False)
         return out
+
+    def prefix_boundary(self, messages: Sequence[dict], tokens: Sequence[int]) -> List[int]:
+        """Where the part of a chat prompt shared by every question after the same system
+        message ends ([] without one). Found by templating the system message with two
+        different user turns, so it works whatever the template does with a system
+        message (gemma folds it into the first user turn)."""
+        if not messages or messages[0].get("role") != "system" or not self.chat_template:
+            return []
+        n = common_prefix(self.chat_head(messages[0]), tokens)
+        return [n] if n > 1 else []
+
+    def chat_head(self, system: dict) -> List[int]:
+        """The tokens every chat prompt that opens with this system message starts with."""
+        key = (system.get("content"),)
+        head = self._system_heads.get(key)
+        if head is None:
+            a, b = (self.chat_tokens([system, {"role": "user", "content": q}]) for q in ("A", "B"))
+            head = a[:common_prefix(a, b)]
+            if len(self._system_heads) > 64:
+                self._system_heads.clear()
+            self._system_heads[key] = head
+        return head
 
     def _spells_control(self, text: str) -> bool:
         """Does text spell a control token (or hold a NUL, which ends a C string)?"""
@@ -3311,6 +3334,12 @@ class _ScopeArchive:
         if self._building is not None:
             self._building[0].join(timeout)
         self._update()
+
+
+def check_scope(name: Optional[str]) -> None:
+    """An archive scope is a folder name: letters, digits, _ and - (None: no archive)."""
+    if name is not None and not re.match(r"^[A-Za-z0-9_-]{1,64}$", name):
+        raise RequestError("archive scope %r: letters, digits, _ and - only" % name)
 
 
 class Palimpsest:
@@ -5702,6 +5731,30 @@ class ArchivePart(EnginePart):
         self.archive.close()
 
 
+class DraftPart(EnginePart):
+    """A draft model (section 16) as a speculation source: a path (loaded here, closed
+    with the engine) or a loaded Model of the target's vocabulary."""
+
+    name = "draft"
+
+    def __init__(self, draft):
+        self.draft = draft
+        self.model: Optional[Model] = None
+
+    def attach(self, engine: "Engine") -> None:
+        self.model = self.draft if isinstance(self.draft, Model) else Model(self.draft)
+        try:
+            check_draft_pair(engine.model, self.model)
+        except ReameError:
+            self.close()
+            raise
+        self.sources = [DraftModel(self.model, engine.model, engine.n_ctx, engine.n_slots, engine.ctx.n_threads)]
+
+    def close(self) -> None:
+        if self.model is not self.draft:
+            self.model.close()
+
+
 class WarmAhead(EnginePart):
     """What the scheduler prefills ahead when no request runs: a queue of warm Requests
     (prefill only: their KV stays resident as a memory-tier entry) and, when idle, the
@@ -5801,10 +5854,11 @@ def _request_failure(e: Exception, where: str) -> ReameError:
 
 def engine_parts(*, disk_cache: int = 0, disk_dir: Optional[str] = None, replay: int = 0,
                  replay_dir: Optional[str] = None, archive: int = 0, archive_dir: Optional[str] = None,
-                 warm_ahead: bool = True, records: Optional[RecordStore] = None) -> List[EnginePart]:
+                 warm_ahead: bool = True, draft=None, records: Optional[RecordStore] = None) -> List[EnginePart]:
     """The parts an Engine is handed, from the sizes the CLI takes (0: off): warm-ahead
-    (its history beside the disk tier's snapshots), replay, the disk tier, the archive.
-    Their order is the order of their hooks: replay answers before the disk is read."""
+    (its history beside the disk tier's snapshots), replay, the disk tier, the archive,
+    a draft model (a path or a Model; None: none). Their order is the order of their
+    hooks: replay answers before the disk is read."""
     parts: List[EnginePart] = [WarmAhead((disk_dir or Config.from_env().kv_dir) if warm_ahead and disk_cache
                                          else None, records)]
     if replay:
@@ -5813,6 +5867,8 @@ def engine_parts(*, disk_cache: int = 0, disk_dir: Optional[str] = None, replay:
         parts.append(DiskTier(disk_cache, disk_dir, records))
     if archive:
         parts.append(ArchivePart(archive, archive_dir, records))
+    if draft is not None:
+        parts.append(DraftPart(draft))
     return parts
 
 
@@ -5945,7 +6001,7 @@ class _Scheduler:
             for part in self.parts:
                 part.release(group[0])
             for s in seqs:
-                self._finish(s, None, err)
+                self._fail(s, err)
             for req in group:
                 req._finish(None, err)
             return
@@ -5965,7 +6021,7 @@ class _Scheduler:
         err = _request_failure(e, "request %s" % lead.req.id)
         events = lead.req.events
         for s in [a for a in self._active if a.req.events is events] + [lead] + list(detached):
-            self._finish(s, None, err)
+            self._fail(s, err)
 
     def _step(self) -> None:
         """One step: a decode batch for every generating sequence, then prefill chunks
@@ -6154,7 +6210,7 @@ class _Scheduler:
             return True
         except EngineError as e:
             for s in seqs:
-                self._finish(s, None, e)
+                self._fail(s, e)
             return False
 
     def _pick(self, s: _Seq, row: int) -> tuple:
@@ -6185,38 +6241,21 @@ class _Scheduler:
         elif len(s.tokens) >= s.max_tokens:
             self._finish(s, "length")
 
-    def _finish(self, s: _Seq, reason: Optional[str], error: Optional[ReameError] = None, flush: bool = True) -> None:
+    def _finish(self, s: _Seq, reason: str, flush: bool = True) -> None:
+        """s ended (stop, length, cancelled, warm): the rest of its text goes out, its twins
+        go on without it, its KV stays as a memory-tier entry, the parts hear of it."""
         if s.ended:
             return
-        s.ended = True
         req = s.req
-        if flush and error is None:
+        if flush:
             tail = s.stream.flush()
             if tail:
                 req._emit(tail)
-        if s in self._active:
-            self._active.remove(s)
         twins, s.twins = s.twins, []
-        if twins and error is None:  # (it was cancelled): they go on without it, on a copy of its KV
+        if twins:  # (it was cancelled): they go on without it, on a copy of its KV
             self._own_kv(twins[0], s, twins)
             twins[0].twins = twins[1:]
-        else:
-            for f in twins:
-                self._finish(f, reason, error, flush=False)
-        n_valid = s.n_prompt + len(s.tokens)  # verified drafts past a stop string are not kept
-        if s.n_past > n_valid:
-            self.ctx.seq_rm(s.seq_id, n_valid, -1)
-            s.n_past = n_valid
-        if error is None and s.n_past:  # the memory tier: the KV stays until the slot is needed
-            self.slots.keep(s.seq_id, _Resident(req.cache_tag, (req.prompt + s.tokens)[:s.n_past], time.monotonic(),
-                                                s.n_exact, tuple(c for c in s.cuts if c <= s.n_exact), req.tenant))
-        else:
-            self.ctx.seq_rm(s.seq_id)
-        s.sampler.close()
-        self.slots.free.append(s.seq_id)
-        if error is not None:
-            req._finish(None, error)
-            return
+        self._leave(s, keep=True)
         if reason in ("stop", "length"):
             for part in self.parts:
                 part.finish(s, reason)
@@ -6224,9 +6263,36 @@ class _Scheduler:
         req._finish(Result("".join(req._text), list(s.tokens), reason, s.n_prompt, len(s.tokens),
                            (s.t_first or now) - req.t_submit, now - req.t_submit, s.n_cached))
 
+    def _fail(self, s: _Seq, error: ReameError) -> None:
+        """s (and its twins) end with error; its KV goes."""
+        if s.ended:
+            return
+        twins, s.twins = s.twins, []
+        for f in twins:
+            self._fail(f, error)
+        self._leave(s, keep=False)
+        s.req._finish(None, error)
+
+    def _leave(self, s: _Seq, keep: bool) -> None:
+        """s gives its slot back, its KV kept there (keep) as a memory-tier entry or dropped."""
+        s.ended = True
+        if s in self._active:
+            self._active.remove(s)
+        req, n_valid = s.req, s.n_prompt + len(s.tokens)  # verified drafts past a stop string are not kept
+        if s.n_past > n_valid:
+            self.ctx.seq_rm(s.seq_id, n_valid, -1)
+            s.n_past = n_valid
+        if keep and s.n_past:  # the memory tier: the KV stays until the slot is needed
+            self.slots.keep(s.seq_id, _Resident(req.cache_tag, (req.prompt + s.tokens)[:s.n_past], time.monotonic(),
+                                                s.n_exact, tuple(c for c in s.cuts if c <= s.n_exact), req.tenant))
+        else:
+            self.ctx.seq_rm(s.seq_id)
+        s.sampler.close()
+        self.slots.free.append(s.seq_id)
+
     def _fail_all(self, error: ReameError) -> None:
         for s in list(self._active):
-            self._finish(s, None, error)
+            self._fail(s, error)
         while self._waiting:
             for req in self._waiting.popleft():
                 self._drop(req, error)
@@ -6263,7 +6329,8 @@ class Engine(_Scheduler):
                  replay: int = 0, replay_dir: Optional[str] = None, archive: int = 0,
                  archive_dir: Optional[str] = None, warm_ahead: bool = True, **context_kw):
         """``parts``: the stores the engine is handed (engine_parts); without them, the
-        sizes disk_cache, replay, archive (bytes; 0: off) and warm_ahead build them."""
+        sizes disk_cache, replay, archive (bytes; 0: off), warm_ahead and draft (a model of
+        the same vocabulary: a path or a Model) build them."""
         if cache_reuse not in ("exact", "all"):
             raise RequestError("cache_reuse must be 'exact' or 'all'")
         if spec_verify not in ("exact", "fast"):
@@ -6284,12 +6351,11 @@ class Engine(_Scheduler):
                            n_threads=n_threads, **context_kw)
         self._batch = Batch(self.ctx.n_batch)
         self.chunk = max(1, min(prefill_chunk, self.ctx.n_batch))  # prompt tokens per prefill decode
-        self._system_heads: dict = {}  # system message -> its prompt head (chat_head); any thread
         self._own_records = records is None
         self.records = records or RecordStore()
         if parts is None:
             parts = engine_parts(disk_cache=disk_cache, disk_dir=disk_dir, replay=replay, replay_dir=replay_dir,
-                                 archive=archive, archive_dir=archive_dir, warm_ahead=warm_ahead,
+                                 archive=archive, archive_dir=archive_dir, warm_ahead=warm_ahead, draft=draft,
                                  records=self.records)
         self.parts: List[EnginePart] = list(parts)
         self.warmer = next((p for p in self.parts if isinstance(p, WarmAhead)), None)
@@ -6310,13 +6376,7 @@ class Engine(_Scheduler):
         if suggest:  # Il Suggeritore: one free source per rule
             sources += [Suggestion(self.model, rule) for rule in SUGGEST_RULES]
         sources += [src for part in self.parts for src in part.sources]
-        self.draft_model: Optional[Model] = None
-        if draft is not None:  # a path or a loaded Model of the same vocabulary
-            self.draft_model = draft if isinstance(draft, Model) else Model(draft)
-            check_draft_pair(self.model, self.draft_model)
-            sources.append(DraftModel(self.draft_model, self.model, self.n_ctx, n_slots, n_threads))
         self.spec = SpecController(sources, default=spec_default, n_vocab=self.model.n_vocab)
-        self._own_draft = draft is not None and not isinstance(draft, Model)
         self._closing = False
         self.counters = EngineCounters()
         self._thread = threading.Thread(target=self._run, name="reame-scheduler", daemon=True)
@@ -6364,10 +6424,8 @@ class Engine(_Scheduler):
         bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
         if bad:
             raise RequestError("token id %d is outside the vocabulary (0..%d)" % (bad[0], self.model.n_vocab - 1))
-        if spec is not None:
-            spec.validate()
-        if archive is not None and not re.match(r"^[A-Za-z0-9_-]{1,64}$", archive):
-            raise RequestError("archive scope %r: letters, digits, _ and - only" % archive)
+        (spec or self.spec.default).validate()
+        check_scope(archive)
         with self._ids_lock:
             rid = "req-%d" % next(self._ids)
         events = queue.SimpleQueue()
@@ -6417,28 +6475,6 @@ class Engine(_Scheduler):
         for part in self.parts:
             part.release(req)
         req._finish(None if error else Result("", [], "cancelled", len(req.prompt), 0), error)
-
-    def prefix_boundary(self, messages: Sequence[dict], tokens: Sequence[int]) -> List[int]:
-        """Where the part of a chat prompt shared by every question after the same system
-        message ends ([] without one). Found by templating the system message with two
-        different user turns, so it works whatever the template does with a system
-        message (gemma folds it into the first user turn)."""
-        if not messages or messages[0].get("role") != "system" or not self.model.chat_template:
-            return []
-        n = common_prefix(self.chat_head(messages[0]), tokens)
-        return [n] if n > 1 else []
-
-    def chat_head(self, system: dict) -> List[int]:
-        """The tokens every chat prompt that opens with this system message starts with."""
-        key = (system.get("content"),)
-        head = self._system_heads.get(key)
-        if head is None:
-            a, b = (self.model.chat_tokens([system, {"role": "user", "content": q}]) for q in ("A", "B"))
-            head = a[:common_prefix(a, b)]
-            if len(self._system_heads) > 64:
-                self._system_heads.clear()
-            self._system_heads[key] = head
-        return head
 
     def forget(self, cache_tag: str) -> None:
         """Drop the resident KV kept for ``cache_tag`` (a deleted session)."""
@@ -6518,8 +6554,6 @@ class Engine(_Scheduler):
         self._batch.close()
         for src in self.spec.sources.values():
             src.close()
-        if self._own_draft:
-            self.draft_model.close()
         for part in self.parts:
             part.close()
         if self._own_records:
@@ -8052,7 +8086,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 turns = tool_messages(api.tool_format, history, api.tools if api.calls_tools else ())
             tokens = eng.chat_prompt(turns) if api.chat else eng.model.tokenize(text)
             api.params.check_context(len(tokens), eng.n_ctx)  # (before a stream starts; submit checks too)
-            kw = dict(snap_at=eng.prefix_boundary(turns, tokens) if api.chat else (), spec=api.spec,
+            kw = dict(snap_at=eng.model.prefix_boundary(turns, tokens) if api.chat else (), spec=api.spec,
                       archive=api.archive, tenant=srv.tenant(owner), replay=api.replay)
             if api.best_of > 1:
                 self._conclave(api, tokens, kw)
@@ -8701,10 +8735,9 @@ def _engine_kwargs(args, records: Optional[RecordStore] = None) -> dict:
     if replay and replay < 1 << 20:
         raise RequestError("--replay-size must be at least 1M (or use --no-replay)")
     parts = engine_parts(disk_cache=_disk_cache_bytes(args), replay=replay, archive=archive,
-                         warm_ahead=not args.no_warm_ahead, records=records)
+                         warm_ahead=not args.no_warm_ahead, draft=_draft_path(args), records=records)
     return dict(n_ctx=args.ctx, n_threads=args.threads, spec=args.spec, spec_max=args.spec_max,
-                spec_verify=args.spec_verify, draft=_draft_path(args), suggest=not args.no_suggest, parts=parts,
-                records=records)
+                spec_verify=args.spec_verify, suggest=not args.no_suggest, parts=parts, records=records)
 
 
 def _disk_cache_bytes(args) -> int:
@@ -8864,7 +8897,7 @@ def _prompt_tokens(engine: Engine, messages: List[dict], raw: bool) -> List[int]
 def _answer(engine: Engine, messages: List[dict], params: SamplingParams, raw: bool = False) -> str:
     """Stream one answer to stdout; Ctrl-C stops it. Returns the text."""
     tokens = _prompt_tokens(engine, messages, raw)
-    req = engine.submit_n(tokens, params, snap_at=engine.prefix_boundary(messages, tokens))[0]
+    req = engine.submit_n(tokens, params, snap_at=engine.model.prefix_boundary(messages, tokens))[0]
     out = []
     try:
         for piece in req:
@@ -9002,7 +9035,7 @@ def warm_prompts(path: str, engine: Engine) -> List[tuple]:
                 if not (isinstance(msgs, list) and msgs and isinstance(msgs[0], dict) and msgs[0].get("role") == "system"
                         and isinstance(msgs[0].get("content"), str) and engine.model.chat_template):
                     raise RequestError("%s: a chat head is a system message (and the model needs a chat template)" % where)
-                tokens = engine.chat_head(msgs[0])
+                tokens = engine.model.chat_head(msgs[0])
             elif isinstance(item.get("prompt"), str) and item["prompt"]:
                 tokens = engine.model.tokenize(item["prompt"])
             else:

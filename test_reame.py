@@ -740,7 +740,7 @@ _SHIP_SYSTEM = "You are a careful assistant for a shipping company. Rules: " + "
 def _ship_chat(eng, question):
     msgs = [{"role": "system", "content": _SHIP_SYSTEM}, {"role": "user", "content": question}]
     tokens = eng.chat_prompt(msgs)
-    return tokens, eng.prefix_boundary(msgs, tokens)
+    return tokens, eng.model.prefix_boundary(msgs, tokens)
 
 
 def _disk_answer(model, kv_dir, question, disk=1 << 30):
@@ -2367,7 +2367,7 @@ def test_concurrent_requests_compute_a_shared_head_once(qwen_model):
         for q in ("When do you open?", "Can I renew a loan?", "Is there wifi?", "Where is the entrance?"):
             msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
             tokens = eng.chat_prompt(msgs)
-            asks.append((tokens, eng.prefix_boundary(msgs, tokens)))
+            asks.append((tokens, eng.model.prefix_boundary(msgs, tokens)))
         head = asks[0][1][0]
         solo = []
         for tokens, snap in asks:
@@ -2396,15 +2396,15 @@ def test_warm_ahead_makes_the_head_resident_before_the_first_request(qwen_model)
     with reame.Engine(qwen_model, n_ctx=1024, n_slots=2) as cold_eng:
         tokens = cold_eng.chat_prompt(msgs)
         cold = cold_eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=12),
-                                 snap_at=cold_eng.prefix_boundary(msgs, tokens))[0].wait()
+                                 snap_at=cold_eng.model.prefix_boundary(msgs, tokens))[0].wait()
     with reame.Engine(qwen_model, n_ctx=1024, n_slots=2) as eng:
-        head = eng.chat_head(msgs[0])
+        head = eng.model.chat_head(msgs[0])
         assert len(head) > 256 and len(head) % eng.chunk  # several chunks, and a cut at its end
         warm = eng.warm(head).wait(300)
         assert warm.finish_reason == "warm" and eng.stats()["warm_prefills"] == 1
         before = eng.stats()["prefill_tokens"]
         res = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=12),
-                           snap_at=eng.prefix_boundary(msgs, tokens))[0].wait()
+                           snap_at=eng.model.prefix_boundary(msgs, tokens))[0].wait()
         assert res.n_cached_tok == len(head) and eng.stats()["prefill_tokens"] - before == len(tokens) - len(head)
         assert res.tokens == cold.tokens
         # warming what is resident already does nothing
@@ -2443,7 +2443,7 @@ def test_idle_warm_ahead_from_the_head_history_and_after_a_restart(qwen_model, t
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
         tokens = eng.chat_prompt(msgs)
         return eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=4),
-                            snap_at=eng.prefix_boundary(msgs, tokens))[0].wait()
+                            snap_at=eng.model.prefix_boundary(msgs, tokens))[0].wait()
 
     def wait_for(cond):
         deadline = time.monotonic() + 120
@@ -2453,7 +2453,7 @@ def test_idle_warm_ahead_from_the_head_history_and_after_a_restart(qwen_model, t
 
     with reame.Engine(qwen_model, n_ctx=1024, n_slots=1, disk_cache=1 << 30, disk_dir=kv) as eng:
         eng.warmer.idle_s = 0.2
-        head = eng.chat_head({"role": "system", "content": _WARM_SYSTEM})
+        head = eng.model.chat_head({"role": "system", "content": _WARM_SYSTEM})
         ask(eng, _WARM_SYSTEM, "When do you open?")
         ask(eng, _WARM_SYSTEM, "Can I renew a loan?")
         ask(eng, other, "Is there a kids pool?")  # its head takes the only slot
@@ -4329,6 +4329,8 @@ def _judge(attack: _Attack, resp: dict) -> tuple:
     label = str(st)
     if b"HTTP/1." in resp["extra"]:
         return label, "DESYNC: part of the body was answered as another request: %r" % resp["extra"][:60]
+    if resp.get("truncated"):
+        return label + "+cut", "the answer was cut short (a timeout or a reset while reading it)"
     if st == 200 and _is_sse(resp):
         errors = [e["error"] for e in _sse_events(resp["body"])[0] if isinstance(e.get("error"), dict)]
         label += "+sse-error" if errors else ""
@@ -4633,6 +4635,7 @@ def test_attack_judge_refuses_what_it_must():
         ("smuggle-in-401-body", resp(401, err, {"connection": "close"}, extra=b"HTTP/1.1 200 OK\r\n")),
         ("smuggle-in-401-body", resp(401, err)),                                     # left open
         ("content-length-5_0", resp("dropped")),
+        ("grammar-dead-end-stream", resp(200, b'data: {"choices": []}\n\n', sse, truncated=True)),
         ("session-other-key-get", resp(404, err, leaked=True)),
         ("session-other-key-delete", resp(404, err, victim_kept=False)),
         ("session-dot-get", resp(200, b"{}")),
