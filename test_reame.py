@@ -4331,8 +4331,6 @@ def _judge(attack: _Attack, resp: dict) -> tuple:
         return label, "DESYNC: part of the body was answered as another request: %r" % resp["extra"][:60]
     if resp.get("truncated"):
         return label + "+cut", "the answer was cut short (a timeout or a reset while reading it)"
-    if resp.get("truncated"):
-        return label + "+cut", "the answer was cut short (a timeout or a reset while reading it)"
     if st == 200 and _is_sse(resp):
         errors = [e["error"] for e in _sse_events(resp["body"])[0] if isinstance(e.get("error"), dict)]
         label += "+sse-error" if errors else ""
@@ -4637,7 +4635,6 @@ def test_attack_judge_refuses_what_it_must():
         ("smuggle-in-401-body", resp(401, err, {"connection": "close"}, extra=b"HTTP/1.1 200 OK\r\n")),
         ("smuggle-in-401-body", resp(401, err)),                                     # left open
         ("content-length-5_0", resp("dropped")),
-        ("grammar-dead-end-stream", resp(200, b'data: {"choices": []}\n\n', sse, truncated=True)),
         ("grammar-dead-end-stream", resp(200, b'data: {"choices": []}\n\n', sse, truncated=True)),
         ("session-other-key-get", resp(404, err, leaked=True)),
         ("session-other-key-delete", resp(404, err, victim_kept=False)),
