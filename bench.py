@@ -525,19 +525,11 @@ def stream(port: int, path: str, body: bytes, start: Optional[threading.Barrier]
 
 def reame_metrics(srv: ServerProcess) -> dict:
     """Reame's /metrics as {name: value} (unlabelled counters and gauges only); {} when unreadable."""
-    out = {}
     try:
         with urllib.request.urlopen(srv.base + "/metrics", timeout=10) as r:
-            for line in r.read().decode("utf-8", "replace").splitlines():
-                parts = line.split()
-                if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
-                    try:
-                        out[parts[0]] = float(parts[1])
-                    except ValueError:
-                        pass
+            return reame.parse_metrics(r.read().decode("utf-8", "replace"))
     except (urllib.error.URLError, OSError):
-        pass
-    return out
+        return {}
 
 
 # == 4. Scenarios: constants, run_NAME(args, noise) -> dict (its docstring documents it), print_NAME(result, w)

@@ -8379,6 +8379,19 @@ def _metrics_text(rows: Sequence[Metric]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_metrics(text: str) -> dict:
+    """/metrics text back to {name: value} for its unlabelled lines (clients: bench.py, tests)."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
+            try:
+                out[parts[0]] = float(parts[1])
+            except ValueError:
+                pass
+    return out
+
+
 def _installation_secret() -> bytes:
     """This installation's secret for keyed scope names ($REAME_HOME/secret, 32 random
     bytes, 0600, made on first use; two servers starting at once agree on it). Without
@@ -8520,6 +8533,7 @@ class Server:
         # Slow-client watchdog: connection -> deadline while reading a request head or body.
         self._reading: dict = {}
         self._stop = threading.Event()
+        self._serving = False  # serve_forever has run
         threading.Thread(target=self._watchdog, name="reame-watchdog", daemon=True).start()
 
     @property
@@ -8643,11 +8657,14 @@ class Server:
                     pass
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever(poll_interval=0.2)
+        self._serving = True
+        if not self._stop.is_set():  # (shut down before it started: nothing to serve)
+            self.httpd.serve_forever(poll_interval=0.2)
 
     def shutdown(self) -> None:
         self._stop.set()
-        self.httpd.shutdown()
+        if self._serving:  # (socketserver's shutdown waits for a serve_forever that never ran)
+            self.httpd.shutdown()
         self.httpd.server_close()
         if self._own_records:
             self.records.close()

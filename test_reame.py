@@ -5345,16 +5345,7 @@ def _soak_prober(port: int, lg: _SoakLog, stop: threading.Event, every_s: float 
 def _metrics(port: int, key: str) -> dict:
     """/metrics as {name: value} for its unlabelled lines ({} if it cannot be read)."""
     r = _raw_exchange(port, _raw_head("GET", "/metrics", key), timeout_s=10)
-    out = {}
-    if r["status"] == 200:
-        for line in r["body"].decode("utf-8", "replace").splitlines():
-            parts = line.split()
-            if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
-                try:
-                    out[parts[0]] = float(parts[1])
-                except ValueError:
-                    pass
-    return out
+    return reame.parse_metrics(r["body"].decode("utf-8", "replace")) if r["status"] == 200 else {}
 
 
 def _wait_soak_idle(srv: _ServeProcess, timeout_s: float = _SOAK_DRAIN_S) -> dict:
