@@ -1601,9 +1601,9 @@ def _grammar_step_estimate(model: Model, ptr) -> float:
     ids = range(0, model.n_vocab, 64)
     buf = ctypes.create_string_buffer(b"".join(struct.pack("<iff", t, 0.0, 0.0) for t in ids))
     arr = _llama_token_data_array(ctypes.addressof(buf), len(ids), -1, False)
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # (CPU time of this thread: a busy machine does not make a grammar costly)
     lib().llama_sampler_apply(ptr, ctypes.byref(arr))
-    return (time.perf_counter() - t0) * model.n_vocab / max(len(ids), 1)
+    return (time.thread_time() - t0) * model.n_vocab / max(len(ids), 1)
 
 
 # == 8. Sampling ===============================================================
@@ -1806,16 +1806,16 @@ class Sampler:
             return int(logits.argmax())
         if self._grammar is None:
             return self._sample(self._ptr, ctx.ptr, idx)
-        t0 = time.perf_counter()
+        t0 = time.thread_time()  # (this thread's CPU time: other load does not count against the grammar)
         if self._quick:
             logits = _np.ctypeslib.as_array(self._logits_ith(ctx.ptr, idx), shape=(self._n_vocab,))
             tok = self._greedy_in_grammar(logits) if self._greedy else self._sample_in_grammar(ctx, idx, logits)
         else:
             tok = self._sample_all(ctx, idx)
         self._L.llama_sampler_accept(self._grammar, tok)  # (a token it allowed: never an abort)
-        if time.perf_counter() - t0 > _GRAMMAR_STEP_S:
+        if time.thread_time() - t0 > _GRAMMAR_STEP_S:
             raise RequestError("the grammar is too costly to follow (one token took %.1f s); simplify it"
-                               % (time.perf_counter() - t0), code="grammar_too_costly")
+                               % (time.thread_time() - t0), code="grammar_too_costly")
         return tok
 
     def _allowed(self, ids, logits) -> tuple:
