@@ -3228,6 +3228,29 @@ def test_server_sessions_survive_a_restart(gemma, tmp_path):
         b.shutdown()
 
 
+def test_server_reads_a_session_saved_before_the_record_format(gemma, tmp_path):
+    """A session file an older Reame wrote (plain JSON, no record header) is read, not
+    deleted: an acknowledged conversation survives the upgrade, and is saved anew."""
+    store = tmp_path / "sessions"
+    srv = reame.Server(gemma, "g", host="127.0.0.1", port=0, session_dir=str(store))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        (store / "open").mkdir(parents=True, mode=0o700)
+        old = {"id": "old", "chat": True, "messages": [{"role": "user", "content": "Hi"},
+                                                       {"role": "assistant", "content": "Hello!"}],
+               "text": "", "tokens": 9, "created": time.time()}
+        (store / "open" / "old.json").write_bytes(json.dumps(old).encode())
+        status, payload = _http(srv, "GET", "/v1/sessions/old", key=None)
+        assert status == 200 and json.loads(payload)["messages"] == old["messages"], payload
+        body = {"messages": [{"role": "user", "content": "Again"}], "max_tokens": 2, "temperature": 0,
+                "session_id": "old"}
+        assert _http(srv, "POST", "/v1/chat/completions", body, key=None)[0] == 200
+        data = (store / "open" / "old.json").read_bytes()
+        assert data[:8] == reame._SESSION_MAGIC and len(json.loads(data[reame._RECORD_HEAD.size:])["messages"]) == 4
+    finally:
+        srv.shutdown()
+
+
 def test_a_session_is_free_when_its_answer_ends(server):
     """The next turn may come the moment the last byte of the answer arrives (a client
     that sends it on data: [DONE] got a 409 while the server still held the session)."""
@@ -3383,11 +3406,15 @@ def test_handler_refuses_what_it_cannot_frame(memory_server):
     inner = _raw_head("GET", "/health")
     chunked = _raw_head("POST", "/v1/completions", "k1", b"5\r\n{\"a\":\r\n0\r\n\r\n", length=False,
                         headers=[("Transfer-Encoding", "chunked")])
-    _openai_error(_one(memory_server, chunked + inner), 411, "http_411")  # (one answer: inner is not read)
+    resp = _one(memory_server, chunked + inner)  # (one answer: inner is not read)
+    _openai_error(resp, 411, "http_411")
+    assert resp[1].get("connection") == "close", resp[1]  # (the client is told, not just cut off)
     for lengths in (["+5"], ["5_0"], ["0x10"], [" 1 2"], ["-5"], ["99999999999999"], ["5", "5"], ["5", "7"]):
         head = _raw_head("POST", "/v1/completions", "k1", b'{"a":', length=False,
                          headers=[("Content-Length", v) for v in lengths])
-        _openai_error(_one(memory_server, head + inner), 400, "http_400")
+        resp = _one(memory_server, head + inner)
+        _openai_error(resp, 400, "http_400")
+        assert resp[1].get("connection") == "close", (lengths, resp[1])
     # http.server's own refusals are OpenAI JSON too, not its HTML page
     many = _raw_head("GET", "/health", headers=[("X-H%d" % i, "v") for i in range(101)])
     _openai_error(_one(memory_server, many), 431, "http_431")
