@@ -2197,25 +2197,71 @@ def remove_model(ref: str, cfg: Optional[Config] = None) -> str:
 # Everything Reame computes and keeps under REAME_HOME (prefix KV snapshots, replay
 # records, archive segments, session histories) is a record of one framing, written by
 # one writer thread. A record is a header (its kind's magic, the format version, the
-# payload's length and sha256) and the payload; a file of records is written whole or
+# payload's length, and an HMAC-SHA256 of those and the payload under the installation's
+# secret, $REAME_HOME/secret) and the payload: a record someone else wrote under
+# REAME_HOME, with a fresh checksum or not, is not ours and is never used. Replicas that
+# share a cache directory share its secret file. A file of records is written whole or
 # not at all (_write_private: a private temp file, fsynced, renamed), so a crash leaves
 # the old file or the new one. A record that fails its checks when read is deleted (and
 # recomputed), never used. A kind's folder has a size bound: the least recently used
 # files (mtime is the last use, across processes) go first. A folder that cannot be
 # written turns its kind to memory only, said once in the log.
 
-_RECORD_HEAD = struct.Struct("<8sIQ32s")  # magic, format version, payload bytes, sha256 of the payload
+_RECORD_HEAD = struct.Struct("<8sIQ32s")  # magic, format version, payload bytes, HMAC-SHA256
 _RECORD_VERSION = 2                       # (1: each kind had a framing of its own)
 
 
-def frame_record(magic: bytes, payload) -> bytes:
-    """The header that goes before payload (bytes or a memoryview) in a file of records."""
-    return _RECORD_HEAD.pack(magic, _RECORD_VERSION, len(payload), hashlib.sha256(payload).digest())
+def _installation_secret() -> bytes:
+    """This installation's secret for keyed scope names ($REAME_HOME/secret, 32 random
+    bytes, 0600, made on first use; two servers starting at once agree on it). Without
+    a writable REAME_HOME: a secret for this process only (then sessions and archives
+    kept on disk are not found again after a restart; logged)."""
+    cfg = Config.from_env()
+    home, path = cfg.home, cfg.secret_path
+    for _ in range(50):
+        try:
+            data = _read_private(path, 4096)
+            if len(data) >= 32:
+                return data
+            time.sleep(0.02)  # another process is writing it (one 32-byte write)
+            continue
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as e:
+            log.warning("cannot read %s (%s): key scopes are this process's only", path, e)
+            return os.urandom(32)
+        try:
+            _private_dirs(home)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            log.warning("cannot create %s (%s): key scopes are this process's only", path, e)
+            return os.urandom(32)
+        data = os.urandom(32)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return data
+    log.warning("%s stays shorter than 32 bytes: key scopes are this process's only", path)
+    return os.urandom(32)
 
 
-def unframe_record(data: bytes, magic: bytes, at: int = 0) -> memoryview:
+def frame_record(magic: bytes, payload, key: bytes = b"") -> bytes:
+    """The header that goes before payload (bytes or a memoryview) in a file of records:
+    its HMAC under key (the installation's secret: RecordStore.key) covers the header's
+    fields and the payload, so only this installation can write a record it accepts."""
+    head = _RECORD_HEAD.pack(magic, _RECORD_VERSION, len(payload), b"")[:-32]
+    mac = hmac.new(key, head, hashlib.sha256)
+    mac.update(payload)
+    return head + mac.digest()
+
+
+def unframe_record(data: bytes, magic: bytes, key: bytes = b"", at: int = 0) -> memoryview:
     """The payload of the record at data[at:], which must end the data; ValueError for
-    anything else (another kind, another version, a cut, flipped or padded file)."""
+    anything else (another kind, another version, a cut, flipped, padded or forged file)."""
     if len(data) - at < _RECORD_HEAD.size:
         raise ValueError("shorter than a record header")
     got, version, size, digest = _RECORD_HEAD.unpack_from(data, at)
@@ -2224,8 +2270,8 @@ def unframe_record(data: bytes, magic: bytes, at: int = 0) -> memoryview:
     if version != _RECORD_VERSION:
         raise ValueError("format version %d, not %d" % (version, _RECORD_VERSION))
     payload = memoryview(data)[at + _RECORD_HEAD.size:]
-    if size != len(payload) or hashlib.sha256(payload).digest() != digest:
-        raise ValueError("checksum mismatch (truncated or corrupted)")
+    if size != len(payload) or not hmac.compare_digest(frame_record(magic, payload, key)[-32:], digest):
+        raise ValueError("not authentic (truncated, corrupted, or not written by this installation)")
     return payload
 
 
@@ -2299,7 +2345,8 @@ class RecordStore:
     .append), its thread does them in order. ``flush`` waits for what is queued;
     ``close`` finishes it and stops the thread."""
 
-    def __init__(self):
+    def __init__(self, key: Optional[bytes] = None):
+        self.key = _installation_secret() if key is None else key  # records are authenticated under it
         self._queue: "queue.Queue" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="reame-record-writer", daemon=True)
         self._thread.start()
@@ -2391,7 +2438,7 @@ class Shelf:
             self.reject(path, str(e))
             return None
         try:
-            payload = unframe_record(data, self.magic)
+            payload = unframe_record(data, self.magic, self.store.key)
         except ValueError as e:
             self.reject(path, str(e))
             return None
@@ -2444,7 +2491,7 @@ class Shelf:
         folder = os.path.dirname(path)
         if folder != self.dir:
             _private_dirs(folder)
-        _write_private(path, (frame_record(self.magic, body), body))
+        _write_private(path, (frame_record(self.magic, body, self.store.key), body))
         if self._used is not None:
             self._used += size
         with self._lock:
@@ -2981,16 +3028,16 @@ def vocab_fingerprint(model: "Model") -> str:
     return h.hexdigest()[:16]
 
 
-def pal_record(tokens: Sequence[int], n_context: int) -> bytes:
+def pal_record(tokens: Sequence[int], n_context: int, key: bytes = b"") -> bytes:
     """One archive record (section 10's framing): n_context and the tokens as little-endian u32."""
     body = array.array("i", [n_context] + list(tokens))
     if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
         body.byteswap()
     payload = body.tobytes()
-    return frame_record(_PAL_MAGIC, payload) + payload
+    return frame_record(_PAL_MAGIC, payload, key) + payload
 
 
-def pal_parse(data: bytes) -> tuple:
+def pal_parse(data: bytes, key: bytes = b"") -> tuple:
     """Records in data -> ([(n_context, tokens as array('i'))], bytes consumed). A record whose
     checksum fails is skipped to the next valid record; an incomplete one at the end
     stops the parse there (the rest may still be coming), unless a valid record follows
@@ -3007,7 +3054,7 @@ def pal_parse(data: bytes) -> tuple:
             return False
         if p + head + size > n:
             return None
-        return hashlib.sha256(view[p + head:p + head + size]).digest() == digest
+        return hmac.compare_digest(frame_record(_PAL_MAGIC, view[p + head:p + head + size], key)[-32:], digest)
 
     while pos < n:
         ok = valid_at(pos)
@@ -3263,10 +3310,11 @@ def pal_append(path: str, record: bytes, max_bytes: int) -> None:
 
 
 class _ScopeArchive:
-    """One scope's index over its segment files (the scheduler's)."""
+    """One scope's index over its segment files (the scheduler's); key: what records are
+    authenticated under (the installation's secret)."""
 
-    def __init__(self, path: str):
-        self.dir = path
+    def __init__(self, path: str, key: bytes = b""):
+        self.dir, self.key = path, key
         self.index = ArchiveIndex()
         self._read: dict = {}     # segment file name -> bytes parsed
         self._stale = 0           # bytes parsed from segments deleted since (still in the index)
@@ -3294,7 +3342,7 @@ class _ScopeArchive:
                     data = f.read()
             except OSError:
                 continue
-            runs, used = pal_parse(data)
+            runs, used = pal_parse(data, self.key)
             self._read[name] = done + used
             for _, toks in runs:
                 self.index.append(toks)
@@ -3362,7 +3410,7 @@ class Palimpsest:
     def scope(self, name: str) -> _ScopeArchive:
         sa = self._scopes.get(name)
         if sa is None:
-            sa = self._scopes[name] = _ScopeArchive(os.path.join(self.dir, name))
+            sa = self._scopes[name] = _ScopeArchive(os.path.join(self.dir, name), self.records.key)
         return sa
 
     def refresh(self, name: str) -> None:
@@ -3379,7 +3427,7 @@ class Palimpsest:
     def store(self, name: str, prompt: Sequence[int], output: Sequence[int]) -> None:
         """Queue a finished generation with its prompt's tail."""
         ctx = list(prompt[-_PAL_CONTEXT_TOK:])
-        record = pal_record(ctx + list(output), len(ctx))
+        record = pal_record(ctx + list(output), len(ctx), self.records.key)
         if self.shelf.append(lambda: self._append(name, record)):
             self.n_stored += 1
         else:
@@ -8395,44 +8443,6 @@ def parse_metrics(text: str) -> dict:
     return out
 
 
-def _installation_secret() -> bytes:
-    """This installation's secret for keyed scope names ($REAME_HOME/secret, 32 random
-    bytes, 0600, made on first use; two servers starting at once agree on it). Without
-    a writable REAME_HOME: a secret for this process only (then sessions and archives
-    kept on disk are not found again after a restart; logged)."""
-    cfg = Config.from_env()
-    home, path = cfg.home, cfg.secret_path
-    for _ in range(50):
-        try:
-            data = _read_private(path, 4096)
-            if len(data) >= 32:
-                return data
-            time.sleep(0.02)  # another process is writing it (one 32-byte write)
-            continue
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError) as e:
-            log.warning("cannot read %s (%s): key scopes are this process's only", path, e)
-            return os.urandom(32)
-        try:
-            _private_dirs(home)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        except FileExistsError:
-            continue
-        except OSError as e:
-            log.warning("cannot create %s (%s): key scopes are this process's only", path, e)
-            return os.urandom(32)
-        data = os.urandom(32)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return data
-    log.warning("%s stays shorter than 32 bytes: key scopes are this process's only", path)
-    return os.urandom(32)
-
-
 class _HTTPServer(http.server.ThreadingHTTPServer):
     """A thread per connection, at most max_connections at once: one more gets a 503
     with Retry-After and is closed, without a thread of its own."""
@@ -9164,7 +9174,7 @@ def _cmd_archive(args) -> int:
         shutil.rmtree(root, ignore_errors=True)
         print("deleted the archive in %s (%d scope(s))" % (root, len(scopes)))
         return 0
-    total = 0
+    total, key = 0, _installation_secret()
     print("%s: %d scope(s)" % (root, len(scopes)))
     for vocab, scope in scopes:
         path = os.path.join(root, vocab, scope)
@@ -9173,7 +9183,7 @@ def _cmd_archive(args) -> int:
         for f in segs:
             with open(os.path.join(path, f), "rb") as fh:
                 data = fh.read()
-            got, _ = pal_parse(data)
+            got, _ = pal_parse(data, key)
             runs, toks, size = runs + len(got), toks + sum(len(t) for _, t in got), size + len(data)
         total += size
         print("  vocabulary %s, scope %s: %d run(s), %d tokens, %d segment(s), %.1f MB" % (

@@ -778,10 +778,11 @@ def test_disk_tier_survives_restart_exactly(qwen_model, tmp_path):
     assert other.n_cached_tok == st3["system_end"] and st3["system_end"] % 128
 
 
-def test_disk_tier_shared_between_processes(qwen_model, tmp_path):
+def test_disk_tier_shared_between_processes(qwen_model, tmp_path, monkeypatch):
     """`reame.py run` in another process leaves the system prompt's KV on disk; this
-    process restores it."""
+    process, of the same installation (REAME_HOME, its secret), restores it."""
     env = dict(os.environ, REAME_HOME=str(tmp_path))
+    monkeypatch.setenv("REAME_HOME", str(tmp_path))
     out = subprocess.run([sys.executable, "reame.py", "run", qwen_model.path, "--system", _SHIP_SYSTEM,
                           "--temperature", "0", "--max-tokens", "4", "--ctx", "1024", "Where is order 17?"],
                          cwd=HERE, capture_output=True, text=True, env=env, timeout=600)
@@ -884,7 +885,7 @@ def test_disk_tier_rejects_bad_files(qwen_model, tmp_path, caplog):
                 head["fingerprint"] = "0" * 32
                 raw = json.dumps(head).encode()
                 payload = len(raw).to_bytes(4, "little") + raw + payload[4 + hlen:]
-                data = reame.frame_record(reame._KV_MAGIC, payload) + payload
+                data = reame.frame_record(reame._KV_MAGIC, payload, reame._installation_secret()) + payload
             f.write_bytes(bytes(data))
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="reame"):
@@ -1158,13 +1159,34 @@ def test_replay_rejects_a_bad_record_and_recomputes(qwen_model, tmp_path):
     good = path.read_bytes()
     body = json.loads(good[reame._RECORD_HEAD.size:])
     forged = json.dumps(dict(body, tokens=[10 ** 9])).encode()
-    forged = reame.frame_record(reame._REPLAY_MAGIC, forged) + forged  # well framed, tokens outside the vocabulary
+    forged = reame.frame_record(reame._REPLAY_MAGIC, forged, reame._installation_secret()) + forged  # well framed, tokens outside the vocabulary
     for bad in (good[:-1] + bytes([good[-1] ^ 1]), good[:40], other_path.read_bytes(), forged):
         path.write_bytes(bad)
         with _replay_engine(qwen_model, tmp_path) as eng:
             res = eng.complete(prompt, temperature=0, max_tokens=12)
             assert not res.replayed and res.tokens == want.tokens and eng.part("replay").store.shelf.n_bad == 1
         assert path.read_bytes() == good  # written again by the recomputed answer
+
+
+def test_attack_a_record_rewritten_with_a_fresh_checksum_is_not_ours(qwen_model, tmp_path):
+    """Anyone who can write under REAME_HOME could rewrite a replay record with another
+    answer and a checksum of it: records are authenticated (an HMAC under the installation's
+    secret), so the forged one is deleted and the answer computed, never "PWNED" served."""
+    prompt = "The capital of Austria is"
+    with _replay_engine(qwen_model, tmp_path) as eng:
+        want = eng.complete(prompt, temperature=0, max_tokens=8)
+        store = eng.part("replay").store
+        path = pathlib.Path(store.path(store.key(eng.model.tokenize(prompt), reame.SamplingParams(temperature=0)), ""))
+        store.flush()
+        pwned = eng.model.tokenize(" PWNED", add_special=False)
+    body = json.loads(path.read_bytes()[reame._RECORD_HEAD.size:])
+    payload = json.dumps(dict(body, tokens=pwned, text=" PWNED")).encode()
+    for key in (b"", b"a guess at the secret"):  # (a fresh checksum: any key but this installation's)
+        path.write_bytes(reame.frame_record(reame._REPLAY_MAGIC, payload, key) + payload)
+        with _replay_engine(qwen_model, tmp_path) as eng:
+            got = eng.complete(prompt, temperature=0, max_tokens=8)
+            assert not got.replayed and got.text == want.text and "PWNED" not in got.text
+            assert eng.part("replay").store.shelf.n_bad == 1
 
 
 def test_server_replay_per_key_streamed_and_opt_out(gemma, tmp_path):
@@ -1336,8 +1358,9 @@ def test_archive_picks_up_appends_and_torn_tail(tmp_path):
         assert arc.draft("shared", [1, 2, 3, 10], 8) == [11, 12, 13, 14]
         seg = os.path.join(arc.dir, "shared", reame.pal_segments(os.path.join(arc.dir, "shared"))[0])
         with open(seg, "ab") as f:   # another process died mid-record
-            f.write(reame.pal_record([5, 5, 5, 5, 6], 0)[:-3])
-        reame.pal_append(os.path.join(arc.dir, "shared"), reame.pal_record([7, 7, 7, 7, 8, 9], 0), 64 << 20)
+            f.write(reame.pal_record([5, 5, 5, 5, 6], 0, arc.records.key)[:-3])
+        reame.pal_append(os.path.join(arc.dir, "shared"), reame.pal_record([7, 7, 7, 7, 8, 9], 0, arc.records.key),
+                         64 << 20)
         arc.refresh("shared")
         assert arc.draft("shared", [7, 7, 7, 7], 8) == [8, 9] and arc.draft("shared", [5, 5, 5, 5], 8) == []
         assert arc.stats()["shared"]["runs"] == 2
@@ -1361,7 +1384,10 @@ def test_palimpsest_index_follows_the_disk_bound(tmp_path):
 
 
 def test_archive_cli_stats_and_clear(tmp_path):
-    reame.pal_append(str(tmp_path / "palimpsest" / "v0" / "shared"), reame.pal_record([1, 2, 3, 4], 2), 1 << 20)
+    key = os.urandom(32)  # (this REAME_HOME's secret: its records are authenticated under it)
+    (tmp_path / "secret").write_bytes(key)
+    os.chmod(tmp_path / "secret", 0o600)
+    reame.pal_append(str(tmp_path / "palimpsest" / "v0" / "shared"), reame.pal_record([1, 2, 3, 4], 2, key), 1 << 20)
     env = dict(os.environ, REAME_HOME=str(tmp_path))
     out = subprocess.run([sys.executable, os.path.join(HERE, "reame.py"), "archive", "stats"], env=env,
                          capture_output=True, text=True, timeout=60)
@@ -4883,7 +4909,7 @@ def test_attack_crafted_archive_segment(qwen_model, tmp_path):
         scope = tmp_path / eng.part("archive").archive.dir.split(os.sep)[-1] / "shared"
         scope.mkdir(parents=True, exist_ok=True)
         run = list(prompt[-8:]) + [eng.model.n_vocab + 5, 10 ** 9] * 20
-        (scope / "seg-00000001.pal").write_bytes(reame.pal_record(run, 8))
+        (scope / "seg-00000001.pal").write_bytes(reame.pal_record(run, 8, eng.records.key))
         (scope / "seg-x.pal").write_bytes(b"junk")
         got = eng.complete(prompt, temperature=0, max_tokens=24, spec=reame.SpecOptions("on"))
         assert got.text == plain.text
@@ -4891,7 +4917,7 @@ def test_attack_crafted_archive_segment(qwen_model, tmp_path):
         eng.complete("Hello", temperature=0, max_tokens=4)
         eng.part("archive").archive.flush()
         assert eng.part("archive").archive.n_stored == stored + 1 and eng.part("archive").archive.n_failed == 0
-        assert (scope / "seg-00000001.pal").stat().st_size > len(reame.pal_record(run, 8))
+        assert (scope / "seg-00000001.pal").stat().st_size > len(reame.pal_record(run, 8, eng.records.key))
     finally:
         eng.close()
 
