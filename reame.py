@@ -466,6 +466,19 @@ class _FileLock:
         self._f.close()
 
 
+# What a terminal or a log reader would act on: C0 and C1 controls, DEL, line and
+# paragraph separators, bidirectional overrides and isolates.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str, limit: int = 300) -> str:
+    """Text from a request made safe for one log line: its first limit characters, each
+    control character written as an escape (\\x1b, \\u2028), so a request can neither
+    forge a log line nor hide one with terminal escape sequences."""
+    return _UNPRINTABLE.sub(lambda m: ("\\x%02x" if ord(m.group()) < 256 else "\\u%04x") % ord(m.group()),
+                            text[:limit])
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
     """Length of the common leading run of two token lists (compared from ``start``:
     the caller knows they agree before it)."""
@@ -7955,8 +7968,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def log_request(self, code="-", size="-"):
         self._status = code if isinstance(code, int) else getattr(code, "value", 0)
 
-    def log_message(self, fmt, *args):
-        log.info("%s %s", self.address_string(), fmt % args)
+    def log_message(self, fmt, *args):  # (http.server's own lines quote the request line: escaped)
+        log.info("%s %s", self.address_string(), printable(fmt % args))
 
     def _log_done(self) -> None:
         """One line per request: method, path, status, tokens, timings; never prompt text."""
@@ -7965,8 +7978,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if rs:
             extra = " prompt=%d cached=%d completion=%d ttft=%.3fs" % (
                 rs[0].n_prompt_tok, rs[0].n_cached_tok, sum(r.n_gen_tok for r in rs), rs[0].ttft_s)
-        log.info('%s "%s %s" %s%s total=%.3fs', self.address_string(), self.command, self.path.split("?", 1)[0],
-                 self._status, extra, time.monotonic() - self._t0)
+        log.info('%s "%s %s" %s%s total=%.3fs', self.address_string(), printable(str(self.command), 32),
+                 printable(self.path.split("?", 1)[0]), self._status, extra, time.monotonic() - self._t0)
 
     def _send_json(self, status: int, obj: dict, headers: Sequence = ()) -> None:
         data = json.dumps(obj).encode()
@@ -8021,7 +8034,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             except OSError:
                 raise
             except Exception:  # noqa: BLE001 - never a traceback to the client
-                log.exception("internal error on %s", self.path)
+                log.exception("internal error on %s", printable(self.path))
                 self._send_error(ReameError("internal error"))
         except OSError:  # the connection broke (the client left, a timeout), also while we told it why
             self.close_connection = True

@@ -3426,6 +3426,33 @@ def test_handler_unknown_routes_and_methods(memory_server):
         assert method in err["message"]
 
 
+def test_attack_log_forging_is_escaped(memory_server):
+    """A path with terminal escapes, a line separator or a bidi override is logged escaped:
+    a request can neither forge a log line nor hide one (and the raw bytes never reach it).
+    (A handler on the logger itself: after setup_logging it does not propagate to caplog.)"""
+    import logging
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("reame")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    evil = b"/v1/x\x1b[2J\x1b[1;1H\x08\x07\x9b\xe2\x80\xaeFAKE\x7f"  # (no byte str.split() takes for a space)
+    try:
+        _exchange(memory_server, b"GET " + evil + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        conn = _MemoryConnection(b"GET /\x1b[31m\x00bad x HTTP/1.1\r\n\r\n")  # (http.server's own refusal)
+        memory_server.httpd.RequestHandlerClass(conn, ("127.0.0.1", 40000), memory_server.httpd)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    text = "\n".join(r.getMessage() for r in records)
+    assert "/v1/x" in text and "\\x1b[2J" in text, text
+    for bad in ("\x1b", "\x08", "\x07", "\x00", "\x7f", "\x9b", "\x80"):
+        assert bad not in text, (bad, text)
+    assert reame.printable("a\u2028b\u202ec\x1bd\x9b") == "a\\u2028b\\u202ec\\x1bd\\x9b"
+
+
 def test_handler_refuses_what_it_cannot_frame(memory_server):
     """Chunked bodies and odd Content-Lengths are refused and the connection closed: what
     follows them is never read as another request."""
