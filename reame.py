@@ -2272,17 +2272,17 @@ def frame_record(magic: bytes, payload, key: bytes = b"") -> bytes:
     return head + mac.digest()
 
 
-def unframe_record(data: bytes, magic: bytes, key: bytes = b"", at: int = 0) -> memoryview:
-    """The payload of the record at data[at:], which must end the data; ValueError for
-    anything else (another kind, another version, a cut, flipped, padded or forged file)."""
-    if len(data) - at < _RECORD_HEAD.size:
+def unframe_record(data: bytes, magic: bytes, key: bytes = b"") -> memoryview:
+    """The payload of the one record that data is; ValueError for anything else (another
+    kind, another version, a cut, flipped, padded or forged file)."""
+    if len(data) < _RECORD_HEAD.size:
         raise ValueError("shorter than a record header")
-    got, version, size, digest = _RECORD_HEAD.unpack_from(data, at)
+    got, version, size, digest = _RECORD_HEAD.unpack_from(data)
     if got != magic:
         raise ValueError("not a Reame %s record" % magic.rstrip(b"\0").decode("ascii", "replace"))
     if version != _RECORD_VERSION:
         raise ValueError("format version %d, not %d" % (version, _RECORD_VERSION))
-    payload = memoryview(data)[at + _RECORD_HEAD.size:]
+    payload = memoryview(data)[_RECORD_HEAD.size:]
     if size != len(payload) or not hmac.compare_digest(frame_record(magic, payload, key)[-32:], digest):
         raise ValueError("not authentic (truncated, corrupted, or not written by this installation)")
     return payload
@@ -2450,6 +2450,10 @@ class Shelf:
         except (OSError, ValueError) as e:
             self.reject(path, str(e))
             return None
+        return self.check(path, data)
+
+    def check(self, path: str, data: bytes) -> Optional[memoryview]:
+        """The payload of path's bytes (read by the caller), or None: bad, then deleted."""
         try:
             payload = unframe_record(data, self.magic, self.store.key)
         except ValueError as e:
@@ -2728,8 +2732,6 @@ class HeadHistory:
                         and all(type(t) is int and 0 <= t < self.n_vocab for t in tokens)
                         and type(count) is int and isinstance(last, (int, float))):
                     self._heads[(scope, tuple(tokens))] = [count, float(last)]
-        except FileNotFoundError:
-            pass
         except (OSError, ValueError, TypeError, RecursionError) as e:
             log.warning("ignoring %s (%s): warm-ahead starts with no history", self.path, e)
 
@@ -7821,7 +7823,7 @@ class Sessions:
                 return None
             payload = _read_private(path, _SESSION_MAX_BYTES)
             if payload[:1] != b"{":  # (plain JSON: a session saved before the record format, read once)
-                payload = self._shelf.read(path, _SESSION_MAX_BYTES)
+                payload = self._shelf.check(path, payload)
             if payload is None:
                 return None
             d = json.loads(bytes(payload).decode("utf-8"))
@@ -8525,8 +8527,8 @@ class Server:
                  max_body_in_flight: int = 16 << 20, shared_cache: bool = False, secret: Optional[bytes] = None,
                  embedding_model: Optional[str] = None, records: Optional[RecordStore] = None):
         self.engine, self.model_name = engine, model_name
-        self._own_records = records is None and session_dir is not None
-        self.records = records if records is not None or session_dir is None else RecordStore()
+        self._own_records = records is None and session_dir is not None  # (sessions on disk need a writer)
+        self.records = RecordStore() if self._own_records else records
         self.api_keys = tuple(k.encode() for k in api_keys if k)
         # a key's scope (directories, cache, metrics) is a keyed hash: the names on disk do
         # not let anyone test guesses of a key offline without this installation's secret

@@ -15,6 +15,7 @@ minutes, not a pytest test (test_soak_runs_clean runs it for 20 seconds):
 """
 import argparse
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import http.client
@@ -3426,10 +3427,10 @@ def test_handler_unknown_routes_and_methods(memory_server):
         assert method in err["message"]
 
 
-def test_attack_log_forging_is_escaped(memory_server):
-    """A path with terminal escapes, a line separator or a bidi override is logged escaped:
-    a request can neither forge a log line nor hide one (and the raw bytes never reach it).
-    (A handler on the logger itself: after setup_logging it does not propagate to caplog.)"""
+@contextlib.contextmanager
+def _reame_log():
+    """The lines reame logs at INFO meanwhile, as a list (a handler on the logger itself:
+    after setup_logging it does not propagate to caplog)."""
     import logging
     records = []
     handler = logging.Handler(logging.INFO)
@@ -3438,14 +3439,21 @@ def test_attack_log_forging_is_escaped(memory_server):
     old_level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    evil = b"/v1/x\x1b[2J\x1b[1;1H\x08\x07\x9b\xe2\x80\xaeFAKE\x7f"  # (no byte str.split() takes for a space)
     try:
-        _exchange(memory_server, b"GET " + evil + b" HTTP/1.1\r\nHost: x\r\n\r\n")
-        conn = _MemoryConnection(b"GET /\x1b[31m\x00bad x HTTP/1.1\r\n\r\n")  # (http.server's own refusal)
-        memory_server.httpd.RequestHandlerClass(conn, ("127.0.0.1", 40000), memory_server.httpd)
+        yield records
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
+
+
+def test_attack_log_forging_is_escaped(memory_server):
+    """A path with terminal escapes, a line separator or a bidi override is logged escaped:
+    a request can neither forge a log line nor hide one (and the raw bytes never reach it)."""
+    evil = b"/v1/x\x1b[2J\x1b[1;1H\x08\x07\x9b\xe2\x80\xaeFAKE\x7f"  # (no byte str.split() takes for a space)
+    with _reame_log() as records:
+        _exchange(memory_server, b"GET " + evil + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        conn = _MemoryConnection(b"GET /\x1b[31m\x00bad x HTTP/1.1\r\n\r\n")  # (http.server's own refusal)
+        memory_server.httpd.RequestHandlerClass(conn, ("127.0.0.1", 40000), memory_server.httpd)
     text = "\n".join(r.getMessage() for r in records)
     assert "/v1/x" in text and "\\x1b[2J" in text, text
     for bad in ("\x1b", "\x08", "\x07", "\x00", "\x7f", "\x9b", "\x80"):
@@ -3979,20 +3987,8 @@ def test_server_n_and_best_of_beyond_parallel(server, gemma):
 
 
 def test_server_logs_one_line_per_request_without_prompt_text(server):
-    """(A handler on the logger itself: after setup_logging it does not propagate to caplog.)"""
-    import logging
-    records = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = records.append
-    logger = logging.getLogger("reame")
-    old_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with _reame_log() as records:
         _http(server, "POST", "/v1/completions", {"prompt": "secret-words-here", "max_tokens": 3})
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
     text = "\n".join(r.getMessage() for r in records)
     lines = [line for line in text.splitlines() if "/v1/completions" in line]
     assert len(lines) == 1, lines
