@@ -1384,9 +1384,8 @@ def run_warm_ahead(args, noise: CpuNoise) -> dict:
     def ask(eng, q):
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
         tokens = eng.chat_prompt(msgs)
-        snap = eng.model.prefix_boundary(msgs, tokens)
         t0 = time.perf_counter()  # (submit reads the disk tier, on this thread: part of the wait)
-        req = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=4), snap_at=snap, replay=False)[0]
+        req = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=4), replay=False)[0]
         next(iter(req))
         return time.perf_counter() - t0, req.wait()
 

@@ -901,6 +901,7 @@ class Model:
         self._ptr = ptr
         self._fingerprint: Optional[str] = None
         self._system_heads: dict = {}  # system message -> its prompt head (chat_head); any thread
+        self._head_marks: Optional[tuple] = None  # (opening, separator) of a chat head (head_cut)
         self._vocab = L.llama_model_get_vocab(ptr)
         self.n_vocab = L.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train = L.llama_model_n_ctx_train(ptr)
@@ -1051,15 +1052,42 @@ class Model:
             out += self.tokenize(content, add_special=False, parse_special=False)
         return out
 
-    def prefix_boundary(self, messages: Sequence[dict], tokens: Sequence[int]) -> List[int]:
-        """Where the part of a chat prompt shared by every question after the same system
-        message ends ([] without one). Found by templating the system message with two
-        different user turns, so it works whatever the template does with a system
-        message (gemma folds it into the first user turn)."""
-        if not messages or messages[0].get("role") != "system" or not self.chat_template:
-            return []
-        n = common_prefix(self.chat_head(messages[0]), tokens)
-        return [n] if n > 1 else []
+    def head_cut(self, tokens: Sequence[int]) -> int:
+        """Where a prompt's chat head ends (0: none), found from the tokens alone: the
+        end of the first place where the template's text between a system message and
+        the user turn after it (its separator) follows the template's opening. A chat,
+        a session turn, a plain completion and a warm-ahead of the same tokens are thus
+        cut the same way: the prefill plan (which chunk ends where, and so the last bits
+        of the KV) is a function of the tokens, and every path gives the same answer."""
+        if self._head_marks is None:
+            self._head_marks = self._template_marks()
+        opener, sep = self._head_marks
+        if not sep or list(tokens[:len(opener)]) != opener:
+            return 0
+        first, width, i = sep[0], len(sep), len(opener)
+        try:
+            while True:
+                i = tokens.index(first, i)
+                if list(tokens[i:i + width]) == sep:
+                    return i + width
+                i += 1
+        except ValueError:
+            return 0
+
+    def _template_marks(self) -> tuple:
+        """(opening, separator): what every chat head starts with, and what ends one
+        (the tokens two system messages' heads share at the start and at the end)."""
+        if not self.chat_template:
+            return [], []
+        try:
+            a, b = (self.chat_head({"role": "system", "content": c}) for c in ("X", "Y"))
+        except ReameError:
+            return [], []
+        start = common_prefix(a, b)
+        end = 0
+        while end < min(len(a), len(b)) - start and a[len(a) - 1 - end] == b[len(b) - 1 - end]:
+            end += 1
+        return a[:start], a[len(a) - end:]
 
     def chat_head(self, system: dict) -> List[int]:
         """The tokens every chat prompt that opens with this system message starts with."""
@@ -5843,7 +5871,7 @@ class WarmAhead(EnginePart):
 
     def submit(self, group: List[Request]) -> bool:
         req = group[0]
-        if req.head and self.heads is not None:  # (a chat's system message: what idle warm-ahead prefills)
+        if req.head and not req.warm and self.heads is not None:  # (a chat's system message: what idle warm-ahead prefills)
             self.heads.seen(req.tenant, req.prompt[:req.head])
         return False
 
@@ -6461,15 +6489,15 @@ class Engine(_Scheduler):
         return self.submit_n(prompt, params, 1, cache_tag=cache_tag, **kw)[0]
 
     def submit_n(self, prompt, params: Optional[SamplingParams] = None, n: int = 1, *,
-                 cache_tag: Optional[str] = None, snap_at: Sequence[int] = (),
+                 cache_tag: Optional[str] = None,
                  spec: Optional[SpecOptions] = None, archive: Optional[str] = "shared", tenant: str = "",
                  replay: bool = True, **kw) -> List[Request]:
         """Queue n choices of one prompt: one prefill, KV copied to n-1 more slots.
 
         They share one events queue (events carry the choice index). With a seed,
-        choice i samples with seed + i. ``snap_at``: prompt lengths where a prefill chunk
-        also ends, worth reusing and snapshotting (the end of a chat's system message:
-        then a request with the same system prompt reuses all of it, exactly).
+        choice i samples with seed + i. A prompt that opens with a chat head (its
+        system message, Model.head_cut) has a prefill chunk end there too, worth reusing
+        and snapshotting: a request with the same system prompt reuses all of it, exactly.
         ``spec``: speculation for these choices (default: the engine's). ``archive``: the
         archive scope the output is stored in and drafted from (None: neither).
         ``tenant``: the prefix cache (memory and disk) these choices reuse and feed: one
@@ -6496,8 +6524,8 @@ class Engine(_Scheduler):
                          cache_tag=cache_tag if i == 0 else None) for i in range(n)]
         for req in group:
             req.spec, req.archive, req.tenant, req.replay = spec, archive, tenant, replay
-        group[0].cuts = tuple(sorted({p for p in snap_at if 0 < p < len(tokens) and p % self.chunk}))
-        group[0].head = max((p for p in snap_at if 0 < p < len(tokens)), default=0)
+        group[0].head = self.model.head_cut(tokens)
+        group[0].cuts = (group[0].head,) if group[0].head % self.chunk else ()
         if not self._submitted(group):  # (answered by a part: its events are all there)
             self._incoming.put(_Admit(group))
         return group
@@ -6529,7 +6557,8 @@ class Engine(_Scheduler):
             rid = "warm-%d" % next(self._ids)
         req = Request(rid, tokens, SamplingParams(temperature=0, max_tokens=1))
         req.warm, req.tenant, req.archive, req.replay = True, tenant, None, False
-        req.cuts = (len(tokens),) if len(tokens) % self.chunk else ()  # its end is a chunk end, as a chat head's is
+        req.head = self.model.head_cut(tokens)  # (the prefill plan of any request with these tokens)
+        req.cuts = (req.head,) if req.head % self.chunk else ()
         self._submitted([req])  # (the disk tier may restore all of it: it needs no logits)
         return req
 
@@ -8152,8 +8181,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 turns = tool_messages(api.tool_format, history, api.tools if api.calls_tools else ())
             tokens = eng.chat_prompt(turns) if api.chat else eng.model.tokenize(text)
             api.params.check_context(len(tokens), eng.n_ctx)  # (before a stream starts; submit checks too)
-            kw = dict(snap_at=eng.model.prefix_boundary(turns, tokens) if api.chat else (), spec=api.spec,
-                      archive=api.archive, tenant=srv.tenant(owner), replay=api.replay)
+            kw = dict(spec=api.spec, archive=api.archive, tenant=srv.tenant(owner), replay=api.replay)
             if api.best_of > 1:
                 self._conclave(api, tokens, kw)
                 return
@@ -8942,7 +8970,7 @@ def _prompt_tokens(engine: Engine, messages: List[dict], raw: bool) -> List[int]
 def _answer(engine: Engine, messages: List[dict], params: SamplingParams, raw: bool = False) -> str:
     """Stream one answer to stdout; Ctrl-C stops it. Returns the text."""
     tokens = _prompt_tokens(engine, messages, raw)
-    req = engine.submit_n(tokens, params, snap_at=engine.model.prefix_boundary(messages, tokens))[0]
+    req = engine.submit_n(tokens, params)[0]
     out = []
     try:
         for piece in req:

@@ -21,6 +21,7 @@ import hashlib
 import http.client
 import http.server
 import io
+import ctypes
 import json
 import os
 import pathlib
@@ -741,14 +742,14 @@ _SHIP_SYSTEM = "You are a careful assistant for a shipping company. Rules: " + "
 def _ship_chat(eng, question):
     msgs = [{"role": "system", "content": _SHIP_SYSTEM}, {"role": "user", "content": question}]
     tokens = eng.chat_prompt(msgs)
-    return tokens, eng.model.prefix_boundary(msgs, tokens)
+    return tokens, [eng.model.head_cut(tokens)]
 
 
 def _disk_answer(model, kv_dir, question, disk=1 << 30):
     eng = reame.Engine(model, n_ctx=1024, n_slots=1, disk_cache=disk, disk_dir=kv_dir)
     try:
         tokens, snap = _ship_chat(eng, question)
-        res = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=10), snap_at=snap)[0].wait()
+        res = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=10))[0].wait()
         st = eng.stats()
         st["system_end"] = snap[0]
         return res, st
@@ -990,7 +991,7 @@ def test_queued_requests_hold_bounded_snapshots(qwen_model, tmp_path):
             _drop_cache(eng)
             tokens, snap = _ship_chat(eng, "Where is order 17?")
             hits = eng.slots.n_disk_hits
-            r = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=10), snap_at=snap)[0]
+            r = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=10))[0]
             assert budget > 1 or r.disk is None or r.disk[1] is None  # noted, not read
             warm = r.wait(60)
             assert warm.tokens == cold.tokens and eng.slots.n_disk_hits == hits + 1 and warm.n_cached_tok >= 256
@@ -1224,6 +1225,64 @@ def test_server_replay_per_key_streamed_and_opt_out(gemma, tmp_path):
     finally:
         srv.shutdown()
         eng.close()
+
+
+def test_attack_chat_and_completion_of_the_same_tokens_give_one_answer(qwen_model, tmp_path):
+    """The prefill plan is a function of the tokens: a chat, and a completion whose prompt is
+    the same tokens, are prefilled with the same chunk cuts, so the completion's replay of
+    the chat's record is exactly what a cold completion computes, and a live chat, a cold
+    completion and a chat that hits the completion's KV agree to the last bit of every
+    logprob (they differed when only a chat was cut where its system message ends)."""
+    system = "You are the help desk of a small museum. Answer in two sentences. " * 3
+    msgs = [{"role": "system", "content": system},
+            {"role": "user", "content": "Which rooms hold the Roman coins and when do you open on Sundays?"}]
+    body = {"temperature": 0, "max_tokens": 48}
+
+    def served(replay_dir, requests):
+        eng = reame.Engine(qwen_model, n_ctx=1024, n_slots=2, replay=1 << 20, replay_dir=str(replay_dir))
+        srv = reame.Server(eng, "qwen", host="127.0.0.1", port=0)
+        threading.Thread(target=srv.serve_forever, name="test-plan-server", daemon=True).start()
+        try:
+            tokens = eng.chat_prompt(msgs)
+            assert 0 < eng.model.head_cut(tokens) < len(tokens) and eng.model.head_cut(tokens) % eng.chunk
+            outs = []
+            for path, extra in requests:
+                extra = extra(eng, tokens) if callable(extra) else extra
+                status, payload = _http(srv, "POST", path, dict(body, **extra), key=None)
+                assert status == 200, payload
+                outs.append(json.loads(payload))
+            return outs
+        finally:
+            srv.shutdown()
+            eng.close()
+
+    def as_text(eng, tokens):
+        buf, text = ctypes.create_string_buffer(256), b""  # (special tokens spelled out: a completion parses them)
+        for t in tokens:
+            n = reame.lib().llama_token_to_piece(eng.model._vocab, t, buf, 256, 0, True)
+            text += buf.raw[:n]
+        text = text.decode()
+        assert eng.model.tokenize(text) == tokens  # (the same tokens, through another door)
+        return {"prompt": text, "logprobs": 1}  # (logprobs: never replayed, always computed)
+
+    def lp(choice):  # a completion's logprobs, or a chat's, as (token, logprob) pairs
+        got = choice["logprobs"]
+        if "content" in got:
+            return [(t["token"], t["logprob"]) for t in got["content"]]
+        return list(zip(got["tokens"], got["token_logprobs"]))
+
+    chat_lp = {"messages": msgs, "logprobs": True, "top_logprobs": 1}
+    chat, completion, chat_live = served(tmp_path / "a", [("/v1/chat/completions", {"messages": msgs}),
+                                                          ("/v1/completions", lambda e, t: dict(as_text(e, t), logprobs=None)),
+                                                          ("/v1/chat/completions", chat_lp)])
+    cold, = served(tmp_path / "b", [("/v1/completions", as_text)])
+    first, hit = served(tmp_path / "c", [("/v1/completions", as_text), ("/v1/chat/completions", chat_lp)])
+    assert completion.get("reame") == {"replayed": True}  # the chat's record, for the same tokens
+    answers = [chat["choices"][0]["message"]["content"], chat_live["choices"][0]["message"]["content"],
+               hit["choices"][0]["message"]["content"]] + [c["choices"][0]["text"] for c in (completion, cold, first)]
+    assert len(set(answers)) == 1, answers
+    assert lp(chat_live["choices"][0]) == lp(cold["choices"][0]) == lp(first["choices"][0]) == lp(hit["choices"][0])
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the completion's KV, reused by the chat
 
 
 # == 13. Palimpsest: the archive of generations ================================
@@ -2349,8 +2408,8 @@ def test_cache_hit_equals_cold(fixture, request):
 
 
 def test_memory_tier_reuses_a_shared_prefix(qwen):
-    """A second request sharing a long system prompt reuses its KV (whole chunks),
-    with the same tokens as cold; a session's entry is copied, not taken."""
+    """A second request sharing a long system prompt reuses its KV (whole chunks and the
+    cut where the head ends: the same plan for any prompt), with the same tokens as cold; a session's entry is copied, not taken."""
     system = "You are a careful assistant for a shipping company. Rules: " + "Be brief. Cite the order id. " * 40
     p1 = _chat(qwen, "Where is order 17?", system=system)
     p2 = _chat(qwen, "Cancel order 18.", system=system)
@@ -2362,7 +2421,7 @@ def test_memory_tier_reuses_a_shared_prefix(qwen):
     warm = qwen.complete(p2, temperature=0, max_tokens=12)
     assert qwen.stats()["cache_hits"] == hits + 1
     common = reame.common_prefix(p1, p2)
-    assert warm.n_cached_tok == common // qwen.chunk * qwen.chunk > 0  # whole chunks of the shared part
+    assert warm.n_cached_tok == qwen.model.head_cut(p2) == common  # the shared head, cut where it ends
     assert warm.tokens == cold.tokens
     # the session's own entry survived the copy: its next turn still reuses it
     again = qwen.complete(p1 + [198], temperature=0, max_tokens=2, cache_tag="sess")
@@ -2394,14 +2453,13 @@ def test_concurrent_requests_compute_a_shared_head_once(qwen_model):
         for q in ("When do you open?", "Can I renew a loan?", "Is there wifi?", "Where is the entrance?"):
             msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
             tokens = eng.chat_prompt(msgs)
-            asks.append((tokens, eng.model.prefix_boundary(msgs, tokens)))
+            asks.append((tokens, [eng.model.head_cut(tokens)]))
         head = asks[0][1][0]
         solo = []
         for tokens, snap in asks:
             with reame.Engine(qwen_model, n_ctx=1024, n_slots=1) as one:
-                solo.append(one.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=16),
-                                         snap_at=snap)[0].wait().tokens)
-        reqs = [eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=16), snap_at=snap)[0]
+                solo.append(one.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=16))[0].wait().tokens)
+        reqs = [eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=16))[0]
                 for tokens, snap in asks]
         res = [r.wait() for r in reqs]
         st = eng.stats()
@@ -2422,16 +2480,14 @@ def test_warm_ahead_makes_the_head_resident_before_the_first_request(qwen_model)
     msgs = [{"role": "system", "content": _WARM_SYSTEM}, {"role": "user", "content": "When do you open?"}]
     with reame.Engine(qwen_model, n_ctx=1024, n_slots=2) as cold_eng:
         tokens = cold_eng.chat_prompt(msgs)
-        cold = cold_eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=12),
-                                 snap_at=cold_eng.model.prefix_boundary(msgs, tokens))[0].wait()
+        cold = cold_eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=12))[0].wait()
     with reame.Engine(qwen_model, n_ctx=1024, n_slots=2) as eng:
         head = eng.model.chat_head(msgs[0])
         assert len(head) > 256 and len(head) % eng.chunk  # several chunks, and a cut at its end
         warm = eng.warm(head).wait(300)
         assert warm.finish_reason == "warm" and eng.stats()["warm_prefills"] == 1
         before = eng.stats()["prefill_tokens"]
-        res = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=12),
-                           snap_at=eng.model.prefix_boundary(msgs, tokens))[0].wait()
+        res = eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=12))[0].wait()
         assert res.n_cached_tok == len(head) and eng.stats()["prefill_tokens"] - before == len(tokens) - len(head)
         assert res.tokens == cold.tokens
         # warming what is resident already does nothing
@@ -2469,8 +2525,7 @@ def test_idle_warm_ahead_from_the_head_history_and_after_a_restart(qwen_model, t
     def ask(eng, system, q):
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
         tokens = eng.chat_prompt(msgs)
-        return eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=4),
-                            snap_at=eng.model.prefix_boundary(msgs, tokens))[0].wait()
+        return eng.submit_n(tokens, reame.SamplingParams(temperature=0, max_tokens=4))[0].wait()
 
     def wait_for(cond):
         deadline = time.monotonic() + 120
