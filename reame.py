@@ -119,6 +119,7 @@ class Config:
     log_level: str            # REAME_LOG: debug, info, warning (default), error
     log_level_set: bool       # REAME_LOG was given (serve then keeps it instead of info)
     api_key: str              # REAME_API_KEY: one more key for `serve`
+    metrics_key: str          # REAME_METRICS_KEY: the operator's key for /metrics (serve --metrics-key)
     skip_abi_check: bool      # REAME_SKIP_ABI_CHECK=1: load a libllama built from another llama.h
 
     @classmethod
@@ -135,6 +136,7 @@ class Config:
             log_level=env.get("REAME_LOG", "warning").lower(),
             log_level_set=bool(env.get("REAME_LOG")),
             api_key=env.get("REAME_API_KEY", ""),
+            metrics_key=env.get("REAME_METRICS_KEY", ""),
             skip_abi_check=env.get("REAME_SKIP_ABI_CHECK") == "1",
         )
 
@@ -8125,7 +8127,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             {"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "reame"}]})
 
     def _metrics(self):
-        self._owner()
+        srv = self.server_ref
+        if not srv.operator(self.headers.get("Authorization")):
+            tenant = srv.authorized(self.headers.get("Authorization")) is not None and srv.api_keys
+            raise ReameError("/metrics shows every key's traffic: it answers the operator's key only (%s)"
+                             % ("serve --metrics-key" if srv.metrics_key is None else "the --metrics-key"),
+                             status=403 if tenant else 401, code="forbidden" if tenant else "invalid_api_key")
+        if srv.engine is None:
+            raise ReameError("the model is still loading", status=503, code="loading")
         data = self.server_ref.metrics_text().encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -8553,11 +8562,15 @@ class Server:
                  max_sessions: int = 256, session_idle_s: float = 3600.0, session_dir: Optional[str] = None,
                  header_timeout_s: float = 30.0, body_timeout_s: float = 60.0, max_connections: int = 256,
                  max_body_in_flight: int = 16 << 20, shared_cache: bool = False, secret: Optional[bytes] = None,
-                 embedding_model: Optional[str] = None, records: Optional[RecordStore] = None):
+                 embedding_model: Optional[str] = None, records: Optional[RecordStore] = None,
+                 metrics_key: Optional[str] = None):
         self.engine, self.model_name = engine, model_name
         self._own_records = records is None and session_dir is not None  # (sessions on disk need a writer)
         self.records = RecordStore() if self._own_records else records
         self.api_keys = tuple(k.encode() for k in api_keys if k)
+        self.metrics_key = metrics_key.encode() if metrics_key else None  # the operator's (/metrics)
+        if self.metrics_key in self.api_keys:
+            raise RequestError("the metrics key must not be an API key: /metrics shows every key's traffic")
         # a key's scope (directories, cache, metrics) is a keyed hash: the names on disk do
         # not let anyone test guesses of a key offline without this installation's secret
         self._secret = secret if secret is not None else (_installation_secret() if self.api_keys else b"")
@@ -8620,6 +8633,16 @@ class Server:
         for key in self.api_keys:  # compare with every key: time does not depend on which matched
             ok |= hmac.compare_digest(given, key)
         return hmac.new(self._secret, given, hashlib.sha256).hexdigest()[:16] if ok else None
+
+    def operator(self, header: Optional[str]) -> bool:
+        """May this caller read /metrics (every key's traffic)? With --metrics-key, only
+        its bearer; without API keys or a metrics key, anyone (one tenant: nobody else's
+        traffic to see); with API keys but no metrics key, nobody."""
+        if self.metrics_key is None:
+            return not self.api_keys
+        h = header or ""
+        given = h[7:].strip().encode("utf-8", "replace") if h[:7].lower() == "bearer " else b""
+        return hmac.compare_digest(given, self.metrics_key)
 
     def tenant(self, owner: str) -> str:
         """The prefix cache a caller reuses and feeds: its own, unless --shared-cache."""
@@ -8858,6 +8881,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--parallel", type=int, default=4, help="sequences decoded together (default 4)")
     sv.add_argument("--api-key", action="append", default=[], help="accept this bearer key (repeatable)")
     sv.add_argument("--api-key-file", help="a file with one key per line")
+    sv.add_argument("--metrics-key", default=None, help="the operator's bearer key for /metrics (or "
+                    "REAME_METRICS_KEY). /metrics shows every key's traffic, so with API keys it answers only "
+                    "this key (403 to API keys); without API keys or this key it is open")
     sv.add_argument("--grace", type=float, default=30.0, help="on SIGTERM/SIGINT, seconds to let running "
                     "requests finish before cancelling them (default 30)")
     sv.add_argument("--max-tokens", type=int, default=None, help="cap on a request's max_tokens (default: --ctx)")
@@ -9043,7 +9069,8 @@ def _cmd_serve(args) -> int:
                     max_queue=args.max_queue, max_sessions=args.sessions, session_idle_s=args.session_idle,
                     session_dir=None if args.no_disk_cache else Config.from_env().sessions_dir,
                     max_connections=args.max_connections, shared_cache=args.shared_cache,
-                    embedding_model=embedding, records=records)
+                    embedding_model=embedding, records=records,
+                    metrics_key=args.metrics_key or Config.from_env().metrics_key or None)
 
     def on_signal(signum, frame):
         threading.Thread(target=server.shutdown, name="reame-shutdown", daemon=True).start()

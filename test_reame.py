@@ -91,7 +91,7 @@ def _drop_cache(eng):
 
 @pytest.fixture(scope="module")
 def server(gemma):
-    srv = reame.Server(gemma, "gemma3-270m", host="127.0.0.1", port=0, api_keys=["k1", "k2"])
+    srv = reame.Server(gemma, "gemma3-270m", host="127.0.0.1", port=0, api_keys=["k1", "k2"], metrics_key="ops")
     t = threading.Thread(target=srv.serve_forever, name="test-server", daemon=True)
     t.start()
     yield srv
@@ -1196,7 +1196,7 @@ def test_server_replay_per_key_streamed_and_opt_out(gemma, tmp_path):
     chunk) with the same choices and usage; another API key never gets the first one's
     record; "reame": {"replay": false} computes; /metrics counts replays."""
     eng = reame.Engine(gemma.model, n_ctx=1024, n_slots=2, replay=1 << 20, replay_dir=str(tmp_path))
-    srv = reame.Server(eng, "gemma3-270m", host="127.0.0.1", port=0, api_keys=["k1", "k2"])
+    srv = reame.Server(eng, "gemma3-270m", host="127.0.0.1", port=0, api_keys=["k1", "k2"], metrics_key="ops")
     threading.Thread(target=srv.serve_forever, name="test-replay-server", daemon=True).start()
     try:
         body = {"messages": [{"role": "user", "content": "Name three rivers."}], "temperature": 0, "max_tokens": 16}
@@ -1219,7 +1219,7 @@ def test_server_replay_per_key_streamed_and_opt_out(gemma, tmp_path):
         assert status == 200 and "reame" not in json.loads(payload)
         status, payload = _http(srv, "POST", "/v1/chat/completions", dict(body, reame={"replay": "no"}))
         assert status == 400 and "replay" in json.loads(payload)["error"]["message"]
-        status, payload = _http(srv, "GET", "/metrics")
+        status, payload = _http(srv, "GET", "/metrics", key="ops")
         assert b"reame_replays_total 2" in payload
         assert b"reame_replay_tokens_saved_total %d" % (2 * outs[0]["usage"]["completion_tokens"]) in payload
     finally:
@@ -3433,7 +3433,7 @@ def memory_server():
     """An engine-less Server with the keys k1 and k2, closed afterwards (serve_forever runs
     in a thread only so that shutdown(), which waits for it to end, returns)."""
     srv = reame.Server(None, "m", host="127.0.0.1", port=0, api_keys=["k1", "k2"], secret=b"s" * 32,
-                       max_body_in_flight=64 << 10)
+                       max_body_in_flight=64 << 10, metrics_key="ops")
     t = threading.Thread(target=srv.serve_forever, name="test-memory-server", daemon=True)
     t.start()
     yield srv
@@ -3461,7 +3461,7 @@ def test_handler_refuses_a_missing_or_wrong_key(memory_server, auth):
 
 def test_handler_answers_503_while_loading(memory_server):
     """A good key gets past the door; with no engine yet every API route answers 503."""
-    for key, method, path, body in (("k1", "GET", "/v1/models", b""), ("k2", "GET", "/metrics", b""),
+    for key, method, path, body in (("k1", "GET", "/v1/models", b""), ("ops", "GET", "/metrics", b""),
                                     ("k1", "POST", "/v1/completions", b'{"prompt": "Hi", "max_tokens": 2}'),
                                     ("k2", "POST", "/v1/chat/completions", json.dumps({"messages": _HI}).encode()),
                                     ("k1", "POST", "/v1/embeddings", b'{"input": "Hi"}'),
@@ -4007,7 +4007,7 @@ def test_server_best_of(server):
     for bad in ({"n": 2}, {"temperature": 0}, {"reame": {"vote": "nope"}}, {"best_of": 99}):
         status, payload = _http(server, "POST", "/v1/chat/completions", dict(body, **bad))
         assert status == 400, (bad, payload)
-    status, payload = _http(server, "GET", "/metrics")
+    status, payload = _http(server, "GET", "/metrics", key="ops")
     assert b"reame_conclaves_total 2" in payload and b'reame_conclave_candidates_total{state="started"} 6' in payload
 
 
@@ -4113,7 +4113,7 @@ def test_server_slow_clients_are_cut_off(gemma):
 
 
 def test_server_metrics_and_loading(server, gemma):
-    status, payload = _http(server, "GET", "/metrics")
+    status, payload = _http(server, "GET", "/metrics", key="ops")
     text = payload.decode()
     for name in ("reame_requests_total", "reame_time_to_first_token_seconds_bucket",
                  "reame_time_per_output_token_seconds_count", "reame_active_sequences", "reame_queued_requests",
@@ -4134,7 +4134,7 @@ def test_server_metrics_and_loading(server, gemma):
 def test_server_archive_scoped_per_key_and_opt_out(gemma, tmp_path):
     """Each API key drafts only from its own archive; "reame": {"archive": false} stores nothing."""
     eng = reame.Engine(gemma.model, n_ctx=1024, n_slots=2, archive=8 << 20, archive_dir=str(tmp_path))
-    srv = reame.Server(eng, "gemma3-270m", host="127.0.0.1", port=0, api_keys=["k1", "k2"])
+    srv = reame.Server(eng, "gemma3-270m", host="127.0.0.1", port=0, api_keys=["k1", "k2"], metrics_key="ops")
     threading.Thread(target=srv.serve_forever, name="test-archive-server", daemon=True).start()
     try:
         body = {"messages": [{"role": "user", "content": "Name three rivers."}], "temperature": 0, "max_tokens": 16}
@@ -4149,7 +4149,7 @@ def test_server_archive_scoped_per_key_and_opt_out(gemma, tmp_path):
         assert status == 200 and eng.part("archive").archive.n_stored == stored
         status, payload = _http(srv, "POST", "/v1/chat/completions", dict(body, reame={"archive": "no"}))
         assert status == 400 and "archive" in json.loads(payload)["error"]["message"]
-        status, payload = _http(srv, "GET", "/metrics")
+        status, payload = _http(srv, "GET", "/metrics", key="ops")
         assert b"reame_archive_stored_total 2" in payload and b'reame_spec_proposed_tokens_total{source="archive"}' in payload
     finally:
         srv.shutdown()
@@ -5033,23 +5033,38 @@ def test_attack_control_tokens_in_a_message_stay_text(gemma, qwen):
         assert eng.chat_prompt(plain) == eng.model.tokenize(eng.model.apply_chat_template(plain))
 
 
-def test_attack_metrics_name_no_tenant(gemma, tmp_path):
+def test_attack_metrics_are_the_operators_only(gemma, tmp_path):
+    """/metrics shows every key's traffic, so no API key reads it: 403 to a tenant's key,
+    401 to no key, the text only to --metrics-key's bearer (and it names no tenant); with
+    API keys and no metrics key nobody reads it; without keys (one tenant) anyone does."""
     eng = reame.Engine(gemma.model, n_ctx=512, n_slots=2, archive=8 << 20, archive_dir=str(tmp_path))
-    srv = reame.Server(eng, "g", host="127.0.0.1", port=0, api_keys=["k1", "k2"])
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    servers = [reame.Server(eng, "g", host="127.0.0.1", port=0, api_keys=["k1", "k2"], metrics_key=m)
+               for m in ("ops", None)] + [reame.Server(eng, "g", host="127.0.0.1", port=0)]
+    for srv in servers:
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
+        srv, closed, open_ = servers
         for key in ("k1", "k2"):
             assert _http(srv, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2}, key=key)[0] == 200
         eng.part("archive").archive.flush()
-        _, payload = _http(srv, "GET", "/metrics", key="k1")
+        for key, status in (("k1", 403), ("k2", 403), (None, 401), ("opsx", 401)):
+            got, payload = _http(srv, "GET", "/metrics", key=key)
+            assert got == status and "--metrics-key" in json.loads(payload)["error"]["message"], (key, payload)
+        got, payload = _http(srv, "GET", "/metrics", key="ops")
         text = payload.decode()
+        assert got == 200 and "reame_prompt_tokens_total" in text
         scopes = os.listdir(eng.part("archive").archive.dir)
         assert len(scopes) == 2 and not any(sc in text for sc in scopes) and "scope=" not in text
         assert "reame_archive_tokens " in text
+        assert [_http(closed, "GET", "/metrics", key=k)[0] for k in ("k1", "ops", None)] == [403, 401, 401]
+        assert _http(open_, "GET", "/metrics", key=None)[0] == 200
+        with pytest.raises(reame.RequestError, match="metrics key"):
+            reame.Server(eng, "g", host="127.0.0.1", port=0, api_keys=["k1"], metrics_key="k1")
         secret = os.path.join(reame.Config.from_env().home, "secret")
         assert os.stat(secret).st_mode & 0o777 == 0o600
     finally:
-        srv.shutdown()
+        for srv in servers:
+            srv.shutdown()
         eng.close()
 
 
@@ -5106,6 +5121,7 @@ def test_attack_files_under_reame_home(qwen_model, tmp_path, monkeypatch, capsys
 
 
 _SOAK_KEYS = ("soak-key-tenant-a", "soak-key-tenant-b")  # two tenants: sessions are scoped per key
+_SOAK_METRICS_KEY = "soak-key-operator"  # /metrics answers only the operator
 
 
 _SOAK_CTX, _SOAK_PARALLEL, _SOAK_MAX_CONNECTIONS = 1024, 4, 64
@@ -5484,7 +5500,7 @@ def _wait_soak_idle(srv: _ServeProcess, timeout_s: float = _SOAK_DRAIN_S) -> dic
     reading at timeout_s, {} if none could be read, or the server exited)."""
     deadline, m = time.monotonic() + timeout_s, {}
     while time.monotonic() < deadline and srv.alive():
-        m = _metrics(srv.port, _SOAK_KEYS[0]) or m
+        m = _metrics(srv.port, _SOAK_METRICS_KEY) or m
         if m.get("reame_active_sequences") == 0 and m.get("reame_queued_requests") == 0:
             return m
         time.sleep(0.5)
@@ -5538,7 +5554,7 @@ def run_soak(seconds: float, model: str = "gemma3-270m", attacks: Optional[list]
     srv = _ServeProcess(model, os.path.join(log_dir, "reame-serve.log"), env=dict(os.environ, REAME_HOME=home),
                         args=("--parallel", str(_SOAK_PARALLEL), "--ctx", str(_SOAK_CTX), "--max-connections",
                               str(_SOAK_MAX_CONNECTIONS), "--grace", "1", "--no-replay",  # computed, not replayed
-                              *[x for k in _SOAK_KEYS for x in ("--api-key", k)]))
+                              "--metrics-key", _SOAK_METRICS_KEY, *[x for k in _SOAK_KEYS for x in ("--api-key", k)]))
     lg = _SoakLog(srv.alive)
     out = {"config": {"model": model, "cmd": "REAME_HOME=%s %s" % (home, " ".join(srv.args)), "seconds": seconds,
                       "clients": _SOAK_CLIENTS, "attackers": _SOAK_ATTACKERS, "attacks": [a.name for a in chosen],
