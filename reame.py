@@ -58,6 +58,7 @@ import ctypes
 import dataclasses
 import hashlib
 import hmac
+import http.client
 import http.server
 import json
 import logging
@@ -7898,6 +7899,30 @@ class Sessions:
 # Request's events. It never touches the llama context.
 
 _MAX_BODY_BYTES = 8 << 20
+_MAX_HEAD_BYTES = 32 << 10  # a request's headers together (nginx's default is 8 KB x 4)
+
+
+class _HeadReader:
+    """A connection's reader while a request head comes in: its request line as
+    http.server bounds it (64 KB, else 414), then headers of at most _MAX_HEAD_BYTES in
+    all, else 431 (http.server's own LineTooLong path). Without it a head may hold 100
+    header lines of 64 KB each, and a connection that never finishes one pins 6 MB."""
+
+    def __init__(self, rfile):
+        self.rfile, self.left, self.first = rfile, _MAX_HEAD_BYTES, True
+
+    def readline(self, limit: int = -1) -> bytes:
+        if self.first:  # (the request line)
+            self.first = False
+            return self.rfile.readline(limit)
+        if self.left <= 0:
+            raise http.client.LineTooLong("request headers over %d bytes" % _MAX_HEAD_BYTES)
+        line = self.rfile.readline(self.left if limit < 0 else min(limit, self.left))
+        self.left -= len(line)
+        return line
+
+    def __getattr__(self, name):
+        return getattr(self.rfile, name)
 
 
 def _usage(results: Sequence[Result]) -> dict:
@@ -7953,15 +7978,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.server_ref.watch(self.connection, self.server_ref.header_timeout_s)  # idle or slow head
         self._status, self._results, self._t0 = 0, (), time.monotonic()
         self._body_len, self._body_done, self._reserved = 0, True, 0
+        rfile = self.rfile
+        self.rfile = _HeadReader(rfile)  # (the body is read from rfile itself)
         try:
             super().handle_one_request()
         finally:
+            self.rfile = rfile
             self.server_ref.watch(self.connection, None)
             if self._reserved:
                 self.server_ref.release_body(self._reserved)
 
     def parse_request(self):
         ok = super().parse_request()
+        self.rfile = self.rfile.rfile if isinstance(self.rfile, _HeadReader) else self.rfile
         self.server_ref.watch(self.connection, None)  # the head is in
         return ok and self._framed()
 
@@ -8076,7 +8105,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (bad request line, headers too long) as OpenAI JSON, not HTML."""
-        self.close_connection = True
+        self.close_connection, self._body_done = True, False  # (the reply says Connection: close)
+        if code == 431:
+            message = "the request's headers are over %d bytes, or over 100" % _MAX_HEAD_BYTES
         try:
             self._send_error(ReameError(message or explain or "HTTP %d" % code, status=code, code="http_%d" % code))
         except OSError:

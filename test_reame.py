@@ -3351,6 +3351,12 @@ def test_a_session_is_free_when_its_answer_ends(server):
 # but no request goes through it.
 
 
+class _CountingReader(io.BytesIO):
+    def close(self) -> None:
+        self.n_read = self.tell()
+        super().close()
+
+
 class _MemoryConnection:
     """A connection whose bytes are in memory: the handler reads the request through
     makefile() (a BytesIO) and writes its answer through sendall() (http.server's
@@ -3361,7 +3367,8 @@ class _MemoryConnection:
 
     def makefile(self, mode, bufsize=-1):
         assert "r" in mode, mode
-        return io.BytesIO(self.data)
+        self.reader = _CountingReader(self.data)  # (its n_read: how much the handler read)
+        return self.reader
 
     def sendall(self, data) -> None:
         self.sent += data
@@ -3534,6 +3541,25 @@ def test_handler_refuses_what_it_cannot_frame(memory_server):
     # http.server's own refusals are OpenAI JSON too, not its HTML page
     many = _raw_head("GET", "/health", headers=[("X-H%d" % i, "v") for i in range(101)])
     _openai_error(_one(memory_server, many), 431, "http_431")
+
+
+def test_attack_a_request_head_is_bounded(memory_server):
+    """A request's headers are at most 32 KB in all (its line at most 64 KB): one huge
+    header, many 30 KB ones, or one that never ends get 431 after at most that much is
+    read, a longer line 414 (no connection pins megabytes); a head under the bound is served."""
+    big = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (6 << 20)  # (never finished)
+    many = _raw_head("GET", "/health", headers=[("X-H%d" % i, "v" * 30000) for i in range(90)])
+    line = b"GET /health?" + b"q" * (70 << 10) + b" HTTP/1.1\r\n\r\n"
+    for data, status in ((big, 431), (many, 431), (line, 414)):
+        conn = _MemoryConnection(data)
+        memory_server.httpd.RequestHandlerClass(conn, ("127.0.0.1", 40000), memory_server.httpd)
+        resp, = _parse_responses(bytes(conn.sent))
+        assert conn.reader.n_read <= 97 << 10, conn.reader.n_read
+        err = _openai_error(resp, status, "http_%d" % status)
+        assert status == 414 or "32768 bytes" in err["message"]
+        assert resp[1].get("connection") == "close"
+    fits = _raw_head("GET", "/health", headers=[("X-Fill", "v" * 30000)])
+    assert _one(memory_server, fits)[0] == 503  # (loading: it got through the door)
 
 
 def test_handler_answers_a_refused_request_once(memory_server):
