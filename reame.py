@@ -508,7 +508,7 @@ _c_u64, _c_i64 = ctypes.c_uint64, ctypes.c_int64
 _token_p = ctypes.POINTER(ctypes.c_int32)
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
-LLAMA_POOLING_TYPE_MEAN = 1  # enum llama_pooling_type
+LLAMA_POOLING_TYPE_NONE = 0  # enum llama_pooling_type
 
 
 class _llama_model_params(ctypes.Structure):
@@ -665,6 +665,8 @@ _SIGNATURES = [
     ("llama_get_logits_ith", ctypes.POINTER(_c_float), [_P, _c_i32]),
     # float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
     ("llama_get_embeddings_seq", ctypes.POINTER(_c_float), [_P, _c_i32]),
+    # float * llama_get_embeddings(struct llama_context * ctx);
+    ("llama_get_embeddings", ctypes.POINTER(_c_float), [_P]),
     # bool llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
     ("llama_vocab_is_eog", _c_bool, [_P, _c_i32]),
     # llama_token llama_vocab_bos(const struct llama_vocab * vocab);
@@ -1239,8 +1241,8 @@ class Context:
         p.flash_attn_type = flash_attn  # -1 auto (on for CPU): its kernel skips masked cells, so a
         # sequence's attention does not depend on its neighbours in the unified KV
         p.no_perf = True
-        if embeddings:  # pooled per sequence: llama_get_embeddings_seq (section 25)
-            p.embeddings, p.pooling_type = True, LLAMA_POOLING_TYPE_MEAN
+        if embeddings:  # every token's hidden state (llama_get_embeddings), pooled by section 25
+            p.embeddings, p.pooling_type = True, LLAMA_POOLING_TYPE_NONE
         L.take_errors()
         ptr = L.llama_init_from_model(model.ptr, p)
         if not ptr:
@@ -5282,6 +5284,12 @@ class _Warm(NamedTuple):
     req: "Request"
 
 
+class _Embed(NamedTuple):
+    """Compute an embedding request (section 25), a chunk a step beside the decodes."""
+
+    job: "EmbedJob"
+
+
 class _Stop(NamedTuple):
     """Shut the scheduler down: what is queued or running ends with an error."""
 
@@ -5933,6 +5941,7 @@ class EngineCounters:
     n_warm_tok: int = 0            # their prompt tokens computed
     n_fast_verify_steps: int = 0   # decode steps with drafts that took the tiled kernel (spec_verify="fast")
     t_decode_only_py_s: float = 0.0  # Python time of steps with no prefill (build batch, sample, emit)
+    n_embed_tok: int = 0           # embedding input tokens computed (section 25)
 
 
 def _request_failure(e: Exception, where: str) -> ReameError:
@@ -5994,6 +6003,8 @@ class _Scheduler:
                     break
                 if self._active:
                     self._step()
+                if self._embeds:
+                    self._embed_chunk()
                 self.counters.kv_active = sum(s.n_past for s in self._active)
                 self.counters.kv_cached = self.slots.n_cells_cached()
             except Exception as e:  # noqa: BLE001 - a bug must not hang every client
@@ -6003,7 +6014,7 @@ class _Scheduler:
 
     def _admit(self) -> bool:
         """Move new requests in; start as many as there are free slots. False: shut down."""
-        block = not self._active and not self._waiting and not self.warmer.queue
+        block = not self._active and not self._waiting and not self.warmer.queue and not self._embeds
         while True:
             try:
                 item = self._incoming.get(block=block, timeout=self.warmer.idle_s if block else None)
@@ -6019,6 +6030,8 @@ class _Scheduler:
                 self.slots.forget(item.tag)
             elif isinstance(item, _Warm):
                 self.warmer.queue.append(item.req)
+            elif isinstance(item, _Embed):
+                self._embeds.append(item.job)
             else:
                 self._waiting.append(item.group)
         for group in [g for g in self._waiting if all(r.cancelled for r in g)]:
@@ -6043,6 +6056,21 @@ class _Scheduler:
             else:
                 self._drop(req)
         return True
+
+    def _embed_chunk(self) -> None:
+        """One chunk of the first embedding request, after the step's decode and prefill
+        chunk: a stream waits for at most one chunk of it. A request whose client left
+        ends at its next chunk."""
+        job, error = self._embeds[0], None
+        if not job.cancelled:
+            try:
+                self.counters.n_embed_tok += job.embedder.step(job, self.chunk)
+            except Exception as e:  # noqa: BLE001 - this request's failure only
+                error = _request_failure(e, "an embedding request")
+        if job.cancelled or error or job.done:
+            self._embeds.popleft()
+            job.embedder.reset()
+            job._finish(error)
 
     def _live(self, s: _Seq) -> _Resident:
         """An active sequence's KV as a memory-tier entry: its exact prompt prefix so far
@@ -6392,11 +6420,15 @@ class _Scheduler:
                 self._drop(req, error)
         while self.warmer.queue:
             self._drop(self.warmer.queue.popleft(), error)
+        while self._embeds:
+            self._embeds.popleft()._finish(error)
         while True:
             try:
                 item = self._incoming.get_nowait()
             except queue.Empty:
                 break
+            if isinstance(item, _Embed):
+                item.job._finish(error)
             if isinstance(item, (_Admit, _Warm)):
                 for req in item.group if isinstance(item, _Admit) else [item.req]:
                     self._drop(req, error)
@@ -6457,12 +6489,13 @@ class Engine(_Scheduler):
             self.warmer = WarmAhead()
             self.parts.insert(0, self.warmer)
         disk = next((p for p in self.parts if isinstance(p, DiskTier)), None)
-        self._incoming: "queue.Queue" = queue.Queue()  # _Admit, _Warm, _Forget, _Stop (any thread puts)
+        self._incoming: "queue.Queue" = queue.Queue()  # _Admit, _Warm, _Embed, _Forget, _Stop (any thread puts)
         self._ids = iter(range(1, 1 << 62))
         self._ids_lock = threading.Lock()          # guards _ids
         # Scheduler-owned (no lock: only the scheduler thread touches them).
         self.slots = SlotTable(self.ctx, self.model, n_slots, self.chunk, cache_reuse, disk)
         self._waiting: collections.deque = collections.deque()  # groups (lists of Requests)
+        self._embeds: collections.deque = collections.deque()   # EmbedJobs, the first one computing
         self._active: List[_Seq] = []
         for part in self.parts:
             part.attach(self)
@@ -6555,6 +6588,16 @@ class Engine(_Scheduler):
         self._incoming.put(_Warm(req))
         return req
 
+    def embed(self, embedder: "Embedder", inputs: Sequence[Sequence[int]]) -> "EmbedJob":
+        """Queue an embedding request: the scheduler computes it a chunk a step between
+        decode steps (section 25), counted among the waiting requests. Returns its EmbedJob
+        (wait() for the vectors; cancel() stops it at its next chunk)."""
+        if self._closing:
+            raise EngineError("engine is shut down")
+        job = EmbedJob(embedder, inputs)
+        self._incoming.put(_Embed(job))
+        return job
+
     def _warm_request(self, tokens: List[int], tenant: str) -> Request:
         with self._ids_lock:
             rid = "warm-%d" % next(self._ids)
@@ -6603,10 +6646,11 @@ class Engine(_Scheduler):
                "disk_hits": sl.n_disk_hits, "shared_prefixes": sl.n_shared,
                "decode_s": c.t_decode_s, "step_s": c.t_step_s,
                "python_ms_per_decode_step": 1000 * c.t_decode_only_py_s / max(c.n_decode_only_steps, 1),
-               "active": len(self._active), "waiting": len(self._waiting) + self._incoming.qsize(),
+               "active": len(self._active), "waiting": len(self._waiting) + len(self._embeds) + self._incoming.qsize(),
                "kv_cells_active": c.kv_active, "kv_cells_cached": c.kv_cached,
                "kv_cells_total": self.n_ctx * self.n_slots, "spec": self.spec.stats(),
-               "fast_verify_steps": c.n_fast_verify_steps, "warm_prefills": c.n_warm, "warm_tokens": c.n_warm_tok}
+               "fast_verify_steps": c.n_fast_verify_steps, "warm_prefills": c.n_warm, "warm_tokens": c.n_warm_tok,
+               "embedding_tokens": c.n_embed_tok}
         for part in self.parts:
             out.update(part.stats())
         return out
@@ -6631,7 +6675,8 @@ class Engine(_Scheduler):
                    st["twin_tokens"]),
             Metric("prefill_tokens_total", "counter", "prompt tokens computed", st["prefill_tokens"]),
             Metric("cached_prompt_tokens_total", "counter", "prompt tokens reused, not computed", st["cached_tokens"]),
-            Metric("decode_steps_total", "counter", "scheduler steps", st["steps"])]
+            Metric("decode_steps_total", "counter", "scheduler steps", st["steps"]),
+            Metric("embedding_tokens_total", "counter", "embedding input tokens computed", st["embedding_tokens"])]
         rows += [Metric(name, kind, help_text, {src: c[field] for src, c in spec.items()}, "source")
                  for field, name, kind, help_text in _SPEC_METRICS]
         for part in self.parts:
@@ -6674,59 +6719,136 @@ class Engine(_Scheduler):
 EMBED_MAX_INPUTS = 256  # inputs in one request
 
 
-class Embedder:
-    """Embeddings of token lists. Thread-safe: one batch at a time (its lock guards the
-    context); its decodes run on the process's compute thread, as every decode does.
-    Inputs are packed into batches of up to n_ctx tokens and n_seq sequences."""
+class EmbedJob:
+    """One embedding request: its inputs (token lists) and, as they end, their unit
+    vectors. The scheduler feeds it to its Embedder a chunk a step (Engine.embed); its
+    submitter waits. Its state is the scheduler's until it finishes."""
 
-    def __init__(self, model, *, n_ctx: int = 2048, n_seq: int = 16, n_threads: Optional[int] = None):
+    def __init__(self, embedder: "Embedder", inputs: Sequence[Sequence[int]]):
+        for j, toks in enumerate(inputs):
+            if not 1 <= len(toks) <= embedder.n_ctx:
+                raise RequestError("input %d has %d tokens; an embedding takes 1 to %d" % (j, len(toks), embedder.n_ctx),
+                                   code="invalid_value", param="input")
+        self.embedder, self.inputs = embedder, [list(t) for t in inputs]
+        self.vectors: List[List[float]] = []  # of the inputs that ended, in order
+        self.pos = 0                          # tokens of the next input fed so far
+        self.sums: dict = {}                  # input index -> its hidden states' running sum
+        self.cancelled = False                # (any thread sets it)
+        self.error: Optional[ReameError] = None
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return len(self.vectors) == len(self.inputs)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def finished(self, timeout: Optional[float] = None) -> bool:
+        return self._done.wait(timeout)
+
+    def wait(self, timeout: Optional[float] = None) -> List[List[float]]:
+        if not self._done.wait(timeout):
+            raise EngineError("embedding timed out", status=504, code="timeout")
+        if self.error is not None:
+            raise self.error
+        if not self.done:
+            raise EngineError("the embedding request was cancelled", status=499, code="cancelled")
+        return self.vectors
+
+    def _finish(self, error: Optional[ReameError] = None) -> None:
+        self.error = error
+        self._done.set()
+
+
+class Embedder:
+    """Embeddings of token lists, from a llama context of their own (every token's hidden
+    state out, pooled here). step() computes at most one chunk of a request in one
+    llama_decode, so the scheduler can put an embedding between decode steps and its
+    memory is one chunk's outputs whatever the inputs' lengths (a context in embedding
+    mode also writes every token's logits: a whole 2,048-token input at once took 1.2 GB
+    of them on a 152k-token vocabulary). Thread-safe: its lock guards the context."""
+
+    def __init__(self, model, *, n_ctx: int = 2048, n_batch: int = 128, n_seq: int = 16,
+                 n_threads: Optional[int] = None):
         self._own = not isinstance(model, Model)
         self.model = Model(model) if self._own else model
-        self.n_ctx = min(n_ctx, self.model.n_ctx_train or n_ctx)
+        self.n_ctx = min(n_ctx, self.model.n_ctx_train or n_ctx)  # an input's tokens at most
         self.n_embd = lib().llama_model_n_embd(self.model.ptr)
-        self.n_seq = n_seq
-        # one KV buffer for all sequences (kv_unified): a batch packs inputs of any lengths
-        self.ctx = Context(self.model, n_ctx=self.n_ctx, n_seq_max=n_seq, n_batch=self.n_ctx, n_threads=n_threads,
-                           kv_unified=True, embeddings=True)
-        self._batch = Batch(self.n_ctx)
+        # an encoder (BERT: attention both ways, no KV to continue) sees each input whole
+        self.whole = self.model.meta("%s.attention.causal" % self.model.arch) == "false"
+        n_batch = self.n_ctx if self.whole else n_batch
+        self.n_seq, self.n_batch = n_seq, n_batch
+        # one KV buffer for all sequences (kv_unified): a chunk packs short inputs; one
+        # input at most is part-way through (the last of a chunk), so a chunk and it fit
+        self.ctx = Context(self.model, n_ctx=self.n_ctx + n_batch, n_seq_max=n_seq, n_batch=n_batch,
+                           n_threads=n_threads, kv_unified=True, embeddings=True)
+        self._batch = Batch(n_batch)
         self._lock = threading.Lock()
 
     def embed(self, inputs: Sequence[Sequence[int]]) -> List[List[float]]:
-        """One unit vector of n_embd floats per input (a non-empty token list of at most
-        n_ctx tokens: RequestError otherwise)."""
-        for j, toks in enumerate(inputs):
-            if not 1 <= len(toks) <= self.n_ctx:
-                raise RequestError("input %d has %d tokens; an embedding takes 1 to %d" % (j, len(toks), self.n_ctx),
-                                   code="invalid_value", param="input")
-        out: List[List[float]] = []
-        with self._lock:
-            i = 0
-            while i < len(inputs):
-                group, used = [], 0
-                while i < len(inputs) and len(group) < self.n_seq and used + len(inputs[i]) <= self.n_ctx:
-                    group.append(inputs[i])
-                    used += len(inputs[i])
-                    i += 1
-                out += self._pooled(group)
-        return out
-
-    def _pooled(self, group: Sequence[Sequence[int]]) -> List[List[float]]:
-        b = self._batch
-        b.clear()
-        for seq, toks in enumerate(group):
-            for pos, t in enumerate(toks):
-                b.add(t, pos, seq, True)
-        self.ctx.clear()
+        """One unit vector of n_embd floats per input, at once (a caller with no scheduler;
+        a server queues an EmbedJob with Engine.embed instead)."""
+        job = EmbedJob(self, inputs)
         try:
-            self.ctx.decode(b)
-            vecs = [lib().llama_get_embeddings_seq(self.ctx.ptr, seq)[:self.n_embd] for seq in range(len(group))]
+            while not job.done:
+                self.step(job, self.n_batch)
         finally:
+            self.reset()
+        return job.vectors
+
+    def step(self, job: EmbedJob, budget: int) -> int:
+        """Feed job's next tokens, at most budget of them in one llama_decode: the rest of
+        the input it is in, whole inputs after it, the start of the next (input i on
+        sequence i % n_seq). An input that ends becomes its mean hidden state, L2-normalized.
+        Returns the tokens computed."""
+        with self._lock:
+            b = self._batch
+            b.clear()
+            budget = self.n_batch if self.whole else min(budget, self.n_batch)
+            i, pos, rows = len(job.vectors), job.pos, []
+            while i < len(job.inputs) and b.n < budget and len(rows) < self.n_seq:
+                toks = job.inputs[i]
+                if self.whole and b.n + len(toks) > budget:
+                    break  # (the next chunk takes it whole)
+                end = min(len(toks), pos + budget - b.n)
+                first = b.n
+                for p in range(pos, end):
+                    b.add(toks[p], p, i % self.n_seq, True)
+                rows.append((i, first, b.n))
+                if end < len(toks):
+                    pos = end
+                    break
+                i, pos = i + 1, 0
+            try:
+                self.ctx.decode(b)
+            except BaseException:
+                self.ctx.clear()
+                raise
+            states = lib().llama_get_embeddings(self.ctx.ptr)
+            for k, first, last in rows:
+                total = job.sums.get(k) or [0.0] * self.n_embd
+                if _np is not None:
+                    block = _np.ctypeslib.as_array(states, shape=(last, self.n_embd))[first:last]
+                    total = (_np.asarray(total) + block.sum(axis=0, dtype=_np.float64)).tolist()
+                else:
+                    for r in range(first, last):
+                        row = states[r * self.n_embd:(r + 1) * self.n_embd]
+                        total = [x + y for x, y in zip(total, row)]
+                if pos and k == i:  # part-way through: its sum waits for the next chunk
+                    job.sums[k] = total
+                    continue
+                job.sums.pop(k, None)
+                self.ctx.seq_rm(k % self.n_seq)
+                norm = math.sqrt(math.fsum(x * x for x in total)) or 1.0
+                job.vectors.append([x / norm for x in total])  # (the mean's direction: the sum's)
+            job.pos = pos
+            return b.n
+
+    def reset(self) -> None:
+        """Forget a request's KV (it ended, or failed part-way)."""
+        with self._lock:
             self.ctx.clear()
-        out = []
-        for v in vecs:
-            norm = math.sqrt(math.fsum(x * x for x in v)) or 1.0
-            out.append([x / norm for x in v])
-        return out
 
     def close(self) -> None:
         with self._lock:  # (after an embedding in progress)
@@ -8193,7 +8315,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 raise RequestError("input %d has a token id outside the vocabulary" % j, code="invalid_value",
                                    param="input")
             tokens.append(toks)
-        vecs = emb.embed(tokens)
+        srv.admit()  # (under --max-queue like any request)
+        job = srv.engine.embed(emb, tokens)
+        while not job.finished(0.25):
+            if self._client_gone():  # (it stops at its next chunk)
+                job.cancel()
+                srv.count(499)
+                self._status, self.close_connection = 499, True
+                return
+        vecs = job.wait()
         n = sum(len(t) for t in tokens)
         data = [{"object": "embedding", "index": j, "embedding": base64.b64encode(struct.pack(
             "<%df" % len(v), *v)).decode() if as_base64 else v} for j, v in enumerate(vecs)]
@@ -8737,7 +8867,7 @@ class Server:
         with self._embedder_lock:
             if self._embedder is None:
                 model = self.embedding_model or self.engine.model
-                self._embedder = Embedder(model, n_threads=self.engine.ctx.n_threads)
+                self._embedder = Embedder(model, n_batch=self.engine.chunk, n_threads=self.engine.ctx.n_threads)
             return self._embedder
 
     def retry_after(self) -> int:

@@ -2763,6 +2763,91 @@ def test_greedy_same_without_numpy(gemma):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == want
 
 
+# == 25. Embeddings: pooled hidden states ======================================
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def test_attack_an_embedding_holds_one_chunk_of_memory(qwen_model):
+    """A 2,048-token input is computed a chunk at a time: the process grows by the chunk's
+    outputs (tens of MB), not by every token's logits (1.2 GB on qwen's 152k vocabulary);
+    the vector is the same direction as the input packed with others, or in whole."""
+    before = _rss_mb()
+    emb = reame.Embedder(qwen_model, n_ctx=2048, n_batch=128)
+    try:
+        long_input = (qwen_model.tokenize("The harbour master logs every ship. ", add_special=False) * 300)[:2048]
+        v, = emb.embed([long_input])
+        grown = _rss_mb() - before
+        assert grown < 400, "an embedding of 2,048 tokens grew the process by %.0f MB" % grown
+        short, mid = qwen_model.tokenize("A ship.", add_special=False), long_input[:300]
+        packed, (alone,) = emb.embed([short, mid, short]), emb.embed([mid])
+        dot = lambda a, b: sum(x * y for x, y in zip(a, b))  # noqa: E731
+        assert len(packed) == 3 and dot(packed[0], packed[2]) > 0.999
+        assert abs(dot(v, v) - 1) < 1e-6 and dot(alone, packed[1]) > 0.999, dot(alone, packed[1])
+        with pytest.raises(reame.RequestError, match="1 to 2048"):
+            emb.embed([long_input + [1]])
+    finally:
+        emb.close()
+
+
+def test_attack_embeddings_share_the_scheduler(gemma):
+    """An embedding request is the scheduler's work like any other: computed a chunk a step
+    between decode steps (a stream goes on beside two 1,500-token inputs), under
+    --max-queue (429), and stopped when its client leaves (abandoned inputs are not
+    computed to the end, and a small request after them is not held up)."""
+    srv = reame.Server(gemma, "g", host="127.0.0.1", port=0)
+    full = reame.Server(gemma, "g", host="127.0.0.1", port=0, max_queue=0)
+    for s in (srv, full):
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    try:
+        status, payload = _http(full, "POST", "/v1/embeddings", {"input": "x"}, key=None)
+        assert status == 429 and json.loads(payload)["error"]["code"] == "queue_full", payload
+        words = gemma.model.tokenize("lighthouse keeper " * 800, add_special=False)[:1500]
+        arrivals, done = [], {}
+
+        def stream():
+            body = {"prompt": "Count from one to two hundred in words: one, two,", "max_tokens": 300,
+                    "temperature": 0, "stream": True}
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            for line in resp:
+                if line.startswith(b"data: {"):
+                    arrivals.append(time.monotonic())
+            conn.close()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while len(arrivals) < 3:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        status, payload = _http(srv, "POST", "/v1/embeddings", {"input": [words, words[::-1]]}, key=None)
+        t1 = time.monotonic()
+        t.join(120)
+        assert status == 200 and len(json.loads(payload)["data"]) == 2
+        beside = [a for a in arrivals if t0 < a < t1]
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if t0 < b < t1]
+        assert len(beside) >= 8, "the stream got %d tokens during a %.1f s embedding" % (len(beside), t1 - t0)
+        assert max(gaps) < 0.25 * (t1 - t0), (max(gaps), t1 - t0)
+        # abandoned: three 1,000-token requests closed at once; a 3-token one after them
+        before = gemma.stats()["embedding_tokens"]
+        big = _raw_head("POST", "/v1/embeddings", body=json.dumps({"input": [words[:1000]]}).encode())
+        outs = [threading.Thread(target=_disconnect, args=(srv.port, big), kwargs={"hold_s": 0.3}) for _ in range(3)]
+        [o.start() for o in outs]
+        [o.join() for o in outs]
+        status, payload = _http(srv, "POST", "/v1/embeddings", {"input": "a b c"}, key=None)
+        assert status == 200
+        time.sleep(0.5)
+        spent = gemma.stats()["embedding_tokens"] - before
+        assert spent < 1500, "%d tokens computed for three abandoned 1,000-token inputs" % spent
+    finally:
+        srv.shutdown()
+        full.shutdown()
+
+
 # == 26. The Conclave: best-of-N in one batch, voted ===========================
 
 
