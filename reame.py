@@ -1660,6 +1660,7 @@ SAMPLED_TEMPERATURE = 0.7
 
 
 LOGPROBS_MAX = 20  # alternatives per token, as OpenAI
+LOGPROBS_MAX_ENTRIES = 1 << 18  # logprob entries (a token or an alternative) one request may ask for: ~25 MB of JSON
 
 
 @dataclasses.dataclass
@@ -1716,6 +1717,19 @@ class SamplingParams:
             raise RequestError("prompt (%d tokens)%s is over the context (%d tokens per sequence; start with a "
                                "larger --ctx)" % (n_prompt, "" if asked is None else " plus max_tokens (%d)" % asked,
                                                   n_ctx), code="context_length_exceeded")
+
+    def check_logprobs(self, n: int, n_prompt: int, n_ctx: int) -> None:
+        """A 400 when n choices' logprobs could be over LOGPROBS_MAX_ENTRIES entries (every
+        token and its alternatives are kept until the answer ends, streamed or not)."""
+        if self.top_logprobs is None:
+            return
+        limit = self.token_limit(n_prompt, n_ctx)
+        entries = n * limit * (self.top_logprobs + 1)
+        if entries > LOGPROBS_MAX_ENTRIES:
+            raise RequestError("logprobs of %d choice(s) of up to %d tokens with %d alternatives each are up to %d "
+                               "entries, over the %d a request may have: lower max_tokens, n or top_logprobs"
+                               % (n, limit, self.top_logprobs, entries, LOGPROBS_MAX_ENTRIES),
+                               code="invalid_value", param="top_logprobs")
 
     def for_choice(self, i: int) -> "SamplingParams":
         """The parameters of choice i of a request for several: with a seed, seed + i."""
@@ -6548,6 +6562,7 @@ class Engine(_Scheduler):
         params = (params or SamplingParams(**kw)).validate()
         tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         params.check_context(len(tokens), self.n_ctx)
+        params.check_logprobs(n, len(tokens), self.n_ctx)
         bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
         if bad:
             raise RequestError("token id %d is outside the vocabulary (0..%d)" % (bad[0], self.model.n_vocab - 1))
@@ -8351,6 +8366,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 turns = tool_messages(api.tool_format, history, api.tools if api.calls_tools else ())
             tokens = eng.chat_prompt(turns) if api.chat else eng.model.tokenize(text)
             api.params.check_context(len(tokens), eng.n_ctx)  # (before a stream starts; submit checks too)
+            api.params.check_logprobs(api.n, len(tokens), eng.n_ctx)
             kw = dict(spec=api.spec, archive=api.archive, tenant=srv.tenant(owner), replay=api.replay)
             if api.best_of > 1:
                 self._conclave(api, tokens, kw)

@@ -3973,6 +3973,22 @@ def test_server_logprobs_with_openai_client(server):
         assert status == 400 and json.loads(payload)["error"]["param"] in ("logprobs", "top_logprobs"), (bad, payload)
 
 
+def test_attack_logprobs_are_bounded(server):
+    """Every token's logprobs are kept until an answer ends (streamed or not): a request
+    that could ask for more than LOGPROBS_MAX_ENTRIES of them (n=16 x 1,000 tokens x 21)
+    gets a 400 naming the limit and what to lower, before any work; a modest one runs."""
+    for body in ({"prompt": "Hi", "n": 16, "logprobs": 20, "max_tokens": 1000},
+                 {"prompt": "Hi", "n": 16, "logprobs": 20, "stream": True},
+                 {"messages": _HI, "n": 16, "logprobs": True, "top_logprobs": 20, "max_tokens": 1000}):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        status, payload = _http(server, "POST", path, body)
+        err = json.loads(payload)["error"]
+        assert status == 400 and err["param"] == "top_logprobs" and str(reame.LOGPROBS_MAX_ENTRIES) in err["message"]
+    status, payload = _http(server, "POST", "/v1/completions", {"prompt": "Hi", "n": 2, "logprobs": 20,
+                                                                "max_tokens": 4, "temperature": 0})
+    assert status == 200 and len(json.loads(payload)["choices"][1]["logprobs"]["top_logprobs"][0]) == 20
+
+
 def test_server_embeddings_with_openai_client(server, gemma):
     """/v1/embeddings: the served model's pooled hidden states, unit length; two paraphrases
     closer than two unrelated texts; base64 the same floats; token lists; clear 400s."""
