@@ -8062,6 +8062,32 @@ class _HeadReader:
         return getattr(self.rfile, name)
 
 
+_TCP_CLOSE = 7  # Linux's tcpi_state of a connection that was reset (a half-closed one reads 8, CLOSE_WAIT)
+
+
+class _ResponseWriter:
+    """A connection's writer: a response's writes may block at most left seconds in all
+    (Server.write_timeout_s), however they are spread, so a client that reads a byte a
+    minute cannot hold its connection (a single write's timeout alone never fires for it)."""
+
+    def __init__(self, wfile, sock, timeout: float):
+        self.wfile, self.sock, self.timeout, self.left = wfile, sock, timeout, 0.0
+
+    def write(self, data) -> int:
+        if self.left <= 0:
+            raise TimeoutError("the client read the response too slowly")
+        self.sock.settimeout(min(self.left, self.timeout))
+        t0 = time.monotonic()
+        try:
+            return self.wfile.write(data)
+        finally:
+            self.left -= time.monotonic() - t0
+            self.sock.settimeout(self.timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.wfile, name)
+
+
 def _usage(results: Sequence[Result]) -> dict:
     p = results[0].n_prompt_tok
     c = sum(r.n_gen_tok for r in results)
@@ -8111,16 +8137,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     timeout = 60               # seconds per socket read or write
 
     # -- plumbing --
+    def setup(self):
+        super().setup()
+        self.wfile = _ResponseWriter(self.wfile, self.connection, self.timeout)
+
     def handle_one_request(self):
         self.server_ref.watch(self.connection, self.server_ref.header_timeout_s)  # idle or slow head
         self._status, self._results, self._t0 = 0, (), time.monotonic()
         self._body_len, self._body_done, self._reserved = 0, True, 0
+        self._head_sent, self._chunked, self._streaming, self._probed = False, False, False, False
+        if isinstance(self.wfile, _ResponseWriter):
+            self.wfile.left = self.server_ref.write_timeout_s
         rfile = self.rfile
         self.rfile = _HeadReader(rfile)  # (the body is read from rfile itself)
         try:
             super().handle_one_request()
         finally:
             self.rfile = rfile
+            if self._streaming:  # (a stream cut short: its end was never sent)
+                self.close_connection = True
             self.server_ref.watch(self.connection, None)
             if self._reserved:
                 self.server_ref.release_body(self._reserved)
@@ -8154,15 +8189,40 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             self.send_header("Connection", "close")
         self.end_headers()
+        self._head_sent = True
 
     def _client_gone(self) -> bool:
-        """The client has closed its side (its socket reads as end of file)."""
+        """Has the client gone? Its socket reads as end of file when it closed it, and also
+        when it only shut down its sending side (a half-close: it still reads the answer).
+        So at the first end of file this writes something harmless (an interim 100
+        Continue before the response head, which HTTP/1.1 clients skip; an SSE comment in
+        a stream): a closed socket answers it with a reset, which closes ours (its TCP
+        state, seen at the next look). Without TCP_INFO, or for HTTP/1.0 (no interim
+        answers), an end of file is taken as a close."""
         try:
             if not select.select([self.connection], [], [], 0)[0]:
                 return False
-            return self.connection.recv(1, socket.MSG_PEEK) == b""
+            if self.connection.recv(1, socket.MSG_PEEK) != b"":
+                return False  # (a pipelined request: the client is there)
         except (OSError, ValueError):
             return True
+        if self.request_version != "HTTP/1.1" or not hasattr(socket, "TCP_INFO"):
+            return True
+        if self._probed:
+            try:
+                return self.connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _TCP_CLOSE
+            except OSError:
+                return True
+        self._probed = True
+        try:
+            if self._streaming:
+                self._sse_write(b": ping\n\n")
+            elif not self._head_sent:
+                self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.wfile.flush()
+        except OSError:
+            return True
+        return False
 
     def log_request(self, code="-", size="-"):
         self._status = code if isinstance(code, int) else getattr(code, "value", 0)
@@ -8229,16 +8289,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             try:
                 fn()
             except ReameError as e:
-                self._send_error(e)
+                self._fail(e)
             except OSError:
                 raise
             except Exception:  # noqa: BLE001 - never a traceback to the client
                 log.exception("internal error on %s", printable(self.path))
-                self._send_error(ReameError("internal error"))
+                self._fail(ReameError("internal error"))
         except OSError:  # the connection broke (the client left, a timeout), also while we told it why
             self.close_connection = True
         finally:
             self._log_done()
+
+    def _fail(self, err: ReameError) -> None:
+        """The request's error: its answer, or, once a response has begun, the end of the
+        connection (a second answer inside the first would corrupt it)."""
+        if self._head_sent:
+            self.server_ref.count(err.status)
+            self._status, self.close_connection = err.status, True
+            return
+        self._send_error(err)
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (bad request line, headers too long) as OpenAI JSON, not HTML."""
@@ -8474,7 +8543,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if not api.stream:
                 raise
             send(_openai_error(e))
-            self.wfile.write(b"data: [DONE]\n\n")
+            self._sse_done()
             srv.count(e.status)
             self._status = e.status
             return
@@ -8495,8 +8564,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         send(dict(base, choices=[self._choice(chat, 0, winner.text, winner.finish_reason, delta=True)]))
         send(dict(base, choices=[], conclave=info, **({"usage": usage} if api.include_usage else {})))
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+        self._sse_done()
 
     def _wait(self, reqs: List[Request]) -> Optional[List[Result]]:
         """Every choice's Result; None if the client hung up meanwhile (they are cancelled:
@@ -8512,15 +8580,33 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return [r.wait() for r in reqs]
 
     def _sse_start(self) -> None:
+        """The head of a stream: chunked (HTTP/1.1), so the connection outlives it and a
+        pipelined request after it is answered; HTTP/1.0: it ends when the socket closes."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        self._chunked = self.request_version == "HTTP/1.1"
+        if self._chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self._body_done = False  # (says Connection: close)
         self._head_done()
-        self.close_connection = True  # the stream ends when the socket closes
+        self._streaming = True
+
+    def _sse_write(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
+        self.wfile.flush()
 
     def _sse_send(self, obj) -> None:
-        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-        self.wfile.flush()
+        self._sse_write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+    def _sse_done(self) -> None:
+        """data: [DONE], and the stream's end."""
+        self._sse_write(b"data: [DONE]\n\n")
+        if self._chunked:
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        self._streaming = False
 
     def _stream(self, reqs: List[Request], api: ApiRequest, rid: str, submit, before_done=None) -> List[Result]:
         """SSE in OpenAI's chunk format for all n choices, the first wave ``reqs`` and the
@@ -8565,8 +8651,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._results = results
             if before_done is not None:
                 before_done(results if failed is None else [])
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
+            self._sse_done()
         except OSError:  # BrokenPipe, ConnectionReset, timeouts: the client left
             for r in reqs:
                 r.cancel()  # free the slots at the next step
@@ -8586,8 +8671,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             try:
                 kind, payload, i = events.get(timeout=10)
             except queue.Empty:  # a long prefill or a queue: keep proxies from timing out
-                self.wfile.write(b": ping\n\n")
-                self.wfile.flush()
+                self._sse_write(b": ping\n\n")
                 continue
             i += start
             if kind == "text":
@@ -8673,25 +8757,34 @@ def parse_metrics(text: str) -> dict:
 
 
 class _HTTPServer(http.server.ThreadingHTTPServer):
-    """A thread per connection, at most max_connections at once: one more gets a 503
-    with Retry-After and is closed, without a thread of its own."""
+    """A thread per connection, at most max_connections at once and max_per_client from
+    one address: one more gets a 503 with Retry-After and is closed, without a thread of
+    its own (so one client's flood cannot take the connections a load balancer's /health
+    probe needs). The listen backlog is long: a burst waits to be answered, not reset."""
 
     daemon_threads = True
+    request_queue_size = 1024  # (socketserver's 5 reset a burst of 80 streams; Linux caps it at somaxconn)
     max_connections = 256
+    max_per_client = 64
 
     def __init__(self, *a, **kw):
         self._n_open = 0
-        self._open_lock = threading.Lock()  # guards _n_open
+        self._per_client: collections.Counter = collections.Counter()  # address -> open connections
+        self._open_lock = threading.Lock()  # guards _n_open, _per_client
         super().__init__(*a, **kw)
 
     def process_request(self, request, client_address):
+        who = client_address[0] if client_address else ""
         with self._open_lock:
             full = self._n_open >= self.max_connections
-            if not full:
+            mine = self._per_client[who] >= self.max_per_client
+            if not full and not mine:
                 self._n_open += 1
-        if full:
+                self._per_client[who] += 1
+        if full or mine:
             body = json.dumps(_openai_error(ReameError(
-                "too many connections (%d); retry later" % self.max_connections, status=503,
+                "too many connections (%d); retry later" % self.max_connections if full else
+                "too many connections from one client (%d); retry later" % self.max_per_client, status=503,
                 code="too_many_connections"))).encode()
             try:
                 request.settimeout(1.0)
@@ -8705,14 +8798,14 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._closed()
+            self._closed(who)
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._closed()
+            self._closed(client_address[0] if client_address else "")
 
     def handle_error(self, request, client_address):
         """A client that resets its connection (before or between requests) is no error of
@@ -8722,9 +8815,12 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
             return
         log.exception("error on a connection from %s", client_address[0] if client_address else "?")
 
-    def _closed(self) -> None:
+    def _closed(self, who: str) -> None:
         with self._open_lock:
             self._n_open -= 1
+            self._per_client[who] -= 1
+            if self._per_client[who] <= 0:
+                del self._per_client[who]
 
 
 class Server:
@@ -8737,7 +8833,8 @@ class Server:
     def __init__(self, engine: Optional[Engine], model_name: str, *, host: str = "127.0.0.1", port: int = 8080,
                  api_keys: Sequence[str] = (), max_tokens_cap: Optional[int] = None, max_queue: int = 64,
                  max_sessions: int = 256, session_idle_s: float = 3600.0, session_dir: Optional[str] = None,
-                 header_timeout_s: float = 30.0, body_timeout_s: float = 60.0, max_connections: int = 256,
+                 header_timeout_s: float = 30.0, body_timeout_s: float = 60.0, write_timeout_s: float = 60.0,
+                 max_connections: int = 256, max_client_connections: int = 64,
                  max_body_in_flight: int = 16 << 20, shared_cache: bool = False, secret: Optional[bytes] = None,
                  embedding_model: Optional[str] = None, records: Optional[RecordStore] = None,
                  metrics_key: Optional[str] = None):
@@ -8766,6 +8863,8 @@ class Server:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.httpd = type("_BoundHTTPServer", (_HTTPServer,), {"address_family": family})((host, port), handler)
         self.httpd.max_connections = max_connections
+        self.httpd.max_per_client = max_client_connections
+        self.write_timeout_s = write_timeout_s  # a response's writes may block this long in all
         self.port = self.httpd.server_address[1]
         # Counters for /metrics, guarded by _lock (many handler threads).
         self._lock = threading.Lock()
@@ -9072,6 +9171,11 @@ def _build_parser() -> argparse.ArgumentParser:
                     "(default 3600)")
     sv.add_argument("--max-connections", type=int, default=256, help="open connections at most; one more gets "
                     "503 with Retry-After (default 256)")
+    sv.add_argument("--max-client-connections", type=int, default=64, help="open connections from one client "
+                    "address at most (default 64), so one client cannot take them all; behind a proxy, make it at "
+                    "least the proxy's own limit")
+    sv.add_argument("--write-timeout", type=float, default=60.0, help="seconds a response may wait, in all, for "
+                    "a client that reads slower than it is written before it is cut off (default 60)")
     sv.add_argument("--embedding-model", default=None, metavar="MODEL", help="the model for /v1/embeddings (an "
                     "alias, path or hf:// ref; loaded at its first request). Default: the served model's own "
                     "hidden states, mean-pooled")
@@ -9234,8 +9338,10 @@ def _cmd_serve(args) -> int:
     if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("!!! serving on %s WITHOUT an API key: anyone who can reach this port can use it. "
                     "Pass --api-key or set REAME_API_KEY.", args.host)
-    if args.parallel < 1 or args.ctx < 16 or args.max_queue < 0 or args.max_connections < 1:
-        raise RequestError("--parallel must be >= 1, --ctx >= 16, --max-queue >= 0, --max-connections >= 1")
+    if (args.parallel < 1 or args.ctx < 16 or args.max_queue < 0 or args.max_connections < 1
+            or args.max_client_connections < 1 or args.write_timeout <= 0):
+        raise RequestError("--parallel must be >= 1, --ctx >= 16, --max-queue >= 0, --max-connections and "
+                           "--max-client-connections >= 1, --write-timeout > 0")
     _ensure_library()
     path = resolve_model(args.model)
     name = _spec_for(args.model).alias if _spec_for(args.model) else os.path.basename(path)
@@ -9246,6 +9352,7 @@ def _cmd_serve(args) -> int:
                     max_queue=args.max_queue, max_sessions=args.sessions, session_idle_s=args.session_idle,
                     session_dir=None if args.no_disk_cache else Config.from_env().sessions_dir,
                     max_connections=args.max_connections, shared_cache=args.shared_cache,
+                    max_client_connections=args.max_client_connections, write_timeout_s=args.write_timeout,
                     embedding_model=embedding, records=records,
                     metrics_key=args.metrics_key or Config.from_env().metrics_key or None)
 

@@ -171,6 +171,20 @@ def _read_raw_response(sock, deadline: float, linger_s: float = 0.0) -> dict:
         out["headers"][name.strip().lower()] = value.strip()
     n = out["headers"].get("content-length")
     closed = False
+    if out["headers"].get("transfer-encoding") == "chunked":  # (a stream: its chunks, until the last)
+        body, extra = _dechunk(rest)
+        try:
+            while body is None:
+                got = _recv(sock, deadline)
+                if not got:
+                    out["truncated"] = True
+                    break
+                rest += got
+                body, extra = _dechunk(rest)
+        except (socket.timeout, OSError):
+            out["truncated"] = True
+        out["body"], out["extra"] = (body if body is not None else rest), extra or b""
+        return out
     try:
         while (n is None or len(rest) < int(n)) and not closed:
             got = _recv(sock, deadline)
@@ -191,6 +205,23 @@ def _read_raw_response(sock, deadline: float, linger_s: float = 0.0) -> dict:
         pass
     out["extra"] = extra
     return out
+
+
+def _dechunk(data: bytes) -> tuple:
+    """(the body, what follows it) of a chunked body, or (None, None) while incomplete."""
+    body, i = b"", 0
+    while True:
+        j = data.find(b"\r\n", i)
+        if j < 0:
+            return None, None
+        size = int(data[i:j].split(b";")[0] or b"0", 16)
+        if size == 0:
+            end = data.find(b"\r\n", j + 2)  # (no trailers: an empty line)
+            return (body, data[end + 2:]) if end >= 0 else (None, None)
+        if len(data) < j + 2 + size + 2:
+            return None, None
+        body += data[j + 2:j + 2 + size]
+        i = j + 2 + size + 2
 
 
 def _raw_exchange(port: int, data: bytes, timeout_s: float = 30.0, linger_s: float = 0.0) -> dict:
@@ -4236,6 +4267,91 @@ def test_server_slow_clients_are_cut_off(gemma):
             assert time.monotonic() - t0 < 10
         assert not srv._reading
     finally:
+        srv.shutdown()
+
+
+def test_attack_slow_readers_and_bursts_get_http_answers(gemma):
+    """Connections: 80 streams at once all get an HTTP answer (the listen backlog holds a
+    burst; over capacity is a 429/503, never a reset); a client that reads a large answer
+    a little at a time is cut off after --write-timeout of blocked writes in all, though
+    each write makes progress; a request pipelined after a stream is answered on the same
+    connection; a client that half-closes after its request gets its answer."""
+    srv = reame.Server(gemma, "g", host="127.0.0.1", port=0, write_timeout_s=2.0, max_queue=8)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        stream = _raw_head("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "Hi", "max_tokens": 2, "temperature": 0, "stream": True}).encode())
+        got = [None] * 80
+        go = threading.Barrier(80)
+
+        def one(i):
+            go.wait()
+            got[i] = _raw_exchange(srv.port, stream, timeout_s=120)["status"]
+        burst = [threading.Thread(target=one, args=(i,)) for i in range(80)]
+        [t.start() for t in burst]
+        [t.join() for t in burst]
+        assert set(got) <= {200, 429, 503} and got.count(200) >= 8, collections.Counter(got)
+        # a slow reader of a ~3.6 MB answer: a little every 0.2 s (each write makes progress);
+        # the server gives up its connection after ~2 s of blocked writes in all
+        big = _raw_head("POST", "/v1/embeddings", body=json.dumps({"input": ["x"] * 256}).encode())
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", srv.port))
+        sock.sendall(big)
+        t0, n, freed = time.monotonic(), 0, None
+        while time.monotonic() - t0 < 60 and freed is None:
+            time.sleep(0.2)
+            n += len(sock.recv(2048))
+            if srv.httpd._n_open == 0:
+                freed = time.monotonic() - t0
+        sock.close()
+        assert freed is not None and freed < 30 and n < 1 << 20, (freed, n)
+        # pipelined after a stream, and a half-close
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+        sock.sendall(stream + _raw_head("GET", "/health"))
+        first = _read_raw_response(sock, time.monotonic() + 60)
+        assert first["status"] == 200 and first["body"].endswith(b"data: [DONE]\n\n"), first
+        rest = first["extra"]
+        while b'"ok"' not in rest:
+            chunk = sock.recv(4096)
+            assert chunk, rest
+            rest += chunk
+        assert rest.startswith(b"HTTP/1.1 200 "), rest[:100]
+        sock.close()
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=60)
+        sock.sendall(_raw_head("POST", "/v1/completions", body=json.dumps(
+            {"prompt": "Hi", "max_tokens": 8, "temperature": 0}).encode()))
+        sock.shutdown(socket.SHUT_WR)
+        half = _read_raw_response(sock, time.monotonic() + 60)
+        sock.close()
+        assert half["status"] == 200 and json.loads(half["body"])["choices"][0]["text"], half
+    finally:
+        srv.shutdown()
+
+
+def test_attack_one_client_cannot_take_every_connection(gemma):
+    """--max-client-connections: a client that opens more than its share gets 503 with
+    Retry-After; another address (a load balancer's /health probe) still gets in."""
+    srv = reame.Server(gemma, "g", host="0.0.0.0", port=0, max_connections=16, max_client_connections=4)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    held = []
+    try:
+        for _ in range(4):
+            held.append(socket.create_connection(("127.0.0.1", srv.port), timeout=30))
+        time.sleep(0.3)
+        over = _raw_exchange(srv.port, _raw_head("GET", "/health"))
+        assert over["status"] == 503 and over["headers"].get("retry-after"), over
+        assert json.loads(over["body"])["error"]["code"] == "too_many_connections"
+        other = socket.create_connection(("127.0.0.1", srv.port), timeout=30, source_address=("127.0.0.2", 0))
+        other.sendall(_raw_head("GET", "/health"))
+        assert _read_raw_response(other, time.monotonic() + 30)["status"] == 200
+        other.close()
+        held.pop().close()
+        time.sleep(0.3)
+        assert _raw_exchange(srv.port, _raw_head("GET", "/health"))["status"] == 200
+    finally:
+        for h in held:
+            h.close()
         srv.shutdown()
 
 
