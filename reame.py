@@ -2499,11 +2499,15 @@ class Shelf:
             return None
         return self.check(path, data)
 
-    def check(self, path: str, data: bytes) -> Optional[memoryview]:
-        """The payload of path's bytes (read by the caller), or None: bad, then deleted."""
+    def check(self, path: str, data: bytes, keep: bool = False) -> Optional[memoryview]:
+        """The payload of path's bytes (read by the caller), or None: bad, then deleted
+        (keep: a ValueError instead, the file left as it is: a record that cannot be
+        recomputed, such as a conversation)."""
         try:
             payload = unframe_record(data, self.magic, self.store.key)
         except ValueError as e:
+            if keep:
+                raise
             self.reject(path, str(e))
             return None
         _touch(path)
@@ -5150,6 +5154,7 @@ class Result:
     index: int = 0              # the choice's index in an n-choice group
     logprobs: Optional[list] = None  # with params.top_logprobs: each token's logprob_entry
     replayed: bool = False      # answered whole from a replay record (section 12), nothing computed
+    message: Optional[dict] = None  # a chat answer with tool calls, as the client got it (section 29)
 
 
 class Request:
@@ -7888,9 +7893,11 @@ class _Session:
 
     def add_turn(self, history: List[dict], text: str, answer: Result) -> None:
         """A finished answer: the conversation goes on from it (``history`` for chat,
-        ``text`` for completions: what was sent, with the session's earlier turns)."""
+        ``text`` for completions: what was sent, with the session's earlier turns). A
+        chat answer is kept as the client got it: with its tool calls (their ids too)."""
         if self.chat:
-            self.messages = history + [{"role": "assistant", "content": answer.text}]
+            said = answer.message or {"role": "assistant", "content": answer.text}
+            self.messages = history + _messages_from_body({"messages": [said]}, tools_ok=True)  # (as it reloads)
         else:
             self.text = text + answer.text
         self.n_tokens = answer.n_prompt_tok + answer.n_gen_tok
@@ -7957,7 +7964,14 @@ class Sessions:
     def delete(self, sid, owner: str) -> None:
         sid = _session_id(sid)
         with self._lock:
-            self._drop(self._found(sid, owner))
+            try:
+                s = self._found(sid, owner)
+            except RequestError as e:
+                if e.code != "session_unreadable":
+                    raise
+                s = _Session(sid, owner, True)  # (its file goes, as the error said it would)
+                self._by_key[(owner, sid)] = s
+            self._drop(s)
 
     def _found(self, sid: str, owner: str) -> _Session:
         s = self._find(sid, owner)
@@ -7984,24 +7998,34 @@ class Sessions:
             log.warning("cannot save session %s: it lives in memory only", s.id)
 
     def _load(self, sid: str, owner: str) -> Optional[_Session]:
+        """A session an earlier run saved; None if there is none (or it expired). One that
+        is there but cannot be read is an error, and its file stays: a conversation is
+        never silently replaced by a new one under its id."""
         path = self._file(sid, owner)
         try:
             if time.time() - os.lstat(path).st_mtime > self.idle_s:
                 os.remove(path)
                 self._gone[(owner, sid)] = True
                 return None
+        except FileNotFoundError:
+            return None
+        except OSError:
+            pass  # (read below, and reported)
+        try:
             payload = _read_private(path, _SESSION_MAX_BYTES)
             if payload[:1] != b"{":  # (plain JSON: a session saved before the record format, read once)
-                payload = self._shelf.check(path, payload)
-            if payload is None:
-                return None
+                payload = self._shelf.check(path, payload, keep=True)
             d = json.loads(bytes(payload).decode("utf-8"))
             s = _Session(sid, owner, bool(d["chat"]))
-            s.messages = _messages_from_body(d) if s.chat else []
+            s.messages = _messages_from_body(d, tools_ok=True) if s.chat else []
             s.text, s.n_tokens, s.created = str(d["text"]), int(d["tokens"]), float(d["created"])
             return s
-        except (OSError, ValueError, KeyError, TypeError, RecursionError, ReameError):
-            return None
+        except (OSError, ValueError, KeyError, TypeError, RecursionError, ReameError) as e:
+            why = e.message if isinstance(e, ReameError) else str(e) or type(e).__name__
+            log.warning("session %s cannot be read: %s", printable(sid), printable(why, 200))
+            raise RequestError("session %s is saved but cannot be read (%s); it is kept as it is: DELETE "
+                               "/v1/sessions/%s starts it over" % (sid, why[:200], sid), status=409,
+                               code="session_unreadable")
 
     def _drop(self, s: _Session) -> None:
         del self._by_key[(s.owner, s.id)]
@@ -8437,9 +8461,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             api.params.check_context(len(tokens), eng.n_ctx)  # (before a stream starts; submit checks too)
             api.params.check_logprobs(api.n, len(tokens), eng.n_ctx)
             kw = dict(spec=api.spec, archive=api.archive, tenant=srv.tenant(owner), replay=api.replay)
-            if api.best_of > 1:
-                self._conclave(api, tokens, kw)
-                return
 
             def submit(start: int, k: int) -> List[Request]:  # choices start..start+k-1 (a wave)
                 return eng.submit_n(tokens, api.params.for_choice(start), k,
@@ -8454,7 +8475,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                         session.add_turn(history, text, results[0])
                     srv.sessions.end(session)
                     session = None
-            self._answer(api, submit, done)
+
+            if api.best_of > 1:  # (never with a session: section 27 refuses it)
+                self._conclave(api, tokens, kw)
+            else:
+                self._answer(api, submit, done)
         finally:
             if session is not None:
                 srv.sessions.end(session)
@@ -8506,12 +8531,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             reqs = submit(len(results), min(api.n - len(results), per))
         self._results = results
         self.server_ref.count(200, results)
-        done(results)
         choices = []
         for r in results:
             text, calls = parse_tool_calls(api.tool_format, r.text) if api.calls_tools else (r.text, [])
             choices.append(self._choice(api.chat, r.index, text, "tool_calls" if calls else r.finish_reason,
                                         logprobs=logprobs_json(api.chat, r.logprobs), tool_calls=calls or None))
+            r.message = choices[-1]["message"] if calls else None
+        done(results)
         extra = {"reame": {"replayed": True}} if all(r.replayed for r in results) else {}
         self._send_json(200, dict(self._envelope(api, rid, False), choices=choices, usage=_usage(results), **extra))
 
@@ -8682,7 +8708,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 lp_pending.setdefault(i, []).extend(payload)
             elif kind == "done":
                 payload.index = i
-                calls = parse_tool_calls(held[i].fmt, payload.text)[1] if held else []
+                content, calls = parse_tool_calls(held[i].fmt, payload.text) if held else (None, [])
+                payload.message = {"role": "assistant", "content": content, "tool_calls": calls} if calls else None
                 if held and not calls and held[i].rest:
                     send(i, held[i].rest)  # it looked like a call, and was not
                 for j, c in enumerate(calls):

@@ -3426,6 +3426,66 @@ def test_server_sessions_survive_a_restart(gemma, tmp_path):
         b.shutdown()
 
 
+def test_attack_every_session_shape_survives_a_restart(qwen, tmp_path):
+    """A session whose last turn is an assistant's tool calls (their ids too), one with a
+    tool result after it: each reads back the same after a clean restart and goes on (n=2
+    and best_of are refused with a session: one answer goes on). A saved session that cannot be read is a 409
+    (never silently replaced by a new one under its id; its file stays) until DELETE."""
+    store = str(tmp_path / "sessions")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+    def start():
+        srv = reame.Server(qwen, "q", host="127.0.0.1", port=0, session_dir=store)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return srv
+
+    def ask(srv, sid, content, **kw):
+        msgs = [{"role": "user", "content": content}] if isinstance(content, str) else content
+        status, payload = _http(srv, "POST", "/v1/chat/completions", dict(
+            {"messages": msgs, "max_tokens": 12, "temperature": 0, "session_id": sid}, **kw), key=None)
+        assert status == 200, payload
+        return json.loads(payload)
+
+    a = start()
+    try:
+        call = ask(a, "tool", "Weather in Paris?", tools=tools, tool_choice="required", max_tokens=48)
+        call = call["choices"][0]["message"]["tool_calls"][0]
+        ask(a, "result", "Weather in Oslo?", tools=tools, tool_choice="required", max_tokens=48)
+        oslo = json.loads(_http(a, "GET", "/v1/sessions/result", key=None)[1])["messages"][1]["tool_calls"][0]
+        ask(a, "result", [{"role": "tool", "tool_call_id": oslo["id"], "content": "-3 C, snow"}], tools=tools)
+        status, payload = _http(a, "POST", "/v1/chat/completions", {"messages": _HI, "n": 2, "session_id": "n2"},
+                                key=None)
+        assert status == 400 and "'n' must be 1" in json.loads(payload)["error"]["message"]  # (one answer goes on)
+        status, payload = _http(a, "POST", "/v1/chat/completions", {"messages": _HI, "best_of": 3,
+                                                                    "session_id": "best"}, key=None)
+        assert status == 400 and "a session" in json.loads(payload)["error"]["message"]  # (nor best_of)
+        ask(a, "bad", "Hello.")
+        before = {sid: json.loads(_http(a, "GET", "/v1/sessions/" + sid, key=None)[1])["messages"]
+                  for sid in ("tool", "result")}
+    finally:
+        a.shutdown()
+    assert before["tool"][-1]["tool_calls"] == [call] and len(before["result"]) == 4
+    assert before["result"][2] == {"role": "tool", "tool_call_id": oslo["id"], "content": "-3 C, snow"}
+    bad = next(pathlib.Path(store).rglob("bad.json"))
+    bad.write_bytes(bad.read_bytes()[:-7] + b"garbage")
+    kept = bad.read_bytes()
+    b = start()
+    try:
+        for sid, msgs in before.items():
+            assert json.loads(_http(b, "GET", "/v1/sessions/" + sid, key=None)[1])["messages"] == msgs, sid
+        ask(b, "tool", [{"role": "tool", "tool_call_id": call["id"], "content": "22 C, sunny"}], tools=tools)
+        for method, body in (("GET", None), ("POST", None)):
+            status, payload = (_http(b, "GET", "/v1/sessions/bad", key=None) if method == "GET" else
+                               _http(b, "POST", "/v1/chat/completions", {"messages": _HI, "session_id": "bad",
+                                                                        "max_tokens": 2}, key=None))
+            assert status == 409 and json.loads(payload)["error"]["code"] == "session_unreadable", payload
+        assert bad.read_bytes() == kept
+        assert _http(b, "DELETE", "/v1/sessions/bad", key=None)[0] == 200 and not bad.exists()
+    finally:
+        b.shutdown()
+
+
 def test_server_reads_a_session_saved_before_the_record_format(gemma, tmp_path):
     """A session file an older Reame wrote (plain JSON, no record header) is read, not
     deleted: an acknowledged conversation survives the upgrade, and is saved anew."""
