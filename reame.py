@@ -2601,6 +2601,7 @@ _KV_MAGIC = b"REAMEKV\x00"
 _HEADS_MAGIC = b"REAMEHD\x00"
 _KV_MAX_HEADER = 32 << 20  # a snapshot header's bytes (its token list: ~8 bytes a token)
 _HEADS_MAX = 64                 # prompt heads a HeadHistory counts
+_HEADS_HALF_LIFE_S = 86400.0    # a head's count halves in a day without it
 _HEADS_MAX_FILE = 16 << 20      # its file's bytes at most
 
 
@@ -2762,13 +2763,16 @@ class HeadHistory:
     """The prompt heads (a chat's part up to the end of its system message) requests
     came with, counted, per tenant scope: what the engine prefills ahead when it is idle
     (Engine warm-ahead). Kept in <kv dir>/heads.json (0600), so a restarted server knows
-    what its users ask with; at most _HEADS_MAX heads, the least used dropped. Any thread
-    calls ``seen``; the lock guards ``_heads``."""
+    what its users ask with. Counts decay (halved in _HEADS_HALF_LIFE_S), and tenants
+    share fairly: at most _HEADS_MAX heads, a new one pushes out the weakest head of
+    the tenant holding the most, and top() takes each tenant's best before anyone's
+    second, so one key sending many prompts cannot push out another's hot ones. Any
+    thread calls ``seen``; the lock guards ``_heads``."""
 
     def __init__(self, path: str, n_vocab: int, shelf: Optional[Shelf] = None):
         self.path, self.n_vocab, self.shelf = path, n_vocab, shelf
         self._lock = threading.Lock()
-        self._heads: dict = {}   # (scope, tokens tuple) -> [count, last seen (time.time())]
+        self._heads: dict = {}   # (scope, tokens tuple) -> [count (decayed to last), last seen (time.time())]
         self._dirty = False
         self._t_saved = 0.0
         if path:
@@ -2781,26 +2785,40 @@ class HeadHistory:
             for scope, tokens, count, last in rows[:_HEADS_MAX]:
                 if (isinstance(scope, str) and isinstance(tokens, list) and len(tokens) > 1
                         and all(type(t) is int and 0 <= t < self.n_vocab for t in tokens)
-                        and type(count) is int and isinstance(last, (int, float))):
-                    self._heads[(scope, tuple(tokens))] = [count, float(last)]
+                        and type(count) in (int, float) and count >= 0 and type(last) in (int, float)):
+                    self._heads[(scope, tuple(tokens))] = [float(count), float(last)]
         except (OSError, ValueError, TypeError, RecursionError) as e:
             log.warning("ignoring %s (%s): warm-ahead starts with no history", self.path, e)
 
-    def seen(self, scope: str, tokens: Sequence[int]) -> None:
-        key = (scope, tuple(tokens))
+    @staticmethod
+    def _score(entry: list, now: float) -> float:
+        return entry[0] * 0.5 ** (max(now - entry[1], 0.0) / _HEADS_HALF_LIFE_S)
+
+    def seen(self, scope: str, tokens: Sequence[int], now: Optional[float] = None) -> None:
+        key, now = (scope, tuple(tokens)), time.time() if now is None else now
         with self._lock:
-            entry = self._heads.setdefault(key, [0, 0.0])
-            entry[0] += 1
-            entry[1] = time.time()
+            entry = self._heads.setdefault(key, [0.0, now])
+            entry[0], entry[1] = self._score(entry, now) + 1, now
             if len(self._heads) > _HEADS_MAX:
-                del self._heads[min(self._heads, key=lambda k: tuple(self._heads[k]))]
+                held = collections.Counter(s for s, _ in self._heads)
+                most = max(held.values())
+                del self._heads[min((k for k in self._heads if held[k[0]] == most and k != key),
+                                    key=lambda k: self._score(self._heads[k], now))]
             self._dirty = True
 
-    def top(self, n: int, min_count: int = 2) -> List[tuple]:
-        """The n heads seen most often (at least min_count times): (scope, tokens)."""
+    def top(self, n: int, min_count: float = 1.5, now: Optional[float] = None) -> List[tuple]:
+        """At most n heads, each tenant's best first, then each one's second, ...; each
+        seen at least min_count times (decayed): [(scope, tokens)]."""
+        now = time.time() if now is None else now
         with self._lock:
-            ranked = sorted(self._heads.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))
-        return [(scope, list(tokens)) for (scope, tokens), (count, _) in ranked[:n] if count >= min_count]
+            scored = [(self._score(e, now), scope, tokens) for (scope, tokens), e in self._heads.items()]
+        by_scope: dict = {}
+        for score, scope, tokens in sorted(scored, key=lambda x: -x[0]):
+            if score >= min_count:
+                by_scope.setdefault(scope, []).append((score, tokens))
+        ranked = sorted(((rank, -score, scope, tokens) for scope, heads in by_scope.items()
+                         for rank, (score, tokens) in enumerate(heads)), key=lambda x: x[:2])
+        return [(scope, list(tokens)) for _, _, scope, tokens in ranked[:n]]
 
     def save(self, force: bool = False) -> None:
         """Write the history if it changed (at most every 30 s unless forced)."""

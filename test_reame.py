@@ -1062,6 +1062,34 @@ def test_parse_size():
         reame.parse_size("lots")
 
 
+def test_attack_warm_ahead_history_is_shared_fairly_and_decays():
+    """One key sending 64 system prompts twice does not push out another key's prompt sent
+    five times (a new head evicts the weakest of the tenant holding the most); top() takes
+    each tenant's best before anyone's second; an old count decays below a recent one."""
+    h = reame.HeadHistory("", 1000)
+    now = 1e9
+    for _ in range(5):
+        h.seen("key1", [1, 2, 3], now=now)
+    for rep in range(2):
+        for i in range(64):
+            h.seen("key2", [10 + i, 7], now=now + 1 + rep)
+    assert h.top(64, now=now + 3) == [("key1", [1, 2, 3])]  # (key2's 65 heads pushed out each other)
+    fair = reame.HeadHistory("", 1000)
+    for _ in range(4):
+        for i in range(3):
+            fair.seen("key2", [20 + i, 7], now=now)
+    for _ in range(3):
+        fair.seen("key1", [1, 2, 3], now=now)
+        fair.seen("key1", [4, 5], now=now)
+    assert [s for s, _ in fair.top(3, now=now)] == ["key2", "key1", "key2"]  # each one's best, then seconds
+    old = reame.HeadHistory("", 1000)
+    for _ in range(10):
+        old.seen("k", [1, 1], now=now)
+    for _ in range(3):
+        old.seen("k", [2, 2], now=now + 30 * 86400)
+    assert old.top(1, now=now + 30 * 86400) == [("k", [2, 2])]
+
+
 # == 12. Replay: finished answers, answered again ==============================
 
 
