@@ -150,17 +150,21 @@ def _read_raw_response(sock, deadline: float, linger_s: float = 0.0) -> dict:
     "extra": bytes that came after it within linger_s on a connection left open}."""
     out = {"status": "dropped", "headers": {}, "body": b"", "extra": b""}
     buf = b""
-    try:
-        while b"\r\n\r\n" not in buf:
-            got = _recv(sock, deadline)
-            if not got:
-                return out
-            buf += got
-    except socket.timeout:
-        return dict(out, status="timeout")
-    except OSError:
-        return out
-    head, _, rest = buf.partition(b"\r\n\r\n")
+    while True:  # (an interim 1xx answer is skipped, as HTTP/1.1 clients do)
+        try:
+            while b"\r\n\r\n" not in buf:
+                got = _recv(sock, deadline)
+                if not got:
+                    return out
+                buf += got
+        except socket.timeout:
+            return dict(out, status="timeout")
+        except OSError:
+            return out
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        if not re.match(rb"HTTP/1\.1 1\d\d ", head):
+            break
+        buf = rest
     lines = head.decode("latin-1").split("\r\n")
     m = re.match(r"HTTP/1\.[01] (\d{3})", lines[0])
     if not m:
@@ -184,6 +188,15 @@ def _read_raw_response(sock, deadline: float, linger_s: float = 0.0) -> dict:
         except (socket.timeout, OSError):
             out["truncated"] = True
         out["body"], out["extra"] = (body if body is not None else rest), extra or b""
+        end = time.monotonic() + linger_s
+        try:
+            while linger_s and body is not None and time.monotonic() < end:
+                got = _recv(sock, end)
+                if not got:
+                    break
+                out["extra"] += got
+        except (socket.timeout, OSError):
+            pass
         return out
     try:
         while (n is None or len(rest) < int(n)) and not closed:
@@ -4755,6 +4768,19 @@ def _no_leak(resp) -> Optional[str]:
     return None
 
 
+def _then_health(resp) -> Optional[str]:
+    """The request pipelined after the answer got its own answer on the same connection."""
+    return None if resp["next"].startswith(b"HTTP/1.1 200 ") and b'"ok"' in resp["next"] else \
+        "the request after the stream went unanswered: %r" % resp["next"][:80]
+
+
+def _embedded(resp) -> Optional[str]:
+    if resp["status"] != 200:
+        return "HTTP %s where embeddings were due" % resp["status"]
+    data = json.loads(resp["body"]).get("data")
+    return None if isinstance(data, list) and data and len(data[0]["embedding"]) > 16 else "no embedding"
+
+
 def _message_has(*words):
     def accept(resp):
         msg = json.loads(resp["body"])["error"]["message"]
@@ -4812,6 +4838,32 @@ def _judge(attack: _Attack, resp: dict) -> tuple:
 def _send(data: Callable, linger_s: float = 0.0, timeout_s: float = _ATTACK_S) -> Callable:
     """send(target) for the bytes data(target) (linger_s: also read what follows the answer)."""
     return lambda t: _raw_exchange(t.port, data(t), timeout_s=timeout_s, linger_s=linger_s)
+
+
+def _pipelined(first: Callable, second: bytes) -> Callable:
+    """send(target): first(target) and second at once on one connection; the answer to the
+    first, with what came after it (the second's answer) as "next"."""
+    def send(t):
+        r = _raw_exchange(t.port, first(t) + second, timeout_s=_ATTACK_S, linger_s=1.5)
+        r["next"], r["extra"] = r["extra"], b""
+        return r
+    return send
+
+
+def _half_close(data: Callable) -> Callable:
+    """send(target): the bytes data(target), then the sending side shut (SHUT_WR), then the answer."""
+    def send(t):
+        t0 = time.monotonic()
+        sock = socket.create_connection(("127.0.0.1", t.port), timeout=_ATTACK_S)
+        try:
+            sock.sendall(data(t))
+            sock.shutdown(socket.SHUT_WR)
+            out = _read_raw_response(sock, t0 + _ATTACK_S)
+        finally:
+            sock.close()
+        out["wall_s"] = time.monotonic() - t0
+        return out
+    return send
 
 
 def _post(path: str, body, key: Optional[str] = None) -> Callable:
@@ -4955,7 +5007,26 @@ def _attack_table() -> list:
     a.append(_Attack("body-over-8mib-sent", _post(_COMPLETIONS, big), _refused(), framing=True))
     # connections that send nothing: /health still answers (a 503 when they fill the cap)
     a.append(_Attack("idle-connections", _idle_connections, _health_beside_idle, kind="connections", framing=True))
+    # heads past 32 KB of headers: 431 after at most that much is read, however it is sent
+    a.append(_Attack("headers-90-of-30kb", _send(lambda t: _raw_head(
+        "GET", "/health", headers=[("X-H%d" % i, "v" * 30000) for i in range(90)])),
+        _all(_refused("http_431", statuses=(431,)), _closes), framing=True))
+    a.append(_Attack("header-6mb-never-ends", _send(lambda t: b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * (6 << 20)),
+                     _all(_refused("http_431", statuses=(431,)), _closes), framing=True))
+    # the operator's /metrics, asked for with a tenant's key
+    a.append(_Attack("metrics-with-a-tenant-key", _send(lambda t: _raw_head("GET", "/metrics", t.attacker)),
+                     _all(_refused("forbidden", statuses=(403,)), _lacks(b"reame_prompt_tokens_total"))))
+    # the connection after a stream, and a client that half-closes: both answered
+    a.append(_Attack("pipelined-after-a-stream", _pipelined(lambda t: _raw_head(
+        "POST", _COMPLETIONS, t.attacker, json.dumps(comp("Hi", stream=True)).encode()), _raw_head("GET", "/health")),
+        _all(_answered(), _then_health)))
+    a.append(_Attack("half-close-after-request", _half_close(lambda t: _raw_head(
+        "POST", _COMPLETIONS, t.attacker, json.dumps(comp("Hi")).encode())), _answered()))
     # bodies that parse but ask too much
+    a.append(_Attack("logprobs-over-the-limit", _post(_COMPLETIONS, comp("Hi", n=16, logprobs=20, max_tokens=1000)),
+                     _refused("invalid_value", statuses=(400,))))
+    a.append(_Attack("embedding-2000-tokens", _post("/v1/embeddings", {"input": "lighthouse keeper " * 1000}),
+                     _embedded))
     a.append(_Attack("json-nested-100k", _post(_COMPLETIONS, b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}"),
                      _refused()))
     a.append(_Attack("stop-list-5000", _post(_COMPLETIONS, comp(
@@ -5652,6 +5723,8 @@ _DISCONNECTS = (  # name, disconnect(port) -> "made" or what happened instead
     ("body-shorter-than-content-length", lambda p: _disconnect(p, _raw_head(
         "POST", _COMPLETIONS, _SOAK_KEYS[0], b'{"prompt": "Hi", "max_tokens": 1}', length=False,
         headers=(("Content-Length", "200"),)), hold_s=0.3)),
+    ("embedding-closed-before-answer", lambda p: _disconnect(p, _raw_head("POST", "/v1/embeddings", _SOAK_KEYS[1],
+        json.dumps({"input": ["lighthouse keeper " * 300] * 2}).encode()), hold_s=0.3)),
 )
 
 
