@@ -2283,7 +2283,12 @@ def _installation_secret() -> bytes:
             data = _read_private(path, 4096)
             if len(data) >= 32:
                 return data
-            time.sleep(0.02)  # another process is writing it (one 32-byte write)
+            if time.time() - os.lstat(path).st_mtime > 5:  # torn by a kill (an older Reame wrote it in place)
+                log.warning("%s is %d bytes, not 32: made anew (what was kept under it is recomputed)",
+                            path, len(data))
+                os.remove(path)
+                continue
+            time.sleep(0.02)  # an older Reame is writing it in place
             continue
         except FileNotFoundError:
             pass
@@ -2292,19 +2297,31 @@ def _installation_secret() -> bytes:
             return os.urandom(32)
         try:
             _private_dirs(home)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        except FileExistsError:
-            continue
+            _sweep_temp(home, deep=False)  # (a creator killed mid-way left its temp file)
+            tmp = "%s.%d.%s.tmp" % (path, os.getpid(), os.urandom(6).hex())
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         except OSError as e:
             log.warning("cannot create %s (%s): key scopes are this process's only", path, e)
             return os.urandom(32)
         data = os.urandom(32)
         try:
-            os.write(fd, data)
-            os.fsync(fd)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.link(tmp, path)  # whole, or not at all (a kill mid-write leaves no short secret)
+            return data
+        except FileExistsError:
+            continue  # another process made it first: read theirs
+        except OSError as e:
+            log.warning("cannot create %s (%s): key scopes are this process's only", path, e)
+            return os.urandom(32)
         finally:
-            os.close(fd)
-        return data
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     log.warning("%s stays shorter than 32 bytes: key scopes are this process's only", path)
     return os.urandom(32)
 
@@ -2371,13 +2388,15 @@ def _drop_least_recent(files: List[tuple], room: float) -> tuple:
     return used, n
 
 
-def _sweep_temp(folder: str) -> None:
-    """Remove temp files of writers that died (SIGKILL mid-write): name.<pid>.<random>.tmp."""
+def _sweep_temp(folder: str, deep: bool = True) -> None:
+    """Remove temp files of writers that died (SIGKILL mid-write): name.<pid>.<random>.tmp,
+    in folder and (deep) the folders under it (sessions and replay records sit one down)."""
     try:
-        names = os.listdir(folder)
+        walk = os.walk(folder) if deep else [(folder, [], os.listdir(folder))]
+        found = [(d, name) for d, _, names in walk for name in names]
     except OSError:
         return
-    for name in names:
+    for folder, name in found:
         parts = name.split(".")
         if name.endswith(".tmp") and len(parts) >= 4 and parts[-3].isdigit():
             try:

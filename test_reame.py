@@ -777,6 +777,40 @@ def test_open_with_deadline_gives_up(monkeypatch):
     assert time.monotonic() - t0 < 3
 
 
+# == 10. Records on disk: one store ============================================
+
+
+def test_crash_leftovers_are_swept_and_the_secret_is_never_torn(tmp_path, monkeypatch):
+    """A writer killed mid-write leaves name.<pid>.<random>.tmp: a restart removes those of
+    dead writers in the store's folders and the folders under them (sessions, replay
+    scopes), not a live writer's; the installation secret appears whole or not at all, and
+    a short one that an older Reame's kill left is made anew."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    root = tmp_path / "store"
+    nested = root / "scope"
+    nested.mkdir(parents=True)
+    stale = [root / ("a.json.%d.0123456789ab.tmp" % dead.pid), nested / ("b.rp.%d.0123456789ab.tmp" % dead.pid)]
+    live = nested / ("c.rp.%d.0123456789ab.tmp" % os.getpid())
+    for f in stale + [live]:
+        f.write_bytes(b"x")
+    store = reame.RecordStore()
+    try:
+        store.shelf("test", b"REAMETST", str(root), ".json")
+    finally:
+        store.close()
+    assert not any(f.exists() for f in stale) and live.exists()
+    monkeypatch.setenv("REAME_HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir(mode=0o700)
+    secret = tmp_path / "home" / "secret"
+    secret.write_bytes(b"")
+    os.chmod(secret, 0o600)
+    os.utime(secret, (time.time() - 60, time.time() - 60))
+    got = reame._installation_secret()
+    assert len(got) == 32 and secret.read_bytes() == got and reame._installation_secret() == got
+    assert os.stat(secret).st_mode & 0o777 == 0o600 and os.listdir(tmp_path / "home") == ["secret"]
+
+
 # == 11. Prefix KV cache: disk tier ============================================
 
 
@@ -6149,6 +6183,296 @@ def test_soak_runs_clean(tmp_path):
     assert sum(d.get("made", 0) for d in report["disconnects"].values()) >= 2, text.getvalue()
     assert report["health"]["probes"] >= 20 and report["metrics_end"]["reame_kv_cells_used"] == 0, text.getvalue()
     assert soak_failures(dict(report, crash={"returncode": -9, "at_s": 1.0, "in_flight": []}))  # it can fail
+
+
+# Crash consistency: `reame.py serve` killed with SIGKILL at random moments under a mixed load
+# (chats sharing long system prompts: KV snapshots; repeats: replay records; completions; session
+# turns: session files; every answer: the archive), restarted on the same REAME_HOME each time.
+# What a client was told must hold afterwards: an acknowledged session turn is kept, an answer
+# is the one a cache-less server gives, and no writer's temp file is left behind.
+
+_CRASH_KEY = "crash-key"
+_CRASH_KILLS = 4
+_CRASH_CLIENTS = 3
+_CRASH_MIN_ANSWERS = 3  # answered by each process before its kill may come
+_CRASH_SYSTEMS = (  # > 256 tokens each: whole 128-token chunks of a shared head, snapshotted
+    "You are the help desk of a city library. Rules: " + "Answer in one short sentence. Name the branch. " * 28,
+    "You are a careful assistant for a shipping company. Rules: " + "Be brief. Cite the order id. " * 32,
+)
+_CRASH_QUESTIONS = ("When do you open on Sunday?", "Where is order 17?", "Can I renew a loan?", "Cancel order 18.",
+                    "Is the parcel insured?")
+_CRASH_PROMPTS = ("The capital of France is", "def add(a, b):\n", "A list of fruits: apple,")
+_CRASH_SESSION_TURNS = ("Hi, my name is Ada.", "What is my name?", "Say it again, shorter.")
+_CRASH_SESSION_TEXT = ("Q: What is 2 + 2?\nA:", "\nQ: And 3 + 3?\nA:", "\nQ: And 4 + 4?\nA:")
+
+
+class _CrashRun:
+    """What the clients of the crash test saw, under one lock: each distinct request's full
+    body (a session turn as the plain request it amounts to) and the answers it got, and
+    each session's acknowledged turns. ``epoch`` counts kills: a request that fails while
+    the epoch moves was cut by a kill, any other failure is an error."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.port = None         # the serving process's port (None while it is down); guarded by lock
+        self.epoch = 0           # guarded by lock, as is everything below
+        self.answers = {}        # canonical key -> {"path", "body", "texts": set of answers}
+        self.sessions = {}       # sid -> {"chat", "head", "acked": [(sent, answer)], "cut": sent or None,
+        #                          "epochs": where its turns were acknowledged}; an entry is changed
+        #                          only by the client that owns it, which may read it without lock
+        self.n_answered = self.n_cut = 0
+        self.errors = []
+        self.up = threading.Event()
+        self.stop = threading.Event()
+
+    def answered(self, path: str, body: dict, text: str) -> None:
+        plain = {k: v for k, v in body.items() if k != "stream"}
+        key = path + " " + json.dumps(plain, sort_keys=True)
+        with self.lock:
+            self.answers.setdefault(key, {"path": path, "body": plain, "texts": set()})["texts"].add(text)
+            self.n_answered += 1
+
+
+def _crash_session_body(run: _CrashRun, sid: str, sent) -> tuple:
+    """(path, the turn's request body, the plain request with the whole history it amounts to)."""
+    s = run.sessions[sid]
+    if s["chat"]:
+        history = []
+        for msgs, answer in s["acked"]:
+            history += msgs + [{"role": "assistant", "content": answer}]
+        base = {"temperature": 0, "max_tokens": 16}
+        return _CHAT, dict(base, messages=sent, session_id=sid), dict(base, messages=history + sent)
+    text = "".join(p + answer for p, answer in s["acked"])
+    base = {"temperature": 0, "max_tokens": 12}
+    return _COMPLETIONS, dict(base, prompt=sent, session_id=sid), dict(base, prompt=text + sent)
+
+
+def _crash_client(run: _CrashRun, seed: int) -> None:
+    """One client: plain chats, completions and turns of its own sessions, at random,
+    until run.stop; a session whose turn was cut by a kill is left (its server side may or
+    may not have that turn) and a new one started."""
+    rng = random.Random(seed)
+    n_new = 0
+
+    def new_session(chat: bool) -> str:
+        nonlocal n_new
+        n_new += 1
+        sid = "crash-%d-%d-%s" % (seed, n_new, os.urandom(3).hex())
+        head = [{"role": "system", "content": _CRASH_SYSTEMS[rng.randrange(2)]}] if chat else []
+        with run.lock:
+            run.sessions[sid] = {"chat": chat, "head": head, "acked": [], "cut": None, "epochs": set()}
+        return sid
+    mine = [new_session(True), new_session(False)]
+    while not run.stop.is_set():
+        if not run.up.wait(0.2):
+            continue
+        with run.lock:
+            port, epoch = run.port, run.epoch
+        if port is None:
+            continue
+        kind = rng.random()
+        sid = None
+        if kind < 0.4:
+            path, body = _CHAT, {"messages": [
+                {"role": "system", "content": rng.choice(_CRASH_SYSTEMS)},
+                {"role": "user", "content": rng.choice(_CRASH_QUESTIONS)}],
+                "temperature": 0, "max_tokens": 16, "stream": rng.random() < 0.3}
+            plain = body
+        elif kind < 0.6:
+            path, body = _COMPLETIONS, {"prompt": rng.choice(_CRASH_PROMPTS), "temperature": 0, "max_tokens": 16}
+            plain = body
+        else:
+            i = rng.randrange(len(mine))
+            sid = mine[i]
+            s = run.sessions[sid]
+            turns = _CRASH_SESSION_TURNS if s["chat"] else _CRASH_SESSION_TEXT
+            n = len(s["acked"])
+            if n >= len(turns):  # done: the next session
+                mine[i] = sid = new_session(s["chat"])
+                s, n = run.sessions[sid], 0
+            # (a chat session's first turn brings its system prompt)
+            sent = (([] if n else s["head"]) + [{"role": "user", "content": turns[n]}] if s["chat"] else turns[n])
+            path, body, plain = _crash_session_body(run, sid, sent)
+        try:
+            text = _soak_call(port, _CRASH_KEY, path, body, timeout_s=120)
+        except _SoakError as e:
+            with run.lock:
+                cut = run.epoch != epoch
+                if cut:
+                    run.n_cut += 1
+                else:
+                    run.errors.append("%s %s: %s" % (path, json.dumps(body)[:120], e))
+                if sid is not None:  # this session's last turn is unknown now: leave it
+                    run.sessions[sid]["cut"] = sent
+            if sid is not None:
+                mine[mine.index(sid)] = new_session(run.sessions[sid]["chat"])
+            continue
+        run.answered(path, plain, text)
+        if sid is not None:
+            with run.lock:
+                run.sessions[sid]["acked"].append((sent, text))
+                run.sessions[sid]["epochs"].add(epoch)
+
+
+def _crash_check_session(run: _CrashRun, sid: str, got: dict) -> tuple:
+    """(what is wrong with a session the server gives back, or None: every acknowledged turn
+    is there, in order, and at most the one turn that a kill cut comes after them; whether
+    that cut turn is there)."""
+    s = run.sessions[sid]
+    if s["chat"]:
+        want = []
+        for msgs, answer in s["acked"]:
+            want += msgs + [{"role": "assistant", "content": answer}]
+        have = got.get("messages") or []
+        if have[:len(want)] != want:
+            return "messages %s, acknowledged %s" % (json.dumps(have)[:600], json.dumps(want)[:600]), False
+        extra = have[len(want):]
+        if extra and not (s["cut"] is not None and extra[:-1] == s["cut"] and len(extra) == len(s["cut"]) + 1
+                          and extra[-1]["role"] == "assistant"):
+            return "after the acknowledged turns: %s" % json.dumps(extra)[:600], False
+        return None, bool(extra)
+    want = "".join(p + answer for p, answer in s["acked"])
+    have = got.get("prompt") or ""
+    if not have.startswith(want):
+        return "prompt %r, acknowledged %r" % (have[:600], want[:600]), False
+    extra = have[len(want):]
+    if extra and not (s["cut"] is not None and extra.startswith(s["cut"])):
+        return "after the acknowledged turns: %r" % extra[:600], False
+    return None, bool(extra)
+
+
+def _crash_ask_all(port: int, items: list, n_threads: int = 2) -> dict:
+    """Each (key, path, body) asked on port, n_threads at a time: key -> answer text (or
+    the _SoakError's message, which compares unequal to any answer)."""
+    out, todo, lock = {}, list(items), threading.Lock()
+
+    def work():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                key, path, body = todo.pop()
+            try:
+                text = _soak_call(port, _CRASH_KEY, path, body, timeout_s=120)
+            except _SoakError as e:
+                text = "<error: %s>" % e
+            with lock:
+                out[key] = text
+    threads = [threading.Thread(target=work, name="crash-ask-%d" % i, daemon=True) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return out
+
+
+def test_crash_consistency_kill_9(tmp_path):
+    """kill -9 under load, restarted on the same REAME_HOME, _CRASH_KILLS times: no acknowledged
+    session turn lost, every answer (given before a kill, or after the last restart) a
+    cache-less server's, no temp file left under REAME_HOME, no record found bad, no traceback."""
+    model = _model_path("gemma3-270m")
+    home = tmp_path / "home"
+    env = dict(os.environ, REAME_HOME=str(home), REAME_LOG="info")
+    # one compute thread: on 2 cores shared with the clients (and other jobs) ggml's spinning
+    # threads stall each other; one thread keeps the run time steady
+    args = ["--ctx", "1024", "--parallel", "2", "--threads", "1", "--api-key", _CRASH_KEY, "--grace", "5"]
+    seed = random.randrange(1 << 30)  # the kills' timing (in the message: a failure names it)
+    rng = random.Random(seed)
+    run, servers, logs = _CrashRun(), [], []
+
+    def start(i):
+        logs.append(str(tmp_path / ("serve-%d.log" % i)))
+        srv = _ServeProcess(model, logs[-1], args, env=env)
+        servers.append(srv)
+        srv.wait_ready(120)
+        with run.lock:
+            run.port = srv.port
+        run.up.set()
+        return srv
+
+    clients = [threading.Thread(target=_crash_client, args=(run, i), name="crash-client-%d" % i, daemon=True)
+               for i in range(_CRASH_CLIENTS)]
+    try:
+        srv = start(0)
+        for t in clients:
+            t.start()
+        for k in range(_CRASH_KILLS):
+            # the kill comes at a random moment of a few seconds of load, once this process
+            # has answered a few requests (cold prefills take a while on 2 busy cores)
+            with run.lock:
+                n0 = run.n_answered
+            deadline = time.monotonic() + 60
+            while run.n_answered < n0 + _CRASH_MIN_ANSWERS and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(rng.uniform(0.5, 4.0))
+            with run.lock:
+                run.epoch += 1
+                run.port = None
+            run.up.clear()
+            srv.proc.kill()  # SIGKILL: no handler runs, writes stop wherever they are
+            srv.proc.wait(30)
+            srv.close()
+            srv = start(k + 1)
+        run.stop.set()
+        for t in clients:
+            t.join(150)
+        assert not any(t.is_alive() for t in clients), "a client is stuck"
+        assert not run.errors, "%d requests failed outside a kill: %s" % (len(run.errors), run.errors[:5])
+
+        # (a) every acknowledged session turn is kept, in order
+        n_turns, n_cut_kept, lost = 0, 0, []
+        for sid, s in run.sessions.items():
+            if not s["acked"]:
+                continue
+            n_turns += len(s["acked"])
+            r = _raw_exchange(srv.port, _raw_head("GET", "/v1/sessions/" + sid, _CRASH_KEY), timeout_s=30)
+            why, cut_kept = (("GET: %s %s" % (r["status"], r["body"][:200]), False) if r["status"] != 200
+                             else _crash_check_session(run, sid, json.loads(r["body"])))
+            n_cut_kept += cut_kept
+            if why:
+                lost.append("%s: %s" % (sid, why))
+
+        # (b) every distinct request answered again, here and by a cache-less server
+        items = [(key, a["path"], a["body"]) for key, a in sorted(run.answers.items())]
+        again = _crash_ask_all(srv.port, items)
+        srv.close()  # SIGTERM: a clean stop, after which no writer may leave a temp file
+        assert srv.proc.returncode == 0, "the last server exited with %s:\n%s" % (srv.proc.returncode, srv.log_tail())
+        ref_env = dict(os.environ, REAME_HOME=str(tmp_path / "cold"))
+        ref = _ServeProcess(model, str(tmp_path / "cold.log"), args + ["--no-disk-cache", "--no-archive"], env=ref_env)
+        servers.append(ref)
+        ref.wait_ready(120)
+        cold = _crash_ask_all(ref.port, items)
+        ref.close()
+        wrong = []
+        for key, a in sorted(run.answers.items()):
+            seen = sorted(a["texts"] | {again.get(key)})
+            if seen != [cold.get(key)]:
+                wrong.append("%s\n  cold: %r\n  got:  %r" % (key[:200], cold.get(key), seen))
+        n_acks = sum(1 for s in run.sessions.values() if s["acked"])
+        n_across = sum(1 for s in run.sessions.values() if len(s["epochs"]) > 1)  # continued after a restart
+
+        # (c) nothing half-written left under REAME_HOME, nothing found bad, no traceback
+        temps = sorted(str(p.relative_to(home)) for p in home.rglob("*") if p.name.endswith(".tmp"))
+        bad = []
+        for path in logs:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                bad += ["%s: %s" % (os.path.basename(path), line.strip()) for line in f
+                        if "Traceback" in line or "will be recomputed" in line or '" 500 ' in line]
+        counts = ("%d kills (seed %d), %d answers (%d distinct) compared, %d session turns in %d sessions (%d "
+                  "continued after a restart), %d requests cut (%d cut session turns kept)"
+                  % (_CRASH_KILLS, seed, run.n_answered, len(items), n_turns, n_acks, n_across, run.n_cut,
+                     n_cut_kept))
+        print(counts)
+        assert run.n_answered >= _CRASH_MIN_ANSWERS * _CRASH_KILLS and n_turns >= 3, "too little load: " + counts
+        assert not lost, "%d sessions lost acknowledged turns (%s):\n%s" % (len(lost), counts, "\n".join(lost[:5]))
+        assert not wrong, "%d wrong answers (%s):\n%s" % (len(wrong), counts, "\n".join(wrong[:5]))
+        assert not temps, "%d temp files left under REAME_HOME (%s): %s" % (len(temps), counts, temps[:10])
+        assert not bad, "%d bad lines in the logs (%s):\n%s" % (len(bad), counts, "\n".join(bad[:10]))
+    finally:
+        run.stop.set()
+        run.up.set()
+        for s in servers:
+            s.close()
 
 
 # == 31. Command line ==========================================================
