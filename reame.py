@@ -7956,6 +7956,8 @@ class Sessions:
         self._engine_fn = engine_fn
         self.max_count, self.idle_s, self.store = max_count, idle_s, store
         self._shelf = (records or RecordStore()).shelf("session", _SESSION_MAGIC, store, ".json") if store else None
+        if self._shelf is not None:
+            self._frame_old_files()
         self._lock = threading.Lock()
         self._by_key: dict = {}  # (owner, id) -> _Session; guarded by _lock
         self._gone = collections.OrderedDict()  # (owner, id) that expired or were deleted: 404, not a new session
@@ -8049,9 +8051,7 @@ class Sessions:
         except OSError:
             pass  # (read below, and reported)
         try:
-            payload = _read_private(path, _SESSION_MAX_BYTES)
-            if payload[:1] != b"{":  # (plain JSON: a session saved before the record format, read once)
-                payload = self._shelf.check(path, payload, keep=True)
+            payload = self._shelf.check(path, _read_private(path, _SESSION_MAX_BYTES), keep=True)
             d = json.loads(bytes(payload).decode("utf-8"))
             s = _Session(sid, owner, bool(d["chat"]))
             s.messages = _messages_from_body(d, tools_ok=True) if s.chat else []
@@ -8063,6 +8063,25 @@ class Sessions:
             raise RequestError("session %s is saved but cannot be read (%s); it is kept as it is: DELETE "
                                "/v1/sessions/%s starts it over" % (sid, why[:200], sid), status=409,
                                code="session_unreadable")
+
+    def _frame_old_files(self) -> None:
+        """Session files an older Reame wrote (plain JSON, no record header) are written as
+        records once, the first time this version opens the store (a marker record says
+        so): acknowledged conversations survive the upgrade, and after it a plain file is
+        not trusted (anyone who can write under REAME_HOME could have put it there)."""
+        marker = os.path.join(self.store, "framed.marker")
+        if self._shelf.read(marker, 64) is not None:
+            return
+        for folder, _, names in os.walk(self.store):
+            for name in names:
+                path = os.path.join(folder, name)
+                try:
+                    data = _read_private(path, _SESSION_MAX_BYTES) if name.endswith(".json") else b""
+                except (OSError, ValueError):
+                    continue
+                if data[:1] == b"{" and self._shelf.write(path, bytes(data)):
+                    log.info("session file %s written as a record", printable(name))
+        self._shelf.write(marker, b"framed")
 
     def _drop(self, s: _Session) -> None:
         del self._by_key[(s.owner, s.id)]
