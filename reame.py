@@ -3593,9 +3593,10 @@ class SpecOptions:
 
     def validate(self) -> "SpecOptions":
         if self.mode not in SPEC_MODES:
-            raise RequestError("'spec' must be one of %s" % ", ".join(SPEC_MODES), code="invalid_value")
+            raise RequestError("'spec' must be one of %s" % ", ".join(SPEC_MODES), code="invalid_value",
+                               param="reame.spec")
         if not 1 <= self.max_k <= 32:  # 33 rows a sequence: below flash attention's tiled kernel (64)
-            raise RequestError("'spec_max' must be between 1 and 32", code="invalid_value")
+            raise RequestError("'spec_max' must be between 1 and 32", code="invalid_value", param="reame.spec_max")
         return self
 
 
@@ -5938,7 +5939,7 @@ class WarmAhead(EnginePart):
 
     def submit(self, group: List[Request]) -> bool:
         req = group[0]
-        if req.head and not req.warm and self.heads is not None:  # (a chat's system message: what idle warm-ahead prefills)
+        if req.head and not req.warm and self.heads is not None:  # (a chat head: what idle warm-ahead prefills)
             self.heads.seen(req.tenant, req.prompt[:req.head])
         return False
 
@@ -6784,8 +6785,8 @@ class EmbedJob:
     def __init__(self, embedder: "Embedder", inputs: Sequence[Sequence[int]]):
         for j, toks in enumerate(inputs):
             if not 1 <= len(toks) <= embedder.n_ctx:
-                raise RequestError("input %d has %d tokens; an embedding takes 1 to %d" % (j, len(toks), embedder.n_ctx),
-                                   code="invalid_value", param="input")
+                raise RequestError("input %d has %d tokens; an embedding takes 1 to %d"
+                                   % (j, len(toks), embedder.n_ctx), code="invalid_value", param="input")
         self.embedder, self.inputs = embedder, [list(t) for t in inputs]
         self.vectors: List[List[float]] = []  # of the inputs that ended, in order
         self.pos = 0                          # tokens of the next input fed so far
@@ -7192,7 +7193,8 @@ def check_extractor(how: str) -> str:
             raise RequestError("'vote' regex %r needs a group: the answer is its first group" % how[6:],
                                code="invalid_value")
         return how
-    raise RequestError("'vote' must be one of %s" % ", ".join(VOTE_EXTRACTORS), code="invalid_value")
+    raise RequestError("'vote' must be one of %s" % ", ".join(VOTE_EXTRACTORS), code="invalid_value",
+                       param="reame.vote")
 
 
 def extract_answer(text: str, how: str) -> Optional[str]:
@@ -7429,7 +7431,8 @@ def structure_from_body(body: dict) -> tuple:
     if kind == "text" or (kind is None and not fmt):
         return grammar, None
     if grammar is not None:
-        raise RequestError("give either 'grammar' or a JSON 'response_format', not both", code="invalid_value")
+        raise RequestError("give either 'grammar' or a JSON 'response_format', not both",
+                           code="invalid_value", param="grammar")
     if kind == "json_object":
         schema = fmt.get("schema")  # llama-server's extension: a schema on json_object
         return (json_schema_grammar(schema), schema) if schema is not None else (JSON_OBJECT_GRAMMAR, None)
@@ -7437,9 +7440,10 @@ def structure_from_body(body: dict) -> tuple:
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise RequestError("'response_format.json_schema' must be an object with a 'schema' object",
-                               code="invalid_value")
+                               code="invalid_value", param="response_format.json_schema")
         return json_schema_grammar(spec["schema"]), spec["schema"]
-    raise RequestError("'response_format.type' must be 'text', 'json_object' or 'json_schema'", code="invalid_value")
+    raise RequestError("'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+                       code="invalid_value", param="response_format.type")
 
 
 _EXTENSION_FIELDS = ("spec", "spec_max", "spec_sources", "archive", "replay", "vote", "early_stop", "candidates")
@@ -7452,7 +7456,7 @@ def _extension(body: dict) -> dict:
     unknown = sorted(set(ext) - set(_EXTENSION_FIELDS))
     if unknown:
         raise RequestError("unknown field 'reame.%s' (known: %s)" % (unknown[0], ", ".join(_EXTENSION_FIELDS)),
-                           code="invalid_value")
+                           code="invalid_value", param="reame." + unknown[0])
     return ext
 
 
@@ -7467,7 +7471,8 @@ def spec_from_body(body: dict, default: SpecOptions) -> Optional[SpecOptions]:
     max_k = _field(ext, "spec_max", int, default.max_k, why="an integer from 1 to 32")
     sources = _field(ext, "spec_sources", list, [], why="a list of source names")
     if any(x not in _SPEC_SOURCES for x in sources):
-        raise RequestError("'reame.spec_sources' may name %s" % ", ".join(_SPEC_SOURCES), code="invalid_value")
+        raise RequestError("'reame.spec_sources' may name %s" % ", ".join(_SPEC_SOURCES),
+                           code="invalid_value", param="reame.spec_sources")
     return SpecOptions(mode, max_k, tuple(sources)).validate()
 
 
@@ -7488,11 +7493,12 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 def _messages_from_body(body: dict, tools_ok: bool = False) -> List[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise RequestError("'messages' must be a non-empty array", code="invalid_value")
+        raise RequestError("'messages' must be a non-empty array", code="invalid_value", param="messages")
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError("'messages[%d]' must be an object with a string 'role'" % i, code="invalid_value")
+            raise RequestError("'messages[%d]' must be an object with a string 'role'" % i,
+                               code="invalid_value", param='messages[%d]' % i)
         roles = set(_ROLES) | ({"tool"} if tools_ok else set())
         if m["role"] not in roles:
             raise RequestError("'messages[%d].role' must be one of %s, not %r%s" % (
@@ -7508,12 +7514,12 @@ def _messages_from_body(body: dict, tools_ok: bool = False) -> List[dict]:
             for p in content:
                 if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
                     raise RequestError("'messages[%d].content' parts must be {type: text, text: string}" % i,
-                                       code="invalid_value")
+                                       code="invalid_value", param='messages[%d].content' % i)
                 parts.append(p["text"])
             content = "".join(parts)
         if not isinstance(content, str):
             raise RequestError("'messages[%d].content' must be a string or an array of text parts" % i,
-                               code="invalid_value")
+                               code="invalid_value", param='messages[%d].content' % i)
         msg = {"role": _ROLES.get(m["role"], m["role"]), "content": content}
         if calls:
             msg["tool_calls"] = calls
@@ -7561,7 +7567,8 @@ def _tool_calls_from_message(m: dict, i: int) -> Optional[list]:
     if calls is None:
         return None
     if not isinstance(calls, list) or len(calls) > _TOOLS_MAX:
-        raise RequestError("'messages[%d].tool_calls' must be a list" % i, code="invalid_value")
+        raise RequestError("'messages[%d].tool_calls' must be a list" % i,
+                           code="invalid_value", param='messages[%d].tool_calls' % i)
     out = []
     for j, c in enumerate(calls):
         fn = c.get("function") if isinstance(c, dict) else None
@@ -7572,7 +7579,7 @@ def _tool_calls_from_message(m: dict, i: int) -> Optional[list]:
             args = None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(args, dict):
             raise RequestError("'messages[%d].tool_calls[%d]' must be {type: function, function: {name, arguments: "
-                               "a JSON object}}" % (i, j), code="invalid_value")
+                               "a JSON object}}" % (i, j), code="invalid_value", param='messages[%d].tool_calls' % i)
         out.append({"id": str(c.get("id") or "")[:128], "type": "function",
                     "function": {"name": fn["name"], "arguments": json.dumps(args, ensure_ascii=False)}})
     return out
@@ -7824,13 +7831,14 @@ def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_t
     api.include_usage = bool(_field(body, "stream_options", dict, {}, why="an object").get("include_usage"))
     api.session_id = session_header or body.get("session_id")
     if api.session_id is not None and api.n != 1:
-        raise RequestError("a session continues one answer: 'n' must be 1 with 'session_id'", code="invalid_value")
+        raise RequestError("a session continues one answer: 'n' must be 1 with 'session_id'",
+                           code="invalid_value", param="n")
     ext = _extension(body)
     api.replay = _field(ext, "replay", bool, True, why="a boolean")
     if api.best_of > 1:
         if api.n != 1 or api.session_id is not None:
             raise RequestError("'best_of' answers with one voted choice: not with 'n' > 1 or a session",
-                               code="invalid_value")
+                               code="invalid_value", param="best_of")
         api.vote = check_extractor(_field(ext, "vote", str, "last_number", why="an extractor name"))
         api.early_stop = _field(ext, "early_stop", bool, True, why="a boolean")
         api.candidates = _field(ext, "candidates", bool, False, why="a boolean")
