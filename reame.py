@@ -76,10 +76,11 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import zipfile
 import zlib
-from typing import Iterator, List, NamedTuple, Optional, Sequence
+from typing import Collection, Iterator, List, NamedTuple, Optional, Sequence
 
 try:  # optional: faster logits work (used by later features)
     import numpy as _np
@@ -713,6 +714,9 @@ _SIGNATURES = [
     # struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n,
     #                                float penalty_repeat, float penalty_freq, float penalty_present);
     ("llama_sampler_init_penalties", _P, [_c_i32, _c_i32, _c_float, _c_float, _c_float]),
+    # struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
+    #                                const llama_logit_bias * logit_bias);  (copied: {int32 token; float bias})
+    ("llama_sampler_init_logit_bias", _P, [_c_i32, _c_i32, _P]),
     # llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
     ("llama_sampler_sample", _c_i32, [_P, _P, _c_i32]),
     # const char * llama_print_system_info(void);
@@ -1660,6 +1664,7 @@ SAMPLED_TEMPERATURE = 0.7
 
 
 LOGPROBS_MAX = 20  # alternatives per token, as OpenAI
+LOGIT_BIAS_MAX = 1024  # logit_bias entries
 LOGPROBS_MAX_ENTRIES = 1 << 18  # logprob entries (a token or an alternative) one request may ask for: ~25 MB of JSON
 
 
@@ -1683,6 +1688,9 @@ class SamplingParams:
     grammar: Optional[str] = None    # GBNF: only text it accepts (json_schema_grammar, a raw grammar)
     schema: Optional[dict] = None    # the json_schema the grammar came from (Il Suggeritore's hints)
     top_logprobs: Optional[int] = None  # each token's log-probability and this many alternatives (0-20)
+    logit_bias: tuple = ()           # (token id, bias in [-100, 100]) pairs added to the logits
+    lazy_grammar: Optional[str] = None  # GBNF switched on where the answer starts with a trigger
+    triggers: tuple = ()             # (tool_choice auto: a tool call's opening, tools_grammar lazy)
 
     max_tokens_cap: Optional[int] = None  # the server's bound (serve --max-tokens): a longer
                                           # max_tokens is cut to it, and none given means it
@@ -1769,7 +1777,19 @@ SAMPLING_FIELDS = (
     _ParamField("stop", (str, list, tuple), lambda v: len(v) <= 4 and all(isinstance(x, str) and x for x in v),
                 "up to 4 non-empty strings", ("stop",)),
     _ParamField("top_logprobs", (int,), lambda v: 0 <= v <= LOGPROBS_MAX, "an integer in [0, %d]" % LOGPROBS_MAX),
+    _ParamField("logit_bias", (dict, tuple), lambda v: _logit_bias_ok(v),
+                "an object of up to %d token ids (as strings) to numbers in [-100, 100]" % LOGIT_BIAS_MAX,
+                ("logit_bias",)),
 )
+
+
+def _logit_bias_ok(v) -> bool:
+    pairs = list(v.items()) if isinstance(v, dict) else list(v)
+    try:
+        return len(pairs) <= LOGIT_BIAS_MAX and all(
+            re.fullmatch(r"[0-9]{1,9}", str(t)) and type(b) in (int, float) and -100 <= b <= 100 for t, b in pairs)
+    except (TypeError, ValueError):
+        return False
 
 
 def logprob_entry(model, ctx, idx: int, tok: int, n_top: int) -> dict:
@@ -1823,26 +1843,37 @@ class Sampler:
         L = lib()
         self._L = L
         self._n_vocab = model.n_vocab
-        penalties = params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+        penalties = (params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+                     or params.logit_bias)  # (each changes the logits: no argmax shortcut)
         self._greedy = _np is not None and params.temperature <= 0 and not penalties
-        self._argmax = self._greedy and not params.grammar
+        self._argmax = self._greedy
         self._penalties = self._grammar = None
+        self._model = model
+        self._lazy, self._triggers, self._said = bool(params.lazy_grammar), params.triggers, []  # (_watch)
+        self._lazy_text = params.lazy_grammar
         self._last_n = params.penalty_last_n
         self._logits_ith = L.llama_get_logits_ith
         self._ptr = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
         add = lambda s: L.llama_sampler_chain_add(self._ptr, s)  # noqa: E731 - the chain owns s
         p = params
+        self._quick = _np is not None and not penalties
         if p.grammar:
             # numpy without penalties: the chain's choice first, checked against the grammar
             # (sample); otherwise the grammar marks the whole vocabulary, then the chain chooses
             self._grammar = grammar_sampler(model, p.grammar)
-            self._quick = _np is not None and not penalties
+        if p.grammar or p.lazy_grammar:
             if _np is not None:
                 self._cand = _np.zeros(self._n_vocab, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
             else:  # llama_token_data entries (int32 id, float logit, float p) in a plain buffer
                 self._buf = ctypes.create_string_buffer(12 * self._n_vocab)
                 self._ids = memoryview(array.array("i", range(self._n_vocab)))
-        if penalties:
+        if p.logit_bias:
+            bias = (ctypes.c_int32 * (2 * len(p.logit_bias)))()
+            for i, (tok, b) in enumerate(p.logit_bias):
+                bias[2 * i] = tok
+                bias[2 * i + 1] = struct.unpack("<i", struct.pack("<f", b))[0]  # (a float's bits)
+            add(L.llama_sampler_init_logit_bias(model.n_vocab, len(p.logit_bias), bias))
+        if penalties and (p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
             self._penalties = L.llama_sampler_init_penalties(model.n_vocab, p.penalty_last_n, p.repeat_penalty,
                                                              p.frequency_penalty, p.presence_penalty)
             add(self._penalties)
@@ -1861,11 +1892,15 @@ class Sampler:
 
     def sample(self, ctx: Context, idx: int) -> int:
         """Pick a token from the logits at batch index idx, and accept it."""
-        if self._argmax:
-            logits = _np.ctypeslib.as_array(self._logits_ith(ctx.ptr, idx), shape=(self._n_vocab,))
-            return int(logits.argmax())
         if self._grammar is None:
-            return self._sample(self._ptr, ctx.ptr, idx)
+            if self._argmax:
+                logits = _np.ctypeslib.as_array(self._logits_ith(ctx.ptr, idx), shape=(self._n_vocab,))
+                tok = int(logits.argmax())
+            else:
+                tok = self._sample(self._ptr, ctx.ptr, idx)
+            if self._lazy:
+                self._watch(tok)
+            return tok
         t0 = time.thread_time()  # (this thread's CPU time: other load does not count against the grammar)
         if self._quick:
             logits = _np.ctypeslib.as_array(self._logits_ith(ctx.ptr, idx), shape=(self._n_vocab,))
@@ -1877,6 +1912,33 @@ class Sampler:
             raise RequestError("the grammar is too costly to follow (one token took %.1f s); simplify it"
                                % (time.thread_time() - t0), code="grammar_too_costly")
         return tok
+
+    def _watch(self, tok: int) -> None:
+        """A lazy grammar (a tool call under tool_choice auto) while the answer is young:
+        once its text, past leading whitespace, starts with a trigger, the grammar takes
+        over from there, if it allows every token so far (each checked before it is
+        accepted: never an abort); once the text cannot become a trigger, it is prose."""
+        self._said.append(tok)
+        text = self._model.detokenize(self._said).lstrip()
+        if any(t.startswith(text) and len(text) < len(t) for t in self._triggers):
+            return  # (it may still open a call)
+        self._lazy = None
+        if not any(text.startswith(t) for t in self._triggers):
+            return
+        grammar = grammar_sampler(self._model, self._lazy_text)
+        for t in self._said:
+            if not self._lets(grammar, t):
+                self._L.llama_sampler_free(grammar)
+                return
+            self._L.llama_sampler_accept(grammar, t)
+        self._grammar = grammar
+
+    def _lets(self, grammar, tok: int) -> bool:
+        """Does the grammar allow tok next?"""
+        cand = (ctypes.c_int32 * 3)(tok, 0, 0)  # (one llama_token_data: id, logit 0.0, p 0.0)
+        arr = _llama_token_data_array(ctypes.addressof(cand), 1, -1, False)
+        self._L.llama_sampler_apply(grammar, ctypes.byref(arr))
+        return struct.unpack("<f", struct.pack("<i", cand[1]))[0] > float("-inf")
 
     def _allowed(self, ids, logits) -> tuple:
         """The grammar applied to the candidates ids (in that order): (their array, whose
@@ -4555,13 +4617,15 @@ class _SchemaGrammar:
         if len(parts) != 3 or parts[0] != "#" or parts[1] not in ("$defs", "definitions"):
             raise RequestError("json_schema at %s: only local refs '#/$defs/NAME' are supported, not %.100r"
                                % (path, ref), code="invalid_schema")
-        if ref in self.refs:
-            return self.refs[ref]
+        key = (id(self.root), ref)  # (each tool's refs point into its own parameters)
+        if key in self.refs:
+            return self.refs[key]
         defs = self.root.get(parts[1])
         target = defs.get(parts[2]) if isinstance(defs, dict) else None
         if target is None:
             raise RequestError("json_schema at %s: %r points to nothing" % (path, ref), code="invalid_schema")
-        name = self.refs[ref] = "n%d" % len(self.rules)
+        self.keep.append(self.root)
+        name = self.refs[key] = "n%d" % len(self.rules)
         self.rules.append((name, None))  # reserved first: a recursive ref names itself
         body = self.expr(target, ref)
         self.rules[int(name[1:])] = (name, body)
@@ -6609,6 +6673,10 @@ class Engine(_Scheduler):
         bad = [t for t in tokens if not 0 <= t < self.model.n_vocab]
         if bad:
             raise RequestError("token id %d is outside the vocabulary (0..%d)" % (bad[0], self.model.n_vocab - 1))
+        bad = [t for t, _ in params.logit_bias if not t < self.model.n_vocab]
+        if bad:
+            raise RequestError("'logit_bias' names token %d, outside the vocabulary (0..%d)"
+                               % (bad[0], self.model.n_vocab - 1), param="logit_bias")
         (spec or self.spec.default).validate()
         check_scope(archive)
         with self._ids_lock:
@@ -7414,6 +7482,8 @@ def _params_given(body: dict, max_tokens_cap: Optional[int]) -> tuple:
     given = frozenset(values)
     stop = values.get("stop", ())
     values["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+    if "logit_bias" in values:  # {"token id": bias} -> sorted (id, bias) pairs
+        values["logit_bias"] = tuple(sorted((int(t), float(b)) for t, b in values["logit_bias"].items()))
     if any(not isinstance(x, str) for x in values["stop"]):
         raise RequestError("'stop' must be a string or a list of strings", code="invalid_type", param="stop")
     values["grammar"], values["schema"] = structure_from_body(body)
@@ -7597,11 +7667,13 @@ def tools_from_body(body: dict) -> tuple:
     for j, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
         if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _TOOL_NAME.match(fn["name"])
-                or not isinstance(fn.get("parameters", {}), dict)):
+                or not isinstance(fn.get("parameters") or {}, dict)):
             raise RequestError("'tools[%d]' must be {type: function, function: {name (A-Z a-z 0-9 _ -, up to 64), "
                                "description, parameters: a JSON schema}}" % j, code="invalid_value", param="tools")
         names.append(fn["name"])
-    choice = body.get("tool_choice", "auto" if tools else "none")
+    choice = body.get("tool_choice")
+    if choice is None:  # (absent, or null: the openai client sends tool_choice=None as null)
+        choice = "auto" if tools else "none"
     if isinstance(choice, dict):
         fn = choice.get("function") if choice.get("type") == "function" else None
         choice = fn.get("name") if isinstance(fn, dict) else None
@@ -7680,10 +7752,13 @@ def hermes_messages(messages: Sequence[dict], tools: Sequence[dict]) -> List[dic
     return [{"role": m["role"], "content": m["content"]} for m in out]
 
 
-def tools_grammar(fmt: str, tools: Sequence[dict], name: Optional[str], parallel: bool) -> str:
+def tools_grammar(fmt: str, tools: Sequence[dict], name: Optional[str], parallel: bool, lazy: bool = False) -> str:
     """GBNF for an answer that is tool calls only (tool_choice required, or the function
     ``name``): each call's arguments constrained by its function's parameters schema
-    (llama3: one call, the whole answer)."""
+    (llama3: one call, the whole answer). ``lazy`` (tool_choice auto): the grammar a
+    Sampler switches on when an answer starts a call (TOOL_TRIGGERS): the family's form,
+    a bare {"name": ...} object or one in a ```json fence; a tool whose parameters the
+    converter refuses gets free JSON arguments there rather than no call at all."""
     g = _SchemaGrammar({})
     alts = []
     key = "arguments" if fmt == "hermes" else "parameters"
@@ -7691,15 +7766,32 @@ def tools_grammar(fmt: str, tools: Sequence[dict], name: Optional[str], parallel
         fn = t["function"]
         if name is not None and fn["name"] != name:
             continue
-        args = g.expr(fn.get("parameters") or {"type": "object"}, "#/tools/%s" % fn["name"])
+        g.root = fn.get("parameters") or {"type": "object"}  # (its $refs point into its own $defs)
+        try:
+            args = g.expr(g.root, "#/tools/%s" % fn["name"])
+        except RequestError:
+            if not lazy:
+                raise
+            args = "object"
         alts.append(_gbnf_literal('"%s", "%s": ' % (fn["name"], key)) + " " + args)
+    body = _gbnf_literal('{"name": ') + " ( " + " | ".join(alts) + " ) " + _gbnf_literal("}")
+    tagged = _gbnf_literal("<tool_call>\n") + " body " + _gbnf_literal("\n</tool_call>")
     if fmt == "hermes":
-        lines = ["root ::= call" + (' ("\\n" call)*' if parallel and name is None else ""),
-                 "call ::= " + _gbnf_literal('<tool_call>\n{"name": ') + " ( " + " | ".join(alts) + " ) " +
-                 _gbnf_literal("}\n</tool_call>")]
+        lines = ["calls ::= tagged" + (' ("\n" tagged)*' if parallel and name is None else ""),
+                 "tagged ::= " + tagged]
+        lines.insert(0, "root ::= " + ('[ \t\n]{0,8} ( calls | body | %s body %s )' % (
+            _gbnf_literal("```json\n"), _gbnf_literal("\n```")) if lazy else "calls"))
     else:
-        lines = ["root ::= " + _gbnf_literal('{"name": ') + " ( " + " | ".join(alts) + " ) " + _gbnf_literal("}")]
+        lines = ["root ::= " + ("[ \t\n]{0,8} body" if lazy else "body")]
+    lines.append("body ::= " + body)
     return "\n".join(lines + ["%s ::= %s" % (n, b) for n, b in g.rules]) + "\n" + _GBNF_BASE
+
+
+def tool_triggers(fmt: str, tools: Sequence[dict]) -> tuple:
+    """What an answer starts with (after whitespace) when it starts a call of one of the
+    tools under tool_choice auto: the lazy grammar switches on there (Sampler)."""
+    openers = ("<tool_call>\n", "```json\n", "") if fmt == "hermes" else ("",)
+    return tuple(o + '{"name": "%s"' % t["function"]["name"] for o in openers for t in tools)
 
 
 def tool_call_schema(fmt: str, tools: Sequence[dict], name: Optional[str]) -> dict:
@@ -7710,42 +7802,69 @@ def tool_call_schema(fmt: str, tools: Sequence[dict], name: Optional[str]) -> di
     args = (fns[0].get("parameters") or {"type": "object"}) if len(fns) == 1 else {}
     key = "arguments" if fmt == "hermes" else "parameters"
     return {"type": "object", "required": ["name", key], "properties": {
-        "name": {"enum": [f["name"] for f in fns]}, key: args}}
+        "name": {"enum": [f["name"] for f in fns]}, key: args},
+        **{k: args[k] for k in ("$defs", "definitions") if k in args}}  # (its refs resolve here too)
 
 
 def _openai_call(name: str, args) -> dict:
+    """A call in OpenAI's shape; args: the arguments' JSON text as the model wrote it (what
+    a stream sent piece by piece), or an object (written as JSON)."""
     return {"id": "call_" + os.urandom(12).hex(), "type": "function", "function": {
-        "name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+        "name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
 
 
-def parse_tool_calls(fmt: str, text: str) -> tuple:
-    """(content, tool calls) of an answer: hermes: every well-formed <tool_call> block
-    becomes an OpenAI tool call (a new id; arguments as a JSON string), the rest is the
-    content (None when nothing else was said), a malformed block stays content; llama3:
-    an answer that is one JSON object {"name", "parameters"} is a call."""
-    if fmt == "llama3":
-        body = text.strip()
+_ARGS_KEY = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+
+
+def _json_call(text: str, names: Optional[Collection[str]] = None) -> Optional[dict]:
+    """text as one call {"name": ..., "arguments": {...}} (llama3: "parameters"), or None;
+    with names, only a call of one of them. Its arguments are their text as written."""
+    try:
+        obj, end = json.JSONDecoder().raw_decode(text)
+    except ValueError:
+        return None
+    if text[end:].strip() or not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if not isinstance(args, dict) or (names is not None and obj["name"] not in names):
+        return None
+    raw = None
+    for m in _ARGS_KEY.finditer(text):
         try:
-            obj = json.loads(body) if body.startswith("{") else None
-        except ValueError:
-            obj = None
-        args = obj.get("parameters", obj.get("arguments", {})) if isinstance(obj, dict) else None
-        if isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(args, dict):
-            return None, [_openai_call(obj["name"], args)]
-        return text, []
-    calls, kept, at = [], [], 0
-    for m in _TOOL_CALL.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
+            value, stop = json.JSONDecoder().raw_decode(text, m.end())
         except ValueError:
             continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        if value == args:
+            raw = text[m.end():stop]
+    return _openai_call(obj["name"], raw if raw is not None else args)
+
+
+def parse_tool_calls(fmt: str, text: str, names: Optional[Collection[str]] = None) -> tuple:
+    """(content, tool calls) of an answer: hermes: every well-formed <tool_call> block
+    becomes an OpenAI tool call (a new id; arguments as the JSON text the model wrote),
+    the rest is the content (None when nothing else was said), a malformed block stays
+    content; an answer that is one call object, bare or in a ```json fence, naming one of
+    names (tool_choice auto: what the lazy grammar lets through) is a call too; llama3:
+    an answer that is one JSON object {"name", "parameters"} is a call."""
+    if fmt == "llama3":
+        call = _json_call(text.strip())
+        return (None, [call]) if call else (text, [])
+    calls, kept, at = [], [], 0
+    for m in _TOOL_CALL.finditer(text):
+        call = _json_call(m.group(1))
+        if call is None:
             continue
         kept.append(text[at:m.start()])
         at = m.end()
-        calls.append(_openai_call(obj["name"], obj.get("arguments", {})))
+        calls.append(call)
     kept.append(text[at:])
     content = "".join(kept).strip()
+    if not calls and names:
+        body = text.strip()
+        if body.startswith("```json\n") and body.endswith("\n```"):
+            body = body[8:-4]
+        call = _json_call(body, names) if body.startswith("{") else None
+        return (None, [call]) if call else (text, [])
     return (content or None) if calls else text, calls
 
 
@@ -7808,6 +7927,10 @@ class ApiRequest:
         """The answer may be tool calls (the tools are in the prompt, its text is parsed)."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    @property
+    def tool_names(self) -> List[str]:
+        return [t["function"]["name"] for t in self.tools]
+
 
 MAX_CHOICES = 16  # n and best_of up to this (or --parallel, if more), whatever the slots
 
@@ -7865,6 +7988,10 @@ def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_t
             api.params = dataclasses.replace(
                 api.params, grammar=tools_grammar(tool_format, api.tools, named, api.parallel_tool_calls),
                 schema=tool_call_schema(tool_format, api.tools, named))
+        elif api.tool_choice == "auto" and api.tools and api.params.grammar is None:  # a call, if one starts
+            api.params = dataclasses.replace(
+                api.params, lazy_grammar=tools_grammar(tool_format, api.tools, None, api.parallel_tool_calls, lazy=True),
+                triggers=tool_triggers(tool_format, api.tools))
         api.messages = _messages_from_body(body, tools_ok=tool_format is not None)
     else:
         prompt = body.get("prompt")
@@ -8184,31 +8311,53 @@ def _usage(results: Sequence[Result]) -> dict:
 
 
 class _ToolText:
-    """A streamed answer's text, held back from a call on (hermes: a <tool_call>, and
-    while the text's end could still become one; llama3: an answer that opens with "{"):
-    the content streams, the tool calls are sent whole at the end."""
+    """A streamed answer's text, held back where a tool call may begin, and its calls sent
+    as they are written (OpenAI's delta.tool_calls): a call's head (id, name) once its
+    name is out, then its arguments' text piece by piece as generated, never past their
+    closing brace. hermes: a <tool_call> block anywhere, and under tool_choice auto an
+    answer that opens with a bare or fenced call of a declared tool (``triggers``: where
+    the lazy grammar switches on); llama3: an answer that opens with "{"."""
 
     MARK = "<tool_call>"
+    HEAD = re.compile(r'\{"name":\s*"((?:[^"\\]|\\.)*)",\s*"(?:arguments|parameters)":\s*(?=\S)')
 
-    def __init__(self, fmt: str):
-        self.fmt = fmt
+    def __init__(self, fmt: str, triggers: Sequence[str] = (), names: Optional[Collection[str]] = None):
+        self.fmt, self.triggers, self.names = fmt, tuple(triggers), names  # (names: parse_tool_calls')
         self.rest, self.calling = "", False  # text held back; a call has begun
-        self.prose = False                   # llama3: the answer is text, not a call
+        self.prose = False                   # the opening is text, not a call
+        self.opened = False                  # the answer's opening is decided
+        self.sent: List[list] = []           # calls whose head went out: [id, name, arguments sent]
+        self._scan: Optional[list] = None    # the arguments going out: [at, depth, in a string, escaped]
+        self._from = 0                       # where in rest the next call's head is looked for
 
-    def feed(self, text: str) -> str:
-        """The part of text that can go out now as content."""
+    def feed(self, text: str) -> tuple:
+        """(the part of text that can go out now as content, delta.tool_calls parts to send)."""
         self.rest += text
-        if self.calling:
-            return ""
-        if self.fmt == "llama3":
-            if self.prose:
-                out, self.rest = self.rest, ""
-                return out
+        if not self.calling:
+            out = self._content()
+            if not self.calling:
+                return out, []
+            return out, self._calls()
+        return "", self._calls()
+
+    def _content(self) -> str:
+        if not self.opened:
             head = self.rest.lstrip()
-            if not head:
+            if self.fmt == "llama3":
+                if not head:
+                    return ""
+                self.opened, self.calling, self.prose = True, head[0] == "{", head[0] != "{"
+            elif self.triggers:
+                if not head or any(t.startswith(head) and len(head) < len(t) for t in self.triggers):
+                    return ""  # (it may still open a call)
+                self.opened, self.calling = True, any(head.startswith(t) for t in self.triggers)
+            else:
+                self.opened = True
+            if self.calling:
                 return ""
-            self.calling, self.prose = head[0] == "{", head[0] != "{"
-            return self.feed("") if self.prose else ""
+        if self.fmt == "llama3":
+            out, self.rest = self.rest, ""
+            return out
         k = self.rest.find(self.MARK)
         if k >= 0:
             out, self.rest, self.calling = self.rest[:k], self.rest[k:], True
@@ -8217,6 +8366,54 @@ class _ToolText:
                      if self.MARK.startswith(self.rest[-n:])), 0)
         out, self.rest = self.rest[:len(self.rest) - keep], self.rest[len(self.rest) - keep:]
         return out
+
+    def _calls(self) -> list:
+        """The delta.tool_calls parts the text held so far lets out."""
+        parts = []
+        while True:
+            if self._scan is None:
+                m = self.HEAD.search(self.rest, self._from)
+                if m is None:
+                    return parts
+                call_id = "call_" + os.urandom(12).hex()
+                self.sent.append([call_id, json.loads('"%s"' % m.group(1)), ""])
+                parts.append({"index": len(self.sent) - 1, "id": call_id, "type": "function",
+                              "function": {"name": self.sent[-1][1], "arguments": ""}})
+                self._scan, self._from = [m.end(), 0, False, False], m.end()
+            at, depth, in_str, esc = self._scan
+            start, end = at, None
+            while at < len(self.rest):
+                c = self.rest[at]
+                at += 1
+                if in_str:
+                    esc, in_str = (False, True) if esc else (c == "\\", c != '"')
+                elif c == '"':
+                    in_str = True
+                elif c in "{[":
+                    depth += 1
+                elif c in "}]":
+                    depth -= 1
+                    if depth == 0:
+                        end = at
+                        break
+            piece = self.rest[start:at]
+            if piece:
+                self.sent[-1][2] += piece
+                parts.append({"index": len(self.sent) - 1, "function": {"arguments": piece}})
+            if end is None:
+                self._scan = [at, depth, in_str, esc]
+                return parts
+            self._scan, self._from = None, end
+
+    def finish(self, calls: list) -> tuple:
+        """At the answer's end, with the calls read from its whole text: (the calls, with
+        the ids the stream gave them; those not streamed yet, (index, call), to send whole).
+        A call cut short (max_tokens) is the part that went out."""
+        if len(calls) < len(self.sent):
+            calls = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in self.sent]
+        for j, (call_id, _, args) in enumerate(self.sent):
+            calls[j]["id"], calls[j]["function"]["arguments"] = call_id, args
+        return calls, list(enumerate(calls))[len(self.sent):]
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -8409,7 +8606,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     # -- routes --
     # (method, path) -> handler name; a path ending in "/" takes the rest as an argument
-    _ROUTES = {("GET", "/health"): "_health", ("GET", "/v1/models"): "_models", ("GET", "/metrics"): "_metrics",
+    _ROUTES = {("GET", "/health"): "_health", ("GET", "/v1/models"): "_models", ("GET", "/v1/models/"): "_model",
+               ("GET", "/metrics"): "_metrics",
                ("POST", "/v1/chat/completions"): "_completion", ("POST", "/v1/completions"): "_completion",
                ("POST", "/v1/embeddings"): "_embeddings",
                ("GET", "/v1/sessions/"): "_session_get", ("DELETE", "/v1/sessions/"): "_session_delete"}
@@ -8419,7 +8617,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         prefix = next((p for m, p in self._ROUTES if p.endswith("/") and path.startswith(p)), None)
         key = path if prefix is None else prefix
         name = self._ROUTES.get((self.command, key))
-        if name is not None:
+        if self.command == "OPTIONS" and any(p == key for _, p in self._ROUTES) and self._cors():
+            self._preflight(sorted(m for m, p in self._ROUTES if p == key))
+        elif name is not None:
             getattr(self, name)(path[len(prefix):]) if prefix is not None else getattr(self, name)()
         elif any(p == key for _, p in self._ROUTES):
             raise RequestError("method %s is not allowed on %s" % (self.command, path), status=405,
@@ -8429,6 +8629,26 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _route(self):
         self._guard(self._dispatch)
+
+    def _cors(self) -> Optional[str]:
+        return self.server_ref.cors_origin(self.headers.get("Origin"))
+
+    def _preflight(self, methods: List[str]) -> None:
+        """A browser's CORS preflight (serve --cors ORIGIN): which methods and headers a
+        page from that origin may send (no key needed: it carries none)."""
+        self.send_response(204)
+        self.send_header("Access-Control-Allow-Methods", ", ".join(methods + ["OPTIONS"]))
+        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type, X-Reame-Session")
+        self.send_header("Access-Control-Max-Age", "600")
+        self.send_header("Content-Length", "0")
+        self._head_done()
+
+    def end_headers(self):
+        origin = self._cors() if getattr(self, "headers", None) is not None else None
+        if origin:  # (every answer to an allowed origin, errors too: the page can read why)
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+        super().end_headers()
 
     do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = do_HEAD = do_OPTIONS = _route
 
@@ -8450,6 +8670,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         srv = self.server_ref
         self._send_json(200, {"object": "list", "data": [
             {"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "reame"}]})
+
+    def _model(self, name: str):  # GET /v1/models/{id} (client.models.retrieve)
+        self._owner()
+        srv = self.server_ref
+        if urllib.parse.unquote(name) != srv.model_name:
+            raise RequestError("no model %s here: this server serves %s" % (printable(name, 100), srv.model_name),
+                               status=404, code="model_not_found", param="model")
+        self._send_json(200, {"id": srv.model_name, "object": "model", "created": srv.created, "owned_by": "reame"})
 
     def _metrics(self):
         srv = self.server_ref
@@ -8511,8 +8739,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                                 owner=owner, n_slots=eng.n_slots, max_tokens_cap=srv.max_tokens_cap,
                                 spec_default=eng.spec.default, session_header=self.headers.get("X-Reame-Session"),
                                 tool_format=tool_format(eng.model))
-        if api.params.grammar:
-            check_grammar(eng.model, api.params.grammar)
+        for grammar in (api.params.grammar, api.params.lazy_grammar):
+            if grammar:
+                check_grammar(eng.model, grammar)
         srv.admit()
         session = srv.sessions.begin(api.session_id, owner, api.chat) if api.session_id is not None else None
         try:
@@ -8552,7 +8781,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _envelope(self, api: ApiRequest, rid: str, chunk: bool) -> dict:
         obj = "chat.completion" if api.chat else "text_completion"
         return {"id": rid, "object": obj + (".chunk" if chunk and api.chat else ""), "created": int(time.time()),
-                "model": self.server_ref.model_name}
+                "model": self.server_ref.model_name, "system_fingerprint": self.server_ref.fingerprint}
 
     @staticmethod
     def _choice(chat: bool, index: int, text: Optional[str], finish: Optional[str], delta: bool = False,
@@ -8597,7 +8826,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.server_ref.count(200, results)
         choices = []
         for r in results:
-            text, calls = parse_tool_calls(api.tool_format, r.text) if api.calls_tools else (r.text, [])
+            text, calls = parse_tool_calls(api.tool_format, r.text, api.tool_names) if api.calls_tools else (r.text, [])
             choices.append(self._choice(api.chat, r.index, text, "tool_calls" if calls else r.finish_reason,
                                         logprobs=logprobs_json(api.chat, r.logprobs), tool_calls=calls or None))
             r.message = choices[-1]["message"] if calls else None
@@ -8716,7 +8945,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._sse_send(dict(base, choices=[c], **({"reame": {"replayed": True}} if replayed else {})))
         results: List[Optional[Result]] = [None] * n
         start, failed = 0, None
-        held = [_ToolText(api.tool_format) for _ in range(n)] if api.calls_tools else None
+        held = ([_ToolText(api.tool_format, api.params.triggers, api.tool_names) for _ in range(n)]
+                if api.calls_tools else None)
         try:
             if chat:
                 for i in range(n):
@@ -8754,9 +8984,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                      held: Optional[list], base: dict) -> Optional[ReameError]:
         """Send one wave's events (its choice i is choice start + i) until every choice
         ended; its error, if one failed (then the wave is cancelled). With tools
-        (``held``: a _ToolText per choice), text from a <tool_call> on is held back and
-        sent as delta.tool_calls chunks at the end, as OpenAI streams them."""
+        (``held``: a _ToolText per choice), a call goes out as delta.tool_calls chunks as
+        it is written (its head, then its arguments piece by piece), as OpenAI streams them."""
         events, left = reqs[0].events, len(reqs)
+
+        def send_call(i, part):
+            self._sse_send(dict(base, choices=[{"index": i, "delta": {"tool_calls": [part]},
+                                                "finish_reason": None, "logprobs": None}]))
         while left:
             try:
                 kind, payload, i = events.get(timeout=10)
@@ -8765,23 +8999,26 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 continue
             i += start
             if kind == "text":
-                text = held[i].feed(payload) if held else payload
+                text, calls = held[i].feed(payload) if held else (payload, ())
                 if text:
                     send(i, text)
+                for part in calls:
+                    send_call(i, part)
             elif kind == "logprobs":
                 lp_pending.setdefault(i, []).extend(payload)
             elif kind == "done":
                 payload.index = i
-                content, calls = parse_tool_calls(held[i].fmt, payload.text) if held else (None, [])
+                content, calls = parse_tool_calls(held[i].fmt, payload.text, held[i].names) if held else (None, [])
+                late = ()
+                if held:
+                    calls, late = held[i].finish(calls)
+                    if not calls and held[i].rest:
+                        send(i, held[i].rest)  # it looked like a call, and was not
                 payload.message = {"role": "assistant", "content": content, "tool_calls": calls} if calls else None
-                if held and not calls and held[i].rest:
-                    send(i, held[i].rest)  # it looked like a call, and was not
-                for j, c in enumerate(calls):
-                    head = {"index": j, "id": c["id"], "type": "function",
-                            "function": {"name": c["function"]["name"], "arguments": ""}}
-                    for part in (head, {"index": j, "function": {"arguments": c["function"]["arguments"]}}):
-                        self._sse_send(dict(base, choices=[{"index": i, "delta": {"tool_calls": [part]},
-                                                            "finish_reason": None, "logprobs": None}]))
+                for j, c in late:
+                    send_call(i, {"index": j, "id": c["id"], "type": "function",
+                                  "function": {"name": c["function"]["name"], "arguments": ""}})
+                    send_call(i, {"index": j, "function": {"arguments": c["function"]["arguments"]}})
                 send(i, finish="tool_calls" if calls else payload.finish_reason, replayed=payload.replayed)
                 results[i] = payload
                 left -= 1
@@ -8928,8 +9165,9 @@ class Server:
                  max_connections: int = 256, max_client_connections: int = 64,
                  max_body_in_flight: int = 16 << 20, shared_cache: bool = False, secret: Optional[bytes] = None,
                  embedding_model: Optional[str] = None, records: Optional[RecordStore] = None,
-                 metrics_key: Optional[str] = None):
+                 metrics_key: Optional[str] = None, cors: Sequence[str] = ()):
         self.engine, self.model_name = engine, model_name
+        self.cors = tuple(o.rstrip("/") for o in cors if o)  # origins a browser page may call from ("*": any)
         self._own_records = records is None and session_dir is not None  # (sessions on disk need a writer)
         self.records = RecordStore() if self._own_records else records
         self.api_keys = tuple(k.encode() for k in api_keys if k)
@@ -8973,6 +9211,11 @@ class Server:
         threading.Thread(target=self._watchdog, name="reame-watchdog", daemon=True).start()
 
     @property
+    def fingerprint(self) -> str:
+        """OpenAI's system_fingerprint: the library build and the model (with the engine)."""
+        return "fp_%s_%s" % (library_build_id()[:10], self.engine.model.fingerprint[:8])
+
+    @property
     def max_tokens_cap(self) -> Optional[int]:
         return self._max_tokens_cap  # (None: the context is the bound)
 
@@ -9000,6 +9243,12 @@ class Server:
         for key in self.api_keys:  # compare with every key: time does not depend on which matched
             ok |= hmac.compare_digest(given, key)
         return hmac.new(self._secret, given, hashlib.sha256).hexdigest()[:16] if ok else None
+
+    def cors_origin(self, origin: Optional[str]) -> Optional[str]:
+        """The Access-Control-Allow-Origin for a request from origin (None: not allowed)."""
+        if not origin or not self.cors:
+            return None
+        return "*" if "*" in self.cors else origin if origin.rstrip("/") in self.cors else None
 
     def operator(self, header: Optional[str]) -> bool:
         """May this caller read /metrics (every key's traffic)? With --metrics-key, only
@@ -9248,6 +9497,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--parallel", type=int, default=4, help="sequences decoded together (default 4)")
     sv.add_argument("--api-key", action="append", default=[], help="accept this bearer key (repeatable)")
     sv.add_argument("--api-key-file", help="a file with one key per line")
+    sv.add_argument("--cors", action="append", default=[], metavar="ORIGIN", help="let browser pages from ORIGIN "
+                    "(e.g. http://localhost:3000; * for any) call the API (CORS; repeatable; default: none)")
     sv.add_argument("--metrics-key", default=None, help="the operator's bearer key for /metrics (or "
                     "REAME_METRICS_KEY). /metrics shows every key's traffic, so with API keys it answers only "
                     "this key (403 to API keys); without API keys or this key it is open")
@@ -9445,7 +9696,7 @@ def _cmd_serve(args) -> int:
                     max_connections=args.max_connections, shared_cache=args.shared_cache,
                     max_client_connections=args.max_client_connections, write_timeout_s=args.write_timeout,
                     embedding_model=embedding, records=records,
-                    metrics_key=args.metrics_key or Config.from_env().metrics_key or None)
+                    metrics_key=args.metrics_key or Config.from_env().metrics_key or None, cors=args.cors)
 
     def on_signal(signum, frame):
         threading.Thread(target=server.shutdown, name="reame-shutdown", daemon=True).start()

@@ -3091,9 +3091,10 @@ _GOOD_BODIES = [
     ("null is the default", {"temperature": None, "top_p": None, "stop": None, "max_tokens": None, "n": None,
                              "seed": None, "stream": None, "reame": None, "response_format": None}, False, {},
      {"params": reame.SamplingParams(max_tokens_cap=256), "n": 1, "stream": False}),
-    ("unknown top-level fields are ignored", {"user": "x", "metadata": {"k": "v"}, "logit_bias": {"1": 5},
-                                             "frobnicate": [1]}, False, {},
+    ("unknown top-level fields are ignored", {"user": "x", "metadata": {"k": "v"}, "frobnicate": [1]}, False, {},
      {"params": reame.SamplingParams(max_tokens_cap=256)}),
+    ("logit_bias", {"logit_bias": {"12": 5, "1": -100}}, False, {},
+     {"params": reame.SamplingParams(max_tokens_cap=256, logit_bias=((1, -100.0), (12, 5.0)))}),
     ("a prompt of one string in a list", {"prompt": ["Hi there"]}, False, {}, {"prompt": "Hi there"}),
     ("max_tokens", {"max_tokens": 5}, False, {}, {"params.max_tokens": 5, "limit": 5}),
     ("max_completion_tokens", {"max_completion_tokens": 7}, False, {}, {"params.max_tokens": 7, "limit": 7}),
@@ -3389,13 +3390,48 @@ def test_llama3_tool_format_as_its_template_writes_it(qwen, monkeypatch):
                                    "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
                                   chat=True, owner="", n_slots=4, max_tokens_cap=64,
                                   spec_default=reame.SpecOptions(), tool_format="llama3")
-    assert api.params.grammar.startswith('root ::= "{\\"name\\": " ( "\\"get_time\\", \\"parameters\\": "')
+    assert 'body ::= "{\\"name\\": " ( "\\"get_time\\", \\"parameters\\": "' in api.params.grammar
     reame.gbnf_check(api.params.grammar)
     assert set(api.params.schema["properties"]) == {"name", "parameters"}
     held = reame._ToolText("llama3")
-    assert [held.feed(t) for t in (" ", '{"na', 'me": "x"}')] == ["", "", ""] and held.rest == ' {"name": "x"}'
+    assert [held.feed(t)[0] for t in (" ", '{"na', 'me": "x"}')] == ["", "", ""] and held.rest == ' {"name": "x"}'
     prose = reame._ToolText("llama3")
-    assert [prose.feed(t) for t in ("\n", "It", " is")] == ["", "\nIt", " is"]
+    assert [prose.feed(t) for t in ("\n", "It", " is")] == [("", []), ("\nIt", []), (" is", [])]
+
+
+def test_auto_tool_calls_open_lazily_and_stream_their_arguments():
+    """tool_choice auto (hermes): an answer that opens with a call of a declared tool, bare,
+    fenced or tagged, is held back and sent as delta.tool_calls: the head once the name is
+    out, then the arguments piece by piece, never past their closing brace, joined equal to
+    what the whole answer parses to (same ids); text that only mentions a tool, or JSON that
+    is no call, goes out as content; the lazy grammar allows each opening."""
+    tools = [_WEATHER, _TIME]
+    triggers = reame.tool_triggers("hermes", tools)
+    names = ["get_weather", "get_time"]
+    for opening, closing in (("", ""), ("```json\n", "\n```"), ("<tool_call>\n", "\n</tool_call>")):
+        text = opening + '{"name": "get_weather", "arguments": {"city": "Pa{ris}\\"", "unit": "celsius"}}' + closing
+        held = reame._ToolText("hermes", triggers, names)
+        out, parts = "", []
+        for k in range(0, len(text), 3):
+            piece, got = held.feed(text[k:k + 3])
+            out, parts = out + piece, parts + got
+        assert out == "" and parts[0]["id"].startswith("call_") and parts[0]["function"] == {
+            "name": "get_weather", "arguments": ""}, (opening, parts[:2])
+        args = "".join(p["function"]["arguments"] for p in parts[1:])
+        assert args == '{"city": "Pa{ris}\\"", "unit": "celsius"}' and len(parts) > 4, parts
+        content, calls = reame.parse_tool_calls("hermes", text, names)
+        calls, late = held.finish(calls)
+        assert content is None and late == [] and calls[0]["id"] == parts[0]["id"]
+        assert calls[0]["function"]["arguments"] == args and json.loads(args)["city"] == 'Pa{ris}"'
+    for text in ("get_weather is a tool I have.", '{"city": "Paris"}', '{"name": "Bob", "arguments": {}}',
+                 "```python\nprint(1)\n```"):
+        held = reame._ToolText("hermes", triggers, names)
+        out = "".join(held.feed(c)[0] for c in text)
+        content, calls = reame.parse_tool_calls("hermes", text, names)
+        assert held.finish(calls) == ([], []) and out + held.rest == text and content == text, text
+    grammar = reame.tools_grammar("hermes", tools, None, True, lazy=True)
+    reame.gbnf_check(grammar)
+    assert "```json" in grammar and "<tool_call>" in grammar
 
 
 # == 28. Sessions: conversations the server keeps ==============================
@@ -4194,6 +4230,64 @@ def test_server_embeddings_with_openai_client(server, gemma):
         status, payload = _http(server, "POST", "/v1/embeddings", bad)
         assert status == 400 and json.loads(payload)["error"]["message"], (bad, payload)
     assert _http(server, "POST", "/v1/embeddings", {"input": "x"}, key=None)[0] == 401
+
+
+def test_server_api_gaps_real_clients_hit(qwen):
+    """What the openai client sends and expects: tool_choice=None (JSON null) is "absent";
+    a tool whose parameters hold $defs/$ref (every nested pydantic model) is called with
+    its own definitions (two tools may define the same name differently);
+    models.retrieve; system_fingerprint; logit_bias changes greedy output (a banned token
+    never comes) and is bounded; a browser's CORS preflight is answered only with --cors."""
+    import openai
+    srv = reame.Server(qwen, "qwen", host="127.0.0.1", port=0, cors=["http://localhost:3000"])
+    plain = reame.Server(qwen, "qwen", host="127.0.0.1", port=0)
+    for x in (srv, plain):
+        threading.Thread(target=x.serve_forever, daemon=True).start()
+    try:
+        client = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % srv.port, api_key="x", max_retries=0)
+        ask = [{"role": "user", "content": "Ship the parcel to Ada at 5 Rue Verte, Paris 75001."}]
+        r = client.chat.completions.create(model="qwen", messages=ask, temperature=0, max_tokens=8, tool_choice=None)
+        assert r.choices[0].message.content and r.system_fingerprint.startswith("fp_")
+        address = {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"},
+                                                      "zip": {"type": "string"}}, "required": ["street", "city", "zip"]}
+        ship = {"type": "function", "function": {"name": "ship", "parameters": {
+            "$defs": {"Address": address}, "type": "object", "required": ["name", "to"],
+            "properties": {"name": {"type": "string"}, "to": {"$ref": "#/$defs/Address"}}}}}
+        other = {"type": "function", "function": {"name": "bill", "parameters": {
+            "$defs": {"Address": {"type": "object", "properties": {"iban": {"type": "string"}}, "required": ["iban"]}},
+            "type": "object", "required": ["to"], "properties": {"to": {"$ref": "#/$defs/Address"}}}}}
+        r = client.chat.completions.create(model="qwen", messages=ask, tools=[ship, other], temperature=0,
+                                           max_tokens=80, tool_choice={"type": "function", "function": {"name": "ship"}})
+        args = json.loads(r.choices[0].message.tool_calls[0].function.arguments)
+        assert set(args["to"]) == {"street", "city", "zip"}, args
+        assert client.models.retrieve("qwen").id == "qwen"
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("gpt-4")
+        hi = [{"role": "user", "content": "Say hello."}]
+        base = client.chat.completions.create(model="qwen", messages=hi, temperature=0, max_tokens=6, logprobs=True)
+        first = qwen.model.tokenize(base.choices[0].logprobs.content[0].token, add_special=False)[0]
+        biased = client.chat.completions.create(model="qwen", messages=hi, temperature=0, max_tokens=6, logprobs=True,
+                                                logit_bias={str(first): -100})
+        assert biased.choices[0].message.content != base.choices[0].message.content
+        assert all(t.token != base.choices[0].logprobs.content[0].token for t in biased.choices[0].logprobs.content)
+        for bad in ({"99999999": 1}, {"5": 101}, {"x": 1}, {str(i): 1 for i in range(2000)}):
+            status, payload = _http(srv, "POST", "/v1/chat/completions", {"messages": hi, "logit_bias": bad}, key=None)
+            assert status == 400 and json.loads(payload)["error"]["param"] == "logit_bias", (bad, payload)
+        pre = _raw_head("OPTIONS", "/v1/chat/completions", headers=[
+            ("Origin", "http://localhost:3000"), ("Access-Control-Request-Method", "POST"),
+            ("Access-Control-Request-Headers", "authorization,content-type")])
+        got = _raw_exchange(srv.port, pre)
+        h = got["headers"]
+        assert got["status"] == 204 and h["access-control-allow-origin"] == "http://localhost:3000", got
+        assert "POST" in h["access-control-allow-methods"] and "authorization" in h["access-control-allow-headers"].lower()
+        after = _raw_exchange(srv.port, _raw_head("GET", "/v1/models", headers=[("Origin", "http://localhost:3000")]))
+        assert after["status"] == 200 and after["headers"]["access-control-allow-origin"] == "http://localhost:3000"
+        for port, origin in ((srv.port, "http://evil.example"), (plain.port, "http://localhost:3000")):
+            got = _raw_exchange(port, pre.replace(b"http://localhost:3000", origin.encode()))
+            assert got["status"] == 405 and "access-control-allow-origin" not in got["headers"], got
+    finally:
+        srv.shutdown()
+        plain.shutdown()
 
 
 def test_server_tool_calls_with_openai_client(qwen, server):
