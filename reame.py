@@ -1919,7 +1919,7 @@ class Sampler:
         over from there, if it allows every token so far (each checked before it is
         accepted: never an abort); once the text cannot become a trigger, it is prose."""
         self._said.append(tok)
-        text = self._model.detokenize(self._said).lstrip()
+        text = _unspaced(self._model.detokenize(self._said))
         if any(t.startswith(text) and len(text) < len(t) for t in self._triggers):
             return  # (it may still open a call)
         self._lazy = None
@@ -7773,25 +7773,35 @@ def tools_grammar(fmt: str, tools: Sequence[dict], name: Optional[str], parallel
             if not lazy:
                 raise
             args = "object"
-        alts.append(_gbnf_literal('"%s", "%s": ' % (fn["name"], key)) + " " + args)
-    body = _gbnf_literal('{"name": ') + " ( " + " | ".join(alts) + " ) " + _gbnf_literal("}")
-    tagged = _gbnf_literal("<tool_call>\n") + " body " + _gbnf_literal("\n</tool_call>")
+        if lazy:  # (as models write it, pretty-printed or not: whitespace between its parts)
+            alts.append('%s w "," w %s w ":" w %s' % (_gbnf_literal('"%s"' % fn["name"]), _gbnf_literal('"%s"' % key),
+                                                      args))
+        else:
+            alts.append(_gbnf_literal('"%s", "%s": ' % (fn["name"], key)) + " " + args)
+    body = ('"{" w %s w ":" w ( %s ) w "}"' % (_gbnf_literal('"name"'), " | ".join(alts)) if lazy else
+            _gbnf_literal('{"name": ') + " ( " + " | ".join(alts) + " ) " + _gbnf_literal("}"))
     if fmt == "hermes":
-        lines = ["calls ::= tagged" + (' ("\n" tagged)*' if parallel and name is None else ""),
-                 "tagged ::= " + tagged]
-        lines.insert(0, "root ::= " + ('[ \t\n]{0,8} ( calls | body | %s body %s )' % (
-            _gbnf_literal("```json\n"), _gbnf_literal("\n```")) if lazy else "calls"))
+        lines = ["calls ::= tagged" + (' ("\\n" tagged)*' if parallel and name is None else ""),
+                 "tagged ::= " + _gbnf_literal("<tool_call>\n") + " body " + _gbnf_literal("\n</tool_call>")]
+        lines.insert(0, "root ::= " + ('w ( calls | body | "```" "json"? "\\n" body w "```" )' if lazy else "calls"))
     else:
-        lines = ["root ::= " + ("[ \t\n]{0,8} body" if lazy else "body")]
+        lines = ["root ::= " + ("w body" if lazy else "body")]
     lines.append("body ::= " + body)
+    if lazy:
+        lines.append("w ::= [ \\t\\n]{0,24}")
     return "\n".join(lines + ["%s ::= %s" % (n, b) for n, b in g.rules]) + "\n" + _GBNF_BASE
 
 
 def tool_triggers(fmt: str, tools: Sequence[dict]) -> tuple:
     """What an answer starts with (after whitespace) when it starts a call of one of the
     tools under tool_choice auto: the lazy grammar switches on there (Sampler)."""
-    openers = ("<tool_call>\n", "```json\n", "") if fmt == "hermes" else ("",)
-    return tuple(o + '{"name": "%s"' % t["function"]["name"] for o in openers for t in tools)
+    openers = ("<tool_call>", "```json", "```", "") if fmt == "hermes" else ("",)
+    return tuple(o + '{"name":"%s"' % t["function"]["name"] for o in openers for t in tools)
+
+
+def _unspaced(text: str) -> str:
+    """text without whitespace: an answer's opening as it is compared with tool_triggers."""
+    return "".join(text.split())
 
 
 def tool_call_schema(fmt: str, tools: Sequence[dict], name: Optional[str]) -> dict:
@@ -7813,6 +7823,7 @@ def _openai_call(name: str, args) -> dict:
         "name": name, "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
 
 
+_FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)\s*```", re.S)
 _ARGS_KEY = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 
 
@@ -7860,9 +7871,8 @@ def parse_tool_calls(fmt: str, text: str, names: Optional[Collection[str]] = Non
     kept.append(text[at:])
     content = "".join(kept).strip()
     if not calls and names:
-        body = text.strip()
-        if body.startswith("```json\n") and body.endswith("\n```"):
-            body = body[8:-4]
+        fenced = _FENCED.fullmatch(text.strip())
+        body = fenced.group(1) if fenced else text.strip()
         call = _json_call(body, names) if body.startswith("{") else None
         return (None, [call]) if call else (text, [])
     return (content or None) if calls else text, calls
@@ -8319,7 +8329,7 @@ class _ToolText:
     the lazy grammar switches on); llama3: an answer that opens with "{"."""
 
     MARK = "<tool_call>"
-    HEAD = re.compile(r'\{"name":\s*"((?:[^"\\]|\\.)*)",\s*"(?:arguments|parameters)":\s*(?=\S)')
+    HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
 
     def __init__(self, fmt: str, triggers: Sequence[str] = (), names: Optional[Collection[str]] = None):
         self.fmt, self.triggers, self.names = fmt, tuple(triggers), names  # (names: parse_tool_calls')
@@ -8348,6 +8358,7 @@ class _ToolText:
                     return ""
                 self.opened, self.calling, self.prose = True, head[0] == "{", head[0] != "{"
             elif self.triggers:
+                head = _unspaced(head)
                 if not head or any(t.startswith(head) and len(head) < len(t) for t in self.triggers):
                     return ""  # (it may still open a call)
                 self.opened, self.calling = True, any(head.startswith(t) for t in self.triggers)

@@ -3408,8 +3408,10 @@ def test_auto_tool_calls_open_lazily_and_stream_their_arguments():
     tools = [_WEATHER, _TIME]
     triggers = reame.tool_triggers("hermes", tools)
     names = ["get_weather", "get_time"]
-    for opening, closing in (("", ""), ("```json\n", "\n```"), ("<tool_call>\n", "\n</tool_call>")):
-        text = opening + '{"name": "get_weather", "arguments": {"city": "Pa{ris}\\"", "unit": "celsius"}}' + closing
+    for opening, closing, head in (("", "", '{"name": "get_weather", "arguments": '),
+                                   ("```json\n", "\n```", '{\n  "name": "get_weather",\n  "arguments": '),
+                                   ("<tool_call>\n", "\n</tool_call>", '{"name": "get_weather", "arguments": ')):
+        text = opening + head + '{"city": "Pa{ris}\\"", "unit": "celsius"}}' + closing
         held = reame._ToolText("hermes", triggers, names)
         out, parts = "", []
         for k in range(0, len(text), 3):
@@ -3431,7 +3433,7 @@ def test_auto_tool_calls_open_lazily_and_stream_their_arguments():
         assert held.finish(calls) == ([], []) and out + held.rest == text and content == text, text
     grammar = reame.tools_grammar("hermes", tools, None, True, lazy=True)
     reame.gbnf_check(grammar)
-    assert "```json" in grammar and "<tool_call>" in grammar
+    assert "\"```\" \"json\"?" in grammar and "<tool_call>" in grammar
 
 
 # == 28. Sessions: conversations the server keeps ==============================
