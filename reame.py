@@ -7752,13 +7752,17 @@ def hermes_messages(messages: Sequence[dict], tools: Sequence[dict]) -> List[dic
     return [{"role": m["role"], "content": m["content"]} for m in out]
 
 
-def tools_grammar(fmt: str, tools: Sequence[dict], name: Optional[str], parallel: bool, lazy: bool = False) -> str:
+def tools_grammar(fmt: str, tools: Sequence[dict], name: Optional[str], parallel: bool, lazy: bool = False,
+                  answer: Optional[dict] = None) -> str:
     """GBNF for an answer that is tool calls only (tool_choice required, or the function
     ``name``): each call's arguments constrained by its function's parameters schema
     (llama3: one call, the whole answer). ``lazy`` (tool_choice auto): the grammar a
     Sampler switches on when an answer starts a call (TOOL_TRIGGERS): the family's form,
     a bare {"name": ...} object or one in a ```json fence; a tool whose parameters the
-    converter refuses gets free JSON arguments there rather than no call at all."""
+    converter refuses gets free JSON arguments there rather than no call at all.
+    ``answer``: tool_choice auto beside a JSON response_format (its json_schema; {} for
+    json_object): the answer is a call (in any of the lazy forms) or JSON of that schema,
+    one grammar, on from the first token."""
     g = _SchemaGrammar({})
     alts = []
     key = "arguments" if fmt == "hermes" else "parameters"
@@ -7786,6 +7790,9 @@ def tools_grammar(fmt: str, tools: Sequence[dict], name: Optional[str], parallel
         lines.insert(0, "root ::= " + ('w ( calls | body | "```" "json"? "\\n" body w "```" )' if lazy else "calls"))
     else:
         lines = ["root ::= " + ("w body" if lazy else "body")]
+    if answer is not None:  # (or the answer the response_format asks for)
+        g.root = answer
+        lines[0] += " | " + (g.expr(answer, "#") if answer else "object")
     lines.append("body ::= " + body)
     if lazy:
         lines.append("w ::= [ \\t\\n]{0,24}")
@@ -7991,9 +7998,7 @@ def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_t
         if api.calls_tools and api.best_of > 1:
             raise RequestError("'tools' is not available with 'best_of'", code="invalid_value", param="tools")
         if api.tool_choice not in ("none", "auto"):  # required, or a named function: only calls
-            if api.params.grammar is not None:
-                raise RequestError("give either a forced 'tool_choice' or a 'response_format'/'grammar', not both",
-                                   code="invalid_value", param="tool_choice")
+            # (beside a response_format, as OpenAI: the call is forced now; the format is for a later answer)
             named = None if api.tool_choice == "required" else api.tool_choice
             api.params = dataclasses.replace(
                 api.params, grammar=tools_grammar(tool_format, api.tools, named, api.parallel_tool_calls),
@@ -8002,6 +8007,10 @@ def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_t
             api.params = dataclasses.replace(
                 api.params, lazy_grammar=tools_grammar(tool_format, api.tools, None, api.parallel_tool_calls, lazy=True),
                 triggers=tool_triggers(tool_format, api.tools))
+        elif api.tool_choice == "auto" and api.tools and (api.params.schema is not None or
+                                                          api.params.grammar == JSON_OBJECT_GRAMMAR):  # a call, or JSON
+            api.params = dataclasses.replace(api.params, grammar=tools_grammar(
+                tool_format, api.tools, None, api.parallel_tool_calls, lazy=True, answer=api.params.schema or {}))
         api.messages = _messages_from_body(body, tools_ok=tool_format is not None)
     else:
         prompt = body.get("prompt")

@@ -3322,9 +3322,6 @@ _BAD_BODIES = [
      {"tool_format": "hermes"}, "tools", "invalid_value"),
     ("tools with best_of", {"tools": [_WEATHER], "best_of": 2}, True, {"tool_format": "hermes"}, "tools",
      "invalid_value"),
-    ("a forced tool call and a response_format", {"tools": [_WEATHER], "tool_choice": "required",
-                                                  "response_format": {"type": "json_object"}}, True,
-     {"tool_format": "hermes"}, "tool_choice", "invalid_value"),
 ]
 
 
@@ -4290,6 +4287,51 @@ def test_server_api_gaps_real_clients_hit(qwen):
     finally:
         srv.shutdown()
         plain.shutdown()
+
+
+def test_server_auto_tool_calls_with_openai_client(qwen):
+    """tool_choice auto through the openai client: a question that needs the tool is
+    answered with a call (bare JSON as Qwen2.5-Coder writes it, constrained from its
+    opening on by the tool's schema), streamed as delta.tool_calls whose arguments come in
+    several pieces and join to the non-streamed arguments; a question that does not is text.
+    Beside a response_format (OpenAI's semantics): a call, or JSON of the schema; with a
+    forced tool_choice the call comes now."""
+    import openai
+    srv = reame.Server(qwen, "qwen", host="127.0.0.1", port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        client = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % srv.port, api_key="x", max_retries=0)
+        ask = [{"role": "user", "content": "What's the weather in Paris?"}]
+        kw = dict(model="qwen", tools=[_WEATHER, _TIME], temperature=0, max_tokens=96)
+        r = client.chat.completions.create(messages=ask, **kw)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.tool_calls[0].function.name == "get_weather", ch
+        args = ch.message.tool_calls[0].function.arguments
+        assert json.loads(args)["city"] == "Paris"
+        pieces, ids = [], set()
+        for chunk in client.chat.completions.create(messages=ask, stream=True, **kw):
+            for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                ids.add(call.id) if call.id else None
+                pieces.append(call.function.arguments or "")
+        assert "".join(pieces) == args and len([p for p in pieces if p]) >= 3 and len(ids) == 1, pieces
+        text = client.chat.completions.create(messages=[{"role": "user", "content": "Write a haiku about the sea."}],
+                                              **kw).choices[0]
+        assert text.finish_reason == "stop" and text.message.tool_calls is None and text.message.content
+        schema = {"type": "json_schema", "json_schema": {"name": "reply", "schema": {
+            "type": "object", "properties": {"reply": {"type": "string"}}, "required": ["reply"]}}}
+        both = client.chat.completions.create(messages=ask, response_format=schema, **kw).choices[0]
+        if both.message.tool_calls:
+            assert both.message.tool_calls[0].function.name in ("get_weather", "get_time")
+        else:
+            assert set(json.loads(both.message.content)) == {"reply"}, both
+        plain = client.chat.completions.create(messages=[{"role": "user", "content": "Say hi in JSON."}],
+                                               response_format=schema, **kw).choices[0]
+        assert plain.message.tool_calls or set(json.loads(plain.message.content)) == {"reply"}, plain
+        forced = client.chat.completions.create(messages=ask, response_format=schema, tool_choice="required",
+                                                **kw).choices[0]
+        assert forced.finish_reason == "tool_calls", forced
+    finally:
+        srv.shutdown()
 
 
 def test_server_tool_calls_with_openai_client(qwen, server):
