@@ -4474,8 +4474,10 @@ class DraftModel(DraftSource):
 # response_format's json_object and json_schema, and a raw grammar, constrain decoding
 # through llama.cpp's grammar sampler (section 7); here a json_schema becomes GBNF:
 # objects with required properties, arrays with item bounds, strings with length
-# bounds, numbers, booleans, enum and const, anyOf/oneOf, $ref (_SCHEMA_KNOWN); anything
-# else is a 400 naming it. Il Suggeritore (section 19) drafts where a constraint leaves
+# bounds or a format (_FORMATS), integers with bounds (exact), numbers, booleans, enum
+# and const, anyOf/oneOf, $ref (_SCHEMA_KNOWN). What a grammar cannot say well (number
+# bounds, multipleOf, uniqueItems, pattern) is checked on the finished value and
+# reported (schema_violations); anything else is a 400 naming it. Il Suggeritore (section 19) drafts where a constraint leaves
 # one way on.
 
 _GBNF_BASE = r'''
@@ -4494,7 +4496,72 @@ _SCHEMA_IGNORED = {"title", "description", "default", "examples", "$schema", "$i
                    "strict", "$defs", "definitions", "nullable", "deprecated",
                    "readOnly", "writeOnly"}
 _SCHEMA_KNOWN = {"type", "properties", "required", "items", "minItems", "maxItems", "enum", "const",
-                 "anyOf", "oneOf", "$ref", "minLength", "maxLength", "additionalProperties"} | _SCHEMA_IGNORED
+                 "anyOf", "oneOf", "$ref", "minLength", "maxLength", "additionalProperties",
+                 "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "pattern",
+                 "uniqueItems"} | _SCHEMA_IGNORED
+# string formats the grammar writes (others, like hostname, are annotations: any string)
+_TIME = r'( [01] [0-9] | "2" [0-3] ) ":" [0-5] [0-9] ":" [0-5] [0-9] ( "." [0-9]{1,6} )? ( "Z" | [+-] ( [01] [0-9] | "2" [0-3] ) ":" [0-5] [0-9] )'
+_DATE = r'[0-9]{4} "-" ( "0" [1-9] | "1" [0-2] ) "-" ( "0" [1-9] | [12] [0-9] | "3" [01] )'
+_FORMATS = {
+    "date": _DATE, "time": _TIME, "date-time": _DATE + ' "T" ' + _TIME,
+    "uuid": r'[0-9a-fA-F]{8} "-" [0-9a-fA-F]{4} "-" [0-9a-fA-F]{4} "-" [0-9a-fA-F]{4} "-" [0-9a-fA-F]{12}',
+    "email": r'[A-Za-z0-9._%+-]+ "@" [A-Za-z0-9-]+ ( "." [A-Za-z0-9-]+ )+',
+    "uri": r'[A-Za-z] [A-Za-z0-9+.-]* ":" [^"\\\x7F\x00-\x20]+',
+}
+_INT_DIGITS = 16  # the grammar's integers: at most this many digits (as the integer rule)
+
+
+def _digit_range(lo: str, hi: str) -> List[str]:
+    """GBNF sequences for the numbers from lo to hi, written with the same count of digits."""
+    if not lo:
+        return [""]
+    if set(lo) == {"0"} and set(hi) == {"9"}:
+        return ["[0-9]{%d}" % len(lo)]
+    if lo[0] == hi[0]:
+        return [('"%s" %s' % (lo[0], x)).strip() for x in _digit_range(lo[1:], hi[1:])]
+    n = len(lo) - 1
+    if set(lo[1:]) <= {"0"} and set(hi[1:]) <= {"9"}:  # (whole decades: one class, then any digits)
+        return [("[%s-%s] %s" % (lo[0], hi[0], "[0-9]{%d}" % n if n else "")).strip()]
+    out = [('"%s" %s' % (lo[0], x)).strip() for x in _digit_range(lo[1:], "9" * n)]
+    if int(hi[0]) - int(lo[0]) > 1:
+        out.append(("[%d-%d] %s" % (int(lo[0]) + 1, int(hi[0]) - 1, "[0-9]{%d}" % n if n else "")).strip())
+    out += [('"%s" %s' % (hi[0], x)).strip() for x in _digit_range("0" * n, hi[1:])]
+    return out
+
+
+def _natural_range(lo: int, hi: int) -> List[str]:
+    """GBNF sequences for the integers lo..hi (0 <= lo <= hi), without leading zeros."""
+    out = []
+    for width in range(len(str(lo)), len(str(hi)) + 1):
+        a = max(lo, 10 ** (width - 1) if width > 1 else 0)
+        b = min(hi, 10 ** width - 1)
+        if a <= b:
+            out += _digit_range(str(a).zfill(width), str(b).zfill(width))
+    return out
+
+
+def _int_range(node: dict) -> Optional[str]:
+    """An integer node's bounds as GBNF (None: no bounds). Exact: minimum, maximum and
+    their exclusive forms, within the grammar's 16 digits."""
+    lo, hi = node.get("minimum"), node.get("maximum")
+    if isinstance(node.get("exclusiveMinimum"), (int, float)) and not isinstance(node["exclusiveMinimum"], bool):
+        lo = max(lo if lo is not None else -math.inf, math.floor(node["exclusiveMinimum"]) + 1)
+    if isinstance(node.get("exclusiveMaximum"), (int, float)) and not isinstance(node["exclusiveMaximum"], bool):
+        hi = min(hi if hi is not None else math.inf, math.ceil(node["exclusiveMaximum"]) - 1)
+    if lo is None and hi is None:
+        return None
+    for v in (lo, hi):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise RequestError("json_schema: 'minimum' and 'maximum' must be numbers", code="invalid_schema")
+    top = 10 ** _INT_DIGITS - 1
+    lo = -top if lo is None else max(math.ceil(lo), -top)
+    hi = top if hi is None else min(math.floor(hi), top)
+    if lo > hi:
+        raise RequestError("json_schema: no integer lies between 'minimum' and 'maximum'", code="invalid_schema")
+    alts = _natural_range(max(lo, 0), hi) if hi >= 0 else []
+    if lo < 0:
+        alts += ['"-" ' + x for x in _natural_range(max(-hi, 1), -lo)]
+    return "( " + " | ".join(alts) + " )"
 
 
 def _gbnf_literal(s: str) -> str:
@@ -4567,7 +4634,8 @@ class _SchemaGrammar:
         if unknown:
             raise RequestError("json_schema at %s: %s not supported (supported: type, properties, required, "
                                "items, minItems, maxItems, enum, const, anyOf, oneOf, $ref, minLength, maxLength, "
-                               "additionalProperties)"
+                               "additionalProperties, format, minimum, maximum, exclusiveMinimum, exclusiveMaximum, "
+                               "multipleOf, pattern, uniqueItems)"
                                % (path, ", ".join(repr(k) for k in unknown)), code="invalid_schema")
         if "$ref" in node:
             return self.ref(node["$ref"], path)
@@ -4593,8 +4661,12 @@ class _SchemaGrammar:
             return "( " + " | ".join(self.expr(node, path, t) for t in dict.fromkeys(typ)) + " )"
         if typ is None:
             return "object" if "properties" in node else "value"
+        if typ == "integer" and _int_range(node) is not None:
+            return self.add(_int_range(node))
         if typ in ("number", "integer", "boolean", "null"):
-            return typ
+            return typ  # (a number's bounds and multipleOf: checked after, schema_violations)
+        if typ == "string" and node.get("format") in _FORMATS:
+            return self.add(r'"\"" %s "\""' % _FORMATS[node["format"]])
         if typ == "string":
             lo, hi = _bounds(node, "minLength", "maxLength", 100000)
             if not lo and hi is None:
@@ -4680,6 +4752,57 @@ def json_schema_grammar(schema: dict) -> str:
         raise RequestError("json_schema: nested too deeply", code="invalid_schema") from None
     lines = ["root ::= " + top] + ["%s ::= %s" % (n, b) for n, b in g.rules]
     return "\n".join(lines) + "\n" + _GBNF_BASE
+
+
+def schema_violations(schema: dict, value, path: str = "", root: Optional[dict] = None) -> List[str]:
+    """What of schema a JSON value breaks that the grammar does not enforce: a number's
+    minimum, maximum and multipleOf, uniqueItems, pattern (the linear-time matcher), and
+    lengths beside a format. Reported with the answer ("reame": {"schema_violations"}),
+    never a refusal: the grammar already made it the schema's shape."""
+    out: List[str] = []
+    root = schema if root is None else root
+    if not isinstance(schema, dict) or len(out) > 32:
+        return out
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.count("/") == 2:
+        _, kind, name = ref.split("/")
+        target = (root.get(kind) or {}).get(name) if isinstance(root.get(kind), dict) else None
+        return schema_violations(target, value, path, root) if isinstance(target, dict) and target is not schema else out
+    where = path or "/"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        for key, broken in (("minimum", lambda b: value < b), ("maximum", lambda b: value > b),
+                            ("exclusiveMinimum", lambda b: value <= b), ("exclusiveMaximum", lambda b: value >= b),
+                            ("multipleOf", lambda b: b > 0 and abs(value / b - round(value / b)) > 1e-9)):
+            bound = schema.get(key)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and broken(bound):
+                out.append("%s: %r breaks %s %r" % (where, value, key, bound))
+    if isinstance(value, str):
+        if isinstance(schema.get("pattern"), str):
+            try:
+                prog, groups = _regex_program(schema["pattern"])
+                if _regex_search(prog, 2 * groups + 2, value, 0, -1, [_VOTE_STEPS_MAX]) is None:
+                    out.append("%s: %r does not match pattern %r" % (where, value[:80], schema["pattern"][:80]))
+            except RequestError as e:
+                out.append("%s: pattern %r not checked (%s)" % (where, schema["pattern"][:80], e.message))
+        if schema.get("format") in _FORMATS:
+            for key, broken in (("minLength", lambda b: len(value) < b), ("maxLength", lambda b: len(value) > b)):
+                if isinstance(schema.get(key), int) and broken(schema[key]):
+                    out.append("%s: %r breaks %s %d" % (where, value[:80], key, schema[key]))
+    if isinstance(value, list):
+        if schema.get("uniqueItems") is True:
+            seen = [json.dumps(v, sort_keys=True) for v in value]
+            if len(set(seen)) < len(seen):
+                out.append("%s: items are not unique" % where)
+        for i, v in enumerate(value):
+            out += schema_violations(schema.get("items"), v, "%s/%d" % (path, i), root)
+    if isinstance(value, dict) and isinstance(schema.get("properties"), dict):
+        for k, v in value.items():
+            out += schema_violations(schema["properties"].get(k), v, "%s/%s" % (path, k), root)
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):  # (a value breaks a branch only if it breaks them all)
+            found = [schema_violations(sub, value, path, root) for sub in schema[key]]
+            out += [] if any(not f for f in found) else found[0]
+    return out[:32]
 
 
 # == 18. Reading JSON as it is written: JsonScan ===============================
@@ -8852,7 +8975,28 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             r.message = choices[-1]["message"] if calls else None
         done(results)
         extra = {"reame": {"replayed": True}} if all(r.replayed for r in results) else {}
+        broken = self._schema_violations(api, results)
+        if broken:
+            extra.setdefault("reame", {})["schema_violations"] = broken
         self._send_json(200, dict(self._envelope(api, rid, False), choices=choices, usage=_usage(results), **extra))
+
+    @staticmethod
+    def _schema_violations(api: ApiRequest, results: Sequence[Result]) -> List[str]:
+        """What the answers break of a response_format json_schema that the grammar does not
+        enforce (number bounds, multipleOf, uniqueItems, pattern), each "choice i: ..."."""
+        if api.params.schema is None:
+            return []
+        out = []
+        for r in results:
+            if r.message is not None:  # (a tool call: the schema is for an answer)
+                continue
+            try:
+                value = json.loads(r.text)
+            except ValueError:
+                out.append("choice %d: not whole JSON (finish_reason %s)" % (r.index, r.finish_reason))
+                continue
+            out += ["choice %d: %s" % (r.index, v) for v in schema_violations(api.params.schema, value)]
+        return out
 
     def _conclave(self, api: ApiRequest, tokens: List[int], submit_kw: dict) -> None:
         """best_of: candidates voted (section 26). The response has one choice, the

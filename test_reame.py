@@ -29,6 +29,7 @@ import random
 import re
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -2272,7 +2273,7 @@ def test_json_schema_grammar_converts_and_rejects(qwen):
     counts = reame.json_schema_grammar({"type": "object", "additionalProperties": {"type": "integer"}})
     reame.check_grammar(qwen.model, counts)
     assert "integer" in counts.splitlines()[1]             # a map's values keep their schema
-    for bad, why in [({"type": "string", "pattern": "^a"}, "'pattern'"), ({"type": "object", "properties": {},
+    for bad, why in [({"type": "object", "patternProperties": {}}, "'patternProperties'"), ({"type": "object", "properties": {},
                       "required": ["x"]}, "required"), ({"$ref": "http://x"}, "local refs"),
                      ({"type": "strng"}, "unknown type"), ({"type": "array", "minItems": 3, "maxItems": 1}, "below"),
                      ({"enum": []}, "enum"), ("nope", "object")]:
@@ -2282,6 +2283,62 @@ def test_json_schema_grammar_converts_and_rejects(qwen):
     with pytest.raises(reame.RequestError, match="Undefined rule identifier") as e:
         reame.check_grammar(qwen.model, "root ::= foo")
     assert e.value.status == 400
+
+
+def _gbnf_takes(model, grammar: str, text: str) -> bool:
+    """Does the grammar accept text whole (every token allowed in turn, then the end)?"""
+    L = reame.lib()
+    g = reame.grammar_sampler(model, grammar)
+
+    def lets(tok):
+        cand = (ctypes.c_int32 * 3)(tok, 0, 0)
+        arr = reame._llama_token_data_array(ctypes.addressof(cand), 1, -1, False)
+        L.llama_sampler_apply(g, ctypes.byref(arr))
+        return struct.unpack("<f", struct.pack("<i", cand[1]))[0] > float("-inf")
+    try:
+        for tok in model.tokenize(text, add_special=False, parse_special=False):
+            if not lets(tok):
+                return False
+            L.llama_sampler_accept(g, tok)
+        end = model.tokenize("<|im_end|>", add_special=False, parse_special=True)  # (qwen's end of turn)
+        assert len(end) == 1 and model.is_eog(end[0])
+        return lets(end[0])  # (an end of text is allowed only where the grammar is complete)
+    finally:
+        L.llama_sampler_free(g)
+
+
+def test_json_schema_keywords_pydantic_writes(qwen):
+    """The keywords pydantic emits every day: integer minimum/maximum (and exclusive) exact in
+    the grammar, formats date, time, date-time, uuid, email and uri written by it; number
+    bounds, multipleOf, uniqueItems and pattern checked on the finished value
+    (schema_violations), never a refusal."""
+    m = qwen.model
+    cases = [({"type": "integer", "minimum": 3, "maximum": 127}, ["3", "99", "100", "127"], ["128", "2", "0", "-1"]),
+             ({"type": "integer", "minimum": -20, "maximum": 5}, ["-20", "-1", "0", "5"], ["6", "-21", "-0"]),
+             ({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 1000}, ["1", "999"], ["0", "1000"]),
+             ({"type": "integer", "minimum": 0}, ["0", "12345678"], ["-1", "01"]),
+             ({"type": "string", "format": "date"}, ['"2026-12-06"'], ['"2026-13-01"', '"26-1-1"']),
+             ({"type": "string", "format": "date-time"}, ['"2026-12-06T05:30:00Z"', '"2026-12-06T05:30:00.5+01:00"'],
+              ['"2026-12-06 05:30"']),
+             ({"type": "string", "format": "uuid"}, ['"123e4567-e89b-12d3-a456-426614174000"'], ['"123e4567"']),
+             ({"type": "string", "format": "email"}, ['"ada@example.com"', '"a.b+c@mail.example.org"'],
+              ['"ada"', '"ada@example"']),
+             ({"type": "string", "format": "uri"}, ['"https://example.com/a?b=1"'], ['"not a uri"'])]
+    for schema, good, bad in cases:
+        grammar = reame.json_schema_grammar(schema)
+        for text in good:
+            assert _gbnf_takes(m, grammar, text), (schema, text)
+        for text in bad:
+            assert not _gbnf_takes(m, grammar, text), (schema, text)
+    person = {"type": "object", "properties": {
+        "age": {"type": "integer", "minimum": 0, "maximum": 150}, "score": {"type": "number", "maximum": 1},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]+$"}, "uniqueItems": True},
+        "step": {"type": "number", "multipleOf": 0.5}, "host": {"type": "string", "format": "hostname"}}}
+    reame.check_grammar(m, reame.json_schema_grammar(person))
+    assert reame.schema_violations(person, {"age": 40, "score": 0.5, "tags": ["a", "b"], "step": 1.5}) == []
+    assert reame.schema_violations(person, {"score": 2, "tags": ["a", "a", "B"], "step": 0.3}) == [
+        "/score: 2 breaks maximum 1", "/tags: items are not unique", "/tags/2: 'B' does not match pattern '^[a-z]+$'",
+        "/step: 0.3 breaks multipleOf 0.5"]
 
 
 PERSON = {"type": "object", "required": ["name", "age", "color", "skills"], "properties": {
@@ -3954,9 +4011,8 @@ def test_server_structured_output_and_its_errors(server):
     status, payload = _http(server, "POST", "/v1/completions", {"prompt": "Yes or no?", "max_tokens": 5,
                                                                  "grammar": 'root ::= "yes" | "no"'})
     assert status == 200 and json.loads(payload)["choices"][0]["text"] in ("yes", "no")
-    for bad, why in [({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string",
-                                                                                             "format": "email"}}}},
-                      "'format'"),
+    for bad, why in [({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+                          "type": "object", "patternProperties": {"^a": {}}}}}}, "'patternProperties'"),
                      ({"grammar": "root ::= foo", "response_format": {"type": "text"}}, "Undefined rule"),
                      ({"grammar": "root ::= \"a\"", "response_format": {"type": "json_object"}}, "not both"),
                      ({"response_format": {"type": "xml"}}, "response_format.type")]:
