@@ -37,7 +37,7 @@ import threading
 import time
 import types
 import zipfile
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import pytest
 
@@ -3453,6 +3453,31 @@ def test_llama3_tool_format_as_its_template_writes_it(qwen, monkeypatch):
     assert [prose.feed(t) for t in ("\n", "It", " is")] == [("", []), ("\nIt", []), (" is", [])]
 
 
+def test_tool_turns_render_as_the_models_own_template(qwen_model):
+    """An agent loop's prompt (a system message, a question, an assistant turn with two
+    parallel calls whose arguments are JSON strings as OpenAI sends them, two tool
+    results) is byte for byte what the model's own Jinja chat template (run by jinja2, as
+    transformers runs it) writes for the same conversation."""
+    import jinja2
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, ensure_ascii=ensure_ascii,
+                                                                                  indent=indent)
+    tools = [_WEATHER, _TIME]
+    calls = [{"id": "call_%d" % i, "type": "function", "function": {"name": "get_weather", "arguments": {"city": c}}}
+             for i, c in enumerate(("Paris", "Rome"))]
+    convo = [{"role": "system", "content": "Answer using the tools."},
+             {"role": "user", "content": "What's the weather in Paris and Rome?"},
+             {"role": "assistant", "content": None, "tool_calls": calls},
+             {"role": "tool", "tool_call_id": "call_0", "content": "Sunny, 22 C"},
+             {"role": "tool", "tool_call_id": "call_1", "content": "Rain, 14 C"}]
+    want = env.from_string(qwen_model.chat_template).render(messages=convo, tools=tools, add_generation_prompt=True)
+    sent = [dict(m) for m in convo]  # (as a client sends it: arguments as a JSON string)
+    sent[2] = dict(sent[2], tool_calls=[dict(c, function=dict(c["function"], arguments=json.dumps(
+        c["function"]["arguments"]))) for c in calls])
+    turns = reame.tool_messages("hermes", reame._messages_from_body({"messages": sent}, tools_ok=True), tools)
+    assert qwen_model.apply_chat_template(turns) == want
+
+
 def test_auto_tool_calls_open_lazily_and_stream_their_arguments():
     """tool_choice auto (hermes): an answer that opens with a call of a declared tool, bare,
     fenced or tagged, is held back and sent as delta.tool_calls: the head once the name is
@@ -4386,6 +4411,78 @@ def test_server_auto_tool_calls_with_openai_client(qwen):
         forced = client.chat.completions.create(messages=ask, response_format=schema, tool_choice="required",
                                                 **kw).choices[0]
         assert forced.finish_reason == "tool_calls", forced
+    finally:
+        srv.shutdown()
+
+
+def test_instructor_extracts_nested_pydantic_models(qwen):
+    """instructor, as its users run it: a nested pydantic model with a date, an EmailStr, an
+    integer with ge/le and a list of sub-objects, in TOOLS mode (a forced call; the $defs
+    of the nested model resolve in the tool's parameters), JSON_SCHEMA mode (a
+    response_format) and create_iterable; the grammar writes what pydantic validates."""
+    import datetime
+    import instructor
+    import openai
+    from pydantic import BaseModel, EmailStr, Field
+
+    class Address(BaseModel):
+        city: str
+        zip_code: str
+
+    class Person(BaseModel):
+        name: str
+        born: datetime.date
+        email: EmailStr
+        age: int = Field(ge=0, le=150)
+        addresses: List[Address]
+    srv = reame.Server(qwen, "qwen", host="127.0.0.1", port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    text = ("Ada Lovelace, born 1815-12-10, email ada@example.com, aged 36, lived in London (zip N1 7AA) "
+            "and Paris (zip 75001).")
+    try:
+        for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+            client = instructor.from_openai(openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % srv.port, api_key="x",
+                                                          max_retries=0), mode=mode)
+            p = client.chat.completions.create(model="qwen", response_model=Person, temperature=0, max_tokens=200,
+                                               max_retries=0, messages=[{"role": "user", "content": "Extract: " + text}])
+            assert p.born == datetime.date(1815, 12, 10) and p.email == "ada@example.com" and p.age == 36, (mode, p)
+            assert [a.city for a in p.addresses] == ["London", "Paris"], (mode, p)
+        client = instructor.from_openai(openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % srv.port, api_key="x",
+                                                      max_retries=0), mode=instructor.Mode.TOOLS)
+        found = list(client.chat.completions.create_iterable(
+            model="qwen", response_model=Address, temperature=0, max_tokens=200, max_retries=0,
+            messages=[{"role": "user", "content": "Extract every address: " + text}]))
+        assert [a.zip_code for a in found] == ["N1 7AA", "75001"], found
+    finally:
+        srv.shutdown()
+
+
+def test_agents_sdk_calls_a_tool_under_auto(qwen):
+    """The OpenAI Agents SDK over chat completions, with one function tool and text output:
+    under tool_choice auto the model's call reaches the function with its arguments, and
+    the run ends with the answer (stop_on_first_tool: the tool's text). (Left to go on,
+    the 0.5B coder model calls the tool again after its result, with a prompt that is
+    byte for byte its own template's: test_tool_turns_render_as_the_models_own_template.)"""
+    import agents
+    from openai import AsyncOpenAI
+    agents.set_tracing_disabled(True)
+    srv = reame.Server(qwen, "qwen", host="127.0.0.1", port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    seen = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        seen.append(city)
+        return "Sunny, 22 C in %s" % city
+    try:
+        client = AsyncOpenAI(base_url="http://127.0.0.1:%d/v1" % srv.port, api_key="x", max_retries=0)
+        agent = agents.Agent(name="weather", instructions="Answer using the tools.", tools=[get_weather],
+                             tool_use_behavior="stop_on_first_tool",
+                             model=agents.OpenAIChatCompletionsModel(model="qwen", openai_client=client),
+                             model_settings=agents.ModelSettings(temperature=0, max_tokens=96))
+        result = agents.Runner.run_sync(agent, "What's the weather in Paris?", max_turns=3)
+        assert seen == ["Paris"] and result.final_output == "Sunny, 22 C in Paris", (seen, result.final_output)
     finally:
         srv.shutdown()
 
