@@ -4511,6 +4511,91 @@ _FORMATS = {
 _INT_DIGITS = 16  # the grammar's integers: at most this many digits (as the integer rule)
 
 
+_PATTERN_CLASSES = {"CATEGORY_DIGIT": "0-9", "CATEGORY_WORD": "A-Za-z0-9_"}
+_PATTERN_MAX_REPEAT = 100  # a {m,n} bound the grammar writes out (above it: checked after)
+
+
+def _pattern_gbnf(pattern: str) -> Optional[str]:
+    r"""A string `pattern` as GBNF for the JSON string's characters, or None when it is
+    outside the subset written here (then it is checked after: schema_violations). The
+    subset: an anchored pattern (^...$, as pydantic's constr writes them) of literals,
+    classes (ranges, negation, \d \w), ., groups, alternation, bounded repeats and
+    unbounded ones not nested in another (no (a+)+). Unanchored patterns, characters JSON
+    escapes (quote, backslash, controls), \s and the rest stay with the check after."""
+    parser = _sre_parse()
+    if parser is None or len(pattern) > _VOTE_REGEX_MAX:
+        return None
+    try:
+        tree = list(parser.parse(pattern))
+    except (re.error, RecursionError, OverflowError):
+        return None
+    if tree.__class__ is not list:
+        return None
+
+    def char_ok(c: int) -> bool:
+        return c >= 0x20 and chr(c) not in '"\\' and c != 0x7F
+
+    def lit(c: int) -> str:
+        return _gbnf_literal(chr(c))
+
+    def cls(items) -> Optional[str]:
+        neg, parts = False, []
+        for op, av in items:
+            name = str(op)
+            if name == "NEGATE":
+                neg = True
+            elif name == "LITERAL" and char_ok(av) and chr(av) not in "]^-[":
+                parts.append(chr(av))
+            elif name == "RANGE" and all(char_ok(x) and chr(x) not in "]^-[" for x in av) and av[0] <= av[1] and \
+                    not any(chr(c) in '"\\' for c in range(av[0], min(av[1], 0x7E) + 1)):
+                parts.append("%s-%s" % (chr(av[0]), chr(av[1])))
+            elif name == "CATEGORY" and str(av) in _PATTERN_CLASSES:
+                parts.append(_PATTERN_CLASSES[str(av)])
+            else:
+                return None
+        if neg:  # (never a quote, backslash or control character: those are JSON's to escape)
+            return '[^"\\\\\\x7F\\x00-\\x1F%s]' % "".join(parts)
+        return "[%s]" % "".join(parts)
+
+    def seq(items, within: bool = False) -> Optional[str]:  # (within: inside an unbounded repeat)
+        out = []
+        for op, av in items:
+            name = str(op)
+            if name == "LITERAL":
+                if not char_ok(av):
+                    return None
+                out.append(lit(av))
+            elif name == "NOT_LITERAL":
+                out.append(cls([("NEGATE", None), ("LITERAL", av)]) if char_ok(av) else None)
+            elif name == "ANY":
+                out.append("char")
+            elif name == "IN":
+                out.append(cls([(str(o), a) for o, a in av]))
+            elif name == "SUBPATTERN":
+                out.append(seq(av[3], within) and "( %s )" % seq(av[3], within))
+            elif name == "BRANCH":
+                alts = [seq(b, within) for b in av[1]]
+                out.append(None if None in alts else "( " + " | ".join(a or '""' for a in alts) + " )")
+            elif name in ("MAX_REPEAT", "MIN_REPEAT"):
+                lo, hi, sub = av
+                unbounded = hi == parser.MAXREPEAT
+                if (unbounded and within) or lo > _PATTERN_MAX_REPEAT or (not unbounded and hi > _PATTERN_MAX_REPEAT):
+                    return None  # (an unbounded repeat inside another, like (a+)+: ambiguity the grammar pays for)
+                body = seq(sub, within or unbounded)
+                if body is None:
+                    return None
+                out.append("( %s ){%d,%s}" % (body, lo, "" if hi == parser.MAXREPEAT else hi))
+            else:
+                return None
+            if out[-1] is None:
+                return None
+        return " ".join(out) or '""'
+
+    anchored = (len(tree) >= 2 and str(tree[0][0]) == "AT" and str(tree[0][1]) == "AT_BEGINNING"
+                and str(tree[-1][0]) == "AT" and str(tree[-1][1]) in ("AT_END", "AT_END_STRING"))
+    return seq(tree[1:-1]) if anchored else None  # (unanchored: a match anywhere; checked after)
+
+
 def _digit_range(lo: str, hi: str) -> List[str]:
     """GBNF sequences for the numbers from lo to hi, written with the same count of digits."""
     if not lo:
@@ -4667,6 +4752,8 @@ class _SchemaGrammar:
             return typ  # (a number's bounds and multipleOf: checked after, schema_violations)
         if typ == "string" and node.get("format") in _FORMATS:
             return self.add(r'"\"" %s "\""' % _FORMATS[node["format"]])
+        if typ == "string" and isinstance(node.get("pattern"), str) and _pattern_gbnf(node["pattern"]):
+            return self.add(r'"\"" %s "\""' % _pattern_gbnf(node["pattern"]))  # (lengths: checked after)
         if typ == "string":
             lo, hi = _bounds(node, "minLength", "maxLength", 100000)
             if not lo and hi is None:
@@ -4784,7 +4871,7 @@ def schema_violations(schema: dict, value, path: str = "", root: Optional[dict] 
                     out.append("%s: %r does not match pattern %r" % (where, value[:80], schema["pattern"][:80]))
             except RequestError as e:
                 out.append("%s: pattern %r not checked (%s)" % (where, schema["pattern"][:80], e.message))
-        if schema.get("format") in _FORMATS:
+        if schema.get("format") in _FORMATS or isinstance(schema.get("pattern"), str):
             for key, broken in (("minLength", lambda b: len(value) < b), ("maxLength", lambda b: len(value) > b)):
                 if isinstance(schema.get(key), int) and broken(schema[key]):
                     out.append("%s: %r breaks %s %d" % (where, value[:80], key, schema[key]))
@@ -8072,6 +8159,14 @@ class ApiRequest:
         return [t["function"]["name"] for t in self.tools]
 
 
+_REFUSED_FIELDS = (  # OpenAI request fields a text model here cannot honour, and what to do instead
+    ("modalities", "this server answers text only"), ("audio", "this server answers text only"),
+    ("functions", "the legacy 'functions' are not served: send 'tools'"),
+    ("function_call", "the legacy 'function_call' is not served: send 'tool_choice'"),
+    ("prediction", "predicted outputs are not served (Reame drafts from its archive and the prompt itself)"),
+    ("web_search_options", "this server has no web search"),
+    ("suffix", "insertion (text after the completion) is not served"),
+    ("echo", "the prompt is not echoed back: it is the text you sent"))
 MAX_CHOICES = 16  # n and best_of up to this (or --parallel, if more), whatever the slots
 
 
@@ -8092,6 +8187,9 @@ def request_from_body(body: dict, *, chat: bool, owner: str, n_slots: int, max_t
                      stream=_field(body, "stream", bool, False, why="a boolean"),
                      spec=spec_from_body(body, spec_default), archive=archive_from_body(body, owner))
     api.include_usage = bool(_field(body, "stream_options", dict, {}, why="an object").get("include_usage"))
+    for name, why in _REFUSED_FIELDS:  # (known OpenAI fields this server cannot honour: never ignored)
+        if body.get(name) not in (None, [], ["text"], False, ""):
+            raise RequestError("'%s' is not supported: %s" % (name, why), code="unsupported_field", param=name)
     api.session_id = session_header or body.get("session_id")
     if api.session_id is not None and api.n != 1:
         raise RequestError("a session continues one answer: 'n' must be 1 with 'session_id'",

@@ -2309,9 +2309,9 @@ def _gbnf_takes(model, grammar: str, text: str) -> bool:
 
 def test_json_schema_keywords_pydantic_writes(qwen):
     """The keywords pydantic emits every day: integer minimum/maximum (and exclusive) exact in
-    the grammar, formats date, time, date-time, uuid, email and uri written by it; number
-    bounds, multipleOf, uniqueItems and pattern checked on the finished value
-    (schema_violations), never a refusal."""
+    the grammar, formats date, time, date-time, uuid, email and uri written by it, and an
+    anchored pattern of the linear subset too; number bounds, multipleOf, uniqueItems and
+    any other pattern checked on the finished value (schema_violations), never a refusal."""
     m = qwen.model
     cases = [({"type": "integer", "minimum": 3, "maximum": 127}, ["3", "99", "100", "127"], ["128", "2", "0", "-1"]),
              ({"type": "integer", "minimum": -20, "maximum": 5}, ["-20", "-1", "0", "5"], ["6", "-21", "-0"]),
@@ -2323,7 +2323,10 @@ def test_json_schema_keywords_pydantic_writes(qwen):
              ({"type": "string", "format": "uuid"}, ['"123e4567-e89b-12d3-a456-426614174000"'], ['"123e4567"']),
              ({"type": "string", "format": "email"}, ['"ada@example.com"', '"a.b+c@mail.example.org"'],
               ['"ada"', '"ada@example"']),
-             ({"type": "string", "format": "uri"}, ['"https://example.com/a?b=1"'], ['"not a uri"'])]
+             ({"type": "string", "format": "uri"}, ['"https://example.com/a?b=1"'], ['"not a uri"']),
+             ({"type": "string", "pattern": "^[A-Z][a-z]+$"}, ['"Ada"', '"Lovelace"'], ['"ada"', '"A"', '"Ada1"']),
+             ({"type": "string", "pattern": "^\\d{3}-\\d{4}$"}, ['"555-1234"'], ['"5551234"', '"55-1234"']),
+             ({"type": "string", "pattern": "^(ab|cd)*$"}, ['""', '"abcdab"'], ['"abc"'])]
     for schema, good, bad in cases:
         grammar = reame.json_schema_grammar(schema)
         for text in good:
@@ -2336,6 +2339,7 @@ def test_json_schema_keywords_pydantic_writes(qwen):
         "step": {"type": "number", "multipleOf": 0.5}, "host": {"type": "string", "format": "hostname"}}}
     reame.check_grammar(m, reame.json_schema_grammar(person))
     assert reame.schema_violations(person, {"age": 40, "score": 0.5, "tags": ["a", "b"], "step": 1.5}) == []
+    assert [reame._pattern_gbnf(p) for p in ("ab|c", "^(a+)+$", '^a"b$', "^\\s+$")] == [None] * 4  # (checked after)
     assert reame.schema_violations(person, {"score": 2, "tags": ["a", "a", "B"], "step": 0.3}) == [
         "/score: 2 breaks maximum 1", "/tags: items are not unique", "/tags/2: 'B' does not match pattern '^[a-z]+$'",
         "/step: 0.3 breaks multipleOf 0.5"]
@@ -3366,6 +3370,13 @@ _BAD_BODIES = [
      "messages[0].content", "invalid_value"),
     ("a text part that is a number", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
      True, {}, "messages[0].content", "invalid_value"),
+    # known OpenAI fields this server cannot honour: refused, never ignored
+    ("audio output", {"modalities": ["text", "audio"]}, True, {}, "modalities", "unsupported_field"),
+    ("the legacy functions", {"functions": [{"name": "f"}]}, True, {}, "functions", "unsupported_field"),
+    ("predicted outputs", {"prediction": {"type": "content", "content": "x"}}, True, {}, "prediction",
+     "unsupported_field"),
+    ("echo", {"echo": True}, False, {}, "echo", "unsupported_field"),
+    ("suffix", {"suffix": "}"}, False, {}, "suffix", "unsupported_field"),
     # tools
     ("tools with a model that has no tool format", {"tools": [_WEATHER]}, True, {}, "tools",
      "tools_not_supported"),
