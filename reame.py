@@ -4844,8 +4844,9 @@ def json_schema_grammar(schema: dict) -> str:
 def schema_violations(schema: dict, value, path: str = "", root: Optional[dict] = None) -> List[str]:
     """What of schema a JSON value breaks that the grammar does not enforce: a number's
     minimum, maximum and multipleOf, uniqueItems, pattern (the linear-time matcher), and
-    lengths beside a format. Reported with the answer ("reame": {"schema_violations"}),
-    never a refusal: the grammar already made it the schema's shape."""
+    lengths beside a format. Reported with the answer ("reame": {"schema_violations"}; a
+    stream: in a chunk of its own before [DONE]), never a refusal: the grammar already
+    made it the schema's shape."""
     out: List[str] = []
     root = schema if root is None else root
     if not isinstance(schema, dict) or len(out) > 32:
@@ -9229,6 +9230,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             else:
                 if api.include_usage:
                     self._sse_send(dict(base, choices=[], usage=_usage(results)))
+                broken = self._schema_violations(api, results)
+                if broken:
+                    self._sse_send(dict(base, choices=[], reame={"schema_violations": broken}))
                 srv.count(200, results)
                 self._results = results
             if before_done is not None:

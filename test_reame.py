@@ -4047,6 +4047,17 @@ def test_server_structured_output_and_its_errors(server):
     status, payload = _http(server, "POST", "/v1/completions", {"prompt": "Yes or no?", "max_tokens": 5,
                                                                  "grammar": 'root ::= "yes" | "no"'})
     assert status == 200 and json.loads(payload)["choices"][0]["text"] in ("yes", "no")
+    low = {"type": "json_schema", "json_schema": {"name": "n", "schema": {  # (a bound the grammar leaves to the check)
+        "type": "object", "properties": {"n": {"type": "number", "maximum": -1000000}}, "required": ["n"]}}}
+    ask = dict(body, messages=[{"role": "user", "content": "Give a JSON object with a small number n."}],
+               response_format=low, max_tokens=16)
+    status, payload = _http(server, "POST", "/v1/chat/completions", ask)
+    out = json.loads(payload)
+    n = json.loads(out["choices"][0]["message"]["content"])["n"]
+    assert status == 200 and n > -1000000 and out["reame"]["schema_violations"] == [
+        "choice 0: /n: %r breaks maximum -1000000" % n], out
+    status, payload = _http(server, "POST", "/v1/chat/completions", dict(ask, stream=True))
+    assert [c["reame"] for c in _sse(payload) if "reame" in c] == [out["reame"]]
     for bad, why in [({"response_format": {"type": "json_schema", "json_schema": {"schema": {
                           "type": "object", "patternProperties": {"^a": {}}}}}}, "'patternProperties'"),
                      ({"grammar": "root ::= foo", "response_format": {"type": "text"}}, "Undefined rule"),
