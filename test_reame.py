@@ -4050,7 +4050,7 @@ def test_server_structured_output_and_its_errors(server):
     low = {"type": "json_schema", "json_schema": {"name": "n", "schema": {  # (a bound the grammar leaves to the check)
         "type": "object", "properties": {"n": {"type": "number", "maximum": -1000000}}, "required": ["n"]}}}
     ask = dict(body, messages=[{"role": "user", "content": "Give a JSON object with a small number n."}],
-               response_format=low, max_tokens=16)
+               response_format=low, max_tokens=48)
     status, payload = _http(server, "POST", "/v1/chat/completions", ask)
     out = json.loads(payload)
     n = json.loads(out["choices"][0]["message"]["content"])["n"]
