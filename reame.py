@@ -41,8 +41,9 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
    27. Request bodies: OpenAI JSON to engine arguments
    28. Sessions: conversations the server keeps
    29. HTTP requests: routes and answers
-   30. HTTP server: connections, tenants, limits, metrics
-   31. Command line
+   30. Anthropic's Messages API: one engine, another dialect
+   31. HTTP server: connections, tenants, limits, metrics
+   32. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -8782,7 +8783,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         extra = list(getattr(err, "headers", ()))
         if err.status == 401:
             extra.append(("WWW-Authenticate", "Bearer"))
-        self._send_json(err.status, _openai_error(err), extra)
+        anthropic = self.path.split("?", 1)[0].startswith("/v1/messages")  # (each dialect's own error shape)
+        self._send_json(err.status, anthropic_error(err) if anthropic else _openai_error(err), extra)
 
     def _read_body(self) -> dict:
         n, srv = self._body_len, self.server_ref
@@ -8852,6 +8854,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                ("GET", "/metrics"): "_metrics",
                ("POST", "/v1/chat/completions"): "_completion", ("POST", "/v1/completions"): "_completion",
                ("POST", "/v1/embeddings"): "_embeddings",
+               ("POST", "/v1/messages"): "_messages", ("POST", "/v1/messages/count_tokens"): "_count_tokens",
                ("GET", "/v1/sessions/"): "_session_get", ("DELETE", "/v1/sessions/"): "_session_delete"}
 
     def _dispatch(self):
@@ -8896,7 +8899,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _owner(self) -> str:
         """Authenticate; the caller's identity for session scoping."""
-        owner = self.server_ref.authorized(self.headers.get("Authorization"))
+        key = self.headers.get("x-api-key")  # (Anthropic's header; Bearer works on every route)
+        owner = self.server_ref.authorized(self.headers.get("Authorization") or ("Bearer " + key if key else None))
         if owner is None:
             raise ReameError("missing or invalid API key (Authorization: Bearer KEY)", status=401,
                              code="invalid_api_key")
@@ -8972,6 +8976,122 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         srv.count(200)
         self._send_json(200, {"object": "list", "data": data, "model": srv.model_name,
                               "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+    def _anthropic_request(self, counting: bool = False) -> tuple:
+        """(owner, ApiRequest, prompt tokens) of a Messages API request (section 30)."""
+        owner = self._owner()
+        eng = self.server_ref.engine
+        api = request_from_body(anthropic_body(self._read_body(), counting), chat=True, owner=owner, n_slots=eng.n_slots,
+                                max_tokens_cap=self.server_ref.max_tokens_cap, spec_default=eng.spec.default,
+                                tool_format=tool_format(eng.model))
+        turns = api.messages
+        if api.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in turns):
+            turns = tool_messages(api.tool_format, turns, api.tools if api.calls_tools else ())
+        tokens = eng.chat_prompt(turns)
+        if not counting:
+            api.params.check_context(len(tokens), eng.n_ctx)
+        return owner, api, tokens
+
+    def _count_tokens(self):  # POST /v1/messages/count_tokens
+        self._send_json(200, {"input_tokens": len(self._anthropic_request(counting=True)[2])})
+
+    def _messages(self):
+        """POST /v1/messages: Anthropic's Messages API on the same engine (section 30)."""
+        owner, api, tokens = self._anthropic_request()
+        srv, eng = self.server_ref, self.server_ref.engine
+        for grammar in (api.params.grammar, api.params.lazy_grammar):
+            if grammar:
+                check_grammar(eng.model, grammar)
+        srv.admit()
+        reqs = eng.submit_n(tokens, api.params, 1, spec=api.spec, archive=api.archive, tenant=srv.tenant(owner),
+                            replay=api.replay)
+        msg = {"id": "msg_" + reqs[0].id.replace("-", "_") + "_" + os.urandom(4).hex(), "type": "message",
+               "role": "assistant", "model": srv.model_name}
+        if api.stream:
+            return self._anthropic_stream(reqs[0], api, msg)
+        results = self._wait(reqs)
+        if results is None:
+            return
+        r = results[0]
+        text, calls = parse_tool_calls(api.tool_format, r.text, api.tool_names) if api.calls_tools else (r.text, [])
+        stop, seq = anthropic_stop(r, calls, api.params.stop, eng.model)
+        self._results = results
+        srv.count(200, results)
+        self._send_json(200, dict(msg, content=anthropic_blocks(text, calls), stop_reason=stop, stop_sequence=seq,
+                                  usage=anthropic_usage(r)))
+
+    def _anthropic_stream(self, req: Request, api: ApiRequest, msg: dict) -> None:
+        """Anthropic's event sequence: message_start, a content block per text run or tool
+        call (its start, deltas, stop), message_delta (stop_reason, usage), message_stop."""
+        self._sse_start()
+
+        def event(kind: str, data: dict) -> None:
+            self._sse_write(b"event: %s\ndata: %s\n\n" % (kind.encode(), json.dumps(dict(data, type=kind)).encode()))
+        held = _ToolText(api.tool_format, api.params.triggers, api.tool_names) if api.calls_tools else None
+        block = [-1, None]  # the open block: its index, its kind ("text", "tool_use")
+
+        def open_block(kind: str, head: dict) -> None:
+            if block[1] is not None:
+                event("content_block_stop", {"index": block[0]})
+            block[0], block[1] = block[0] + 1, kind
+            event("content_block_start", {"index": block[0], "content_block": head})
+        try:
+            event("message_start", {"message": dict(msg, content=[], stop_reason=None, stop_sequence=None, usage={
+                "input_tokens": len(req.prompt), "output_tokens": 0})})
+            while True:
+                try:
+                    kind, payload, _ = req.events.get(timeout=10)
+                except queue.Empty:
+                    event("ping", {})
+                    continue
+                if kind == "text":
+                    text, parts = held.feed(payload) if held else (payload, ())
+                    if text:
+                        if block[1] != "text":
+                            open_block("text", {"type": "text", "text": ""})
+                        event("content_block_delta", {"index": block[0], "delta": {"type": "text_delta", "text": text}})
+                    for part in parts:
+                        if part.get("id"):
+                            open_block("tool_use", {"type": "tool_use", "id": part["id"],
+                                                    "name": part["function"]["name"], "input": {}})
+                        elif part["function"]["arguments"]:
+                            event("content_block_delta", {"index": block[0], "delta": {
+                                "type": "input_json_delta", "partial_json": part["function"]["arguments"]}})
+                elif kind == "done":
+                    calls = []
+                    if held:
+                        calls, late = held.finish(parse_tool_calls(api.tool_format, payload.text, api.tool_names)[1])
+                        if not calls and held.rest:
+                            if block[1] != "text":
+                                open_block("text", {"type": "text", "text": ""})
+                            event("content_block_delta", {"index": block[0], "delta": {"type": "text_delta",
+                                                                                       "text": held.rest}})
+                        for _, c in late:
+                            open_block("tool_use", {"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                                                    "input": {}})
+                            event("content_block_delta", {"index": block[0], "delta": {
+                                "type": "input_json_delta", "partial_json": c["function"]["arguments"]}})
+                    if block[1] is not None:
+                        event("content_block_stop", {"index": block[0]})
+                    stop, seq = anthropic_stop(payload, calls, api.params.stop, self.server_ref.engine.model)
+                    event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": seq},
+                                            "usage": {"output_tokens": payload.n_gen_tok}})
+                    event("message_stop", {})
+                    self._results = [payload]
+                    self.server_ref.count(200, [payload])
+                    break
+                else:
+                    event("error", anthropic_error(payload))
+                    self.server_ref.count(payload.status)
+                    break
+            if self._chunked:
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+            self._streaming = False
+        except OSError:  # the client left
+            req.cancel()
+            self.server_ref.count(499)
+            self._status = 499
 
     def _completion(self):
         """Who is calling -> the request (section 27) -> admission -> submit -> the answer."""
@@ -9295,7 +9415,132 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return None
 
 
-# == 30. HTTP server: connections, tenants, limits, metrics ====================
+# == 30. Anthropic's Messages API: one engine, another dialect =================
+# POST /v1/messages (and /v1/messages/count_tokens), as the anthropic SDK and Claude
+# Code speak it: a thin translation onto the request layer (section 27: the same fields,
+# checks and limits), answered in Anthropic's shapes (content blocks, stop_reason, its
+# event sequence when streamed, its error JSON). Keys come as x-api-key or Bearer.
+
+_ANTHROPIC_STOP = {"length": "max_tokens", "tool_calls": "tool_use"}
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                     503: "overloaded_error"}
+
+
+def anthropic_error(err: ReameError) -> dict:
+    return {"type": "error", "error": {"type": _ANTHROPIC_ERRORS.get(err.status, "api_error"), "message": err.message}}
+
+
+def _anthropic_text(content, where: str) -> str:
+    """A string, or text blocks joined; anything else in it (an image) is a 400."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError("'%s' must be a string or a list of content blocks" % where, param=where)
+    out = []
+    for i, b in enumerate(content):
+        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
+            raise RequestError("'%s[%d]' must be a text block here (images and documents are not served)"
+                               % (where, i), param=where)
+        out.append(b["text"])
+    return "".join(out)
+
+
+def anthropic_body(body: dict, counting: bool = False) -> dict:
+    """A Messages API body -> the chat completions body it means (section 27 checks it).
+    counting: count_tokens's body, which has no max_tokens."""
+    if counting:
+        body = dict(body, max_tokens=1)
+    if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
+        raise RequestError("'max_tokens' is required: an integer", param="max_tokens")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError("'messages' must be a non-empty list", param="messages")
+    out = []
+    if body.get("system") is not None:
+        out.append({"role": "system", "content": _anthropic_text(body["system"], "system")})
+    for i, m in enumerate(msgs):
+        where = "messages[%d]" % i
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise RequestError("'%s.role' must be user or assistant" % where, param=where + ".role")
+        blocks = m.get("content")
+        if isinstance(blocks, str):
+            out.append({"role": m["role"], "content": blocks})
+            continue
+        if not isinstance(blocks, list):
+            raise RequestError("'%s.content' must be a string or a list of blocks" % where, param=where + ".content")
+        text, calls = [], []
+        for j, b in enumerate(blocks):
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text" and isinstance(b.get("text"), str):
+                text.append(b["text"])
+            elif kind == "tool_use" and m["role"] == "assistant" and isinstance(b.get("name"), str):
+                calls.append({"id": str(b.get("id") or ""), "type": "function", "function": {
+                    "name": b["name"], "arguments": json.dumps(b.get("input") or {}, ensure_ascii=False)}})
+            elif kind == "tool_result" and m["role"] == "user":
+                result = b.get("content", "")
+                out.append({"role": "tool", "tool_call_id": str(b.get("tool_use_id") or ""),
+                            "content": _anthropic_text(result, "%s.content[%d].content" % (where, j))})
+            else:
+                raise RequestError("'%s.content[%d]' is not a block served here (text; tool_use from the "
+                                   "assistant; tool_result from the user)" % (where, j), param=where + ".content")
+        if calls:
+            out.append({"role": "assistant", "content": "".join(text) or None, "tool_calls": calls})
+        elif text or not any(o.get("role") == "tool" for o in out[-1:]):
+            out.append({"role": m["role"], "content": "".join(text)})
+    chat = {"messages": out, "max_tokens": body["max_tokens"], "stream": bool(body.get("stream"))}
+    for name in ("temperature", "top_p", "top_k"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("stop_sequences") is not None:
+        chat["stop"] = body["stop_sequences"]
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise RequestError("'tools' must be a list of {name, description, input_schema}", param="tools")
+        chat["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+                                                           "parameters": t.get("input_schema") or {}}} for t in tools]
+    choice = body.get("tool_choice")
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        if kind not in ("auto", "any", "tool", "none"):
+            raise RequestError("'tool_choice.type' must be auto, any, tool or none", param="tool_choice")
+        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or {
+            "type": "function", "function": {"name": choice.get("name")}}
+        if choice.get("disable_parallel_tool_use"):
+            chat["parallel_tool_calls"] = False
+    return chat
+
+
+def anthropic_blocks(text: Optional[str], calls: Sequence[dict]) -> List[dict]:
+    """An answer's content blocks: its text, then a tool_use block per call."""
+    out = [{"type": "text", "text": text}] if text else []
+    for c in calls:
+        try:
+            args = json.loads(c["function"]["arguments"] or "{}")
+        except ValueError:
+            args = {}
+        out.append({"type": "tool_use", "id": c["id"], "name": c["function"]["name"], "input": args})
+    return out
+
+
+def anthropic_stop(result: Result, calls: Sequence[dict], stops: Sequence[str], model) -> tuple:
+    """(stop_reason, stop_sequence) of a finished answer."""
+    if calls:
+        return "tool_use", None
+    if result.finish_reason == "length":
+        return "max_tokens", None
+    after = model.detokenize(result.tokens)[len(result.text):] if stops else ""
+    hit = next((s for s in stops if after.startswith(s)), None)
+    return ("stop_sequence", hit) if hit else ("end_turn", None)
+
+
+def anthropic_usage(result: Result) -> dict:
+    return {"input_tokens": result.n_prompt_tok, "output_tokens": result.n_gen_tok,
+            "cache_read_input_tokens": result.n_cached_tok, "cache_creation_input_tokens": 0}
+
+
+# == 31. HTTP server: connections, tenants, limits, metrics ====================
 # The Server owns what is shared by the handler threads: the listening socket and its
 # connection cap, API keys and their keyed scope names, the body and queue budgets, the
 # sessions, the embedder, and the counters /metrics reports (one table, _METRICS).
@@ -9635,7 +9880,7 @@ class Server:
                 self._embedder = None
 
 
-# == 31. Command line ==========================================================
+# == 32. Command line ==========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or

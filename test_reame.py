@@ -4669,7 +4669,71 @@ def test_server_logs_one_line_per_request_without_prompt_text(server):
     assert "secret" not in text and "k1" not in text
 
 
-# == 30. HTTP server: connections, tenants, limits, metrics ====================
+# == 30. Anthropic's Messages API: one engine, another dialect =================
+
+
+def test_anthropic_messages_with_the_anthropic_client(qwen):
+    """The anthropic SDK against Reame (x-api-key, as it sends it): a plain message whose text
+    is the chat completion's for the same request (greedy), a stream in Anthropic's event
+    sequence with the same text, a tool round trip (tool_use, then a tool_result answered),
+    count_tokens equal to the prompt's usage, stop_sequences, and errors in Anthropic's
+    shape (a missing max_tokens, a wrong key)."""
+    import anthropic
+    srv = reame.Server(qwen, "qwen", host="127.0.0.1", port=0, api_keys=["k1"])
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        client = anthropic.Anthropic(base_url="http://127.0.0.1:%d" % srv.port, api_key="k1", max_retries=0)
+        ask = [{"role": "user", "content": "Name three rivers of Europe."}]
+        greedy = {"temperature": 0}  # (this SDK sends no temperature of its own: Anthropic's default is 1)
+        m = client.messages.create(model="qwen", max_tokens=24, extra_body=greedy, system="Be brief.", messages=ask)
+        status, payload = _http(srv, "POST", "/v1/chat/completions", {"messages": [
+            {"role": "system", "content": "Be brief."}] + ask, "max_tokens": 24, "temperature": 0})
+        chat = json.loads(payload)
+        assert m.type == "message" and m.role == "assistant" and m.content[0].type == "text"
+        assert m.content[0].text == chat["choices"][0]["message"]["content"]
+        assert m.stop_reason == ("max_tokens" if chat["choices"][0]["finish_reason"] == "length" else "end_turn")
+        assert m.usage.input_tokens == chat["usage"]["prompt_tokens"] and m.usage.output_tokens > 0
+        counted = client.messages.count_tokens(model="qwen", system="Be brief.", messages=ask)
+        assert counted.input_tokens == m.usage.input_tokens
+        kinds, text = [], ""
+        with client.messages.stream(model="qwen", max_tokens=24, extra_body=greedy, system="Be brief.",
+                                    messages=ask) as stream:
+            for ev in stream:
+                kinds.append(ev.type)
+                if ev.type == "content_block_delta":
+                    text += ev.delta.text
+            final = stream.get_final_message()
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_start" in kinds
+        assert text == m.content[0].text == final.content[0].text and final.stop_reason == m.stop_reason
+        weather = {"name": "get_weather", "description": "The weather in a city.", "input_schema": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+        q = [{"role": "user", "content": "What's the weather in Paris?"}]
+        call = client.messages.create(model="qwen", max_tokens=64, extra_body=greedy, tools=[weather],
+                                      tool_choice={"type": "any"}, messages=q)
+        use = next(b for b in call.content if b.type == "tool_use")
+        assert call.stop_reason == "tool_use" and use.name == "get_weather" and use.input["city"] == "Paris"
+        back = client.messages.create(model="qwen", max_tokens=32, extra_body=greedy, tools=[weather], messages=q + [
+            {"role": "assistant", "content": call.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 22 C"}]}])
+        assert back.content and back.usage.input_tokens > call.usage.input_tokens
+        stopped = client.messages.create(model="qwen", max_tokens=48, extra_body=greedy, messages=[
+            {"role": "user", "content": "Count from 1 to 10, separated by commas."}], stop_sequences=["5"])
+        assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "5", stopped
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(model="qwen", max_tokens=8, messages=[{"role": "system", "content": "x"}])
+        assert e.value.body["error"]["type"] == "invalid_request_error" and "role" in str(e.value)
+        status, payload = _http(srv, "POST", "/v1/messages", {"messages": ask}, key="k1")
+        assert status == 400 and json.loads(payload) == {"type": "error", "error": {
+            "type": "invalid_request_error", "message": "'max_tokens' is required: an integer"}}
+        with pytest.raises(anthropic.AuthenticationError) as e:
+            anthropic.Anthropic(base_url="http://127.0.0.1:%d" % srv.port, api_key="nope", max_retries=0).messages.create(
+                model="qwen", max_tokens=8, messages=ask)
+        assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+    finally:
+        srv.shutdown()
+
+
+# == 31. HTTP server: connections, tenants, limits, metrics ====================
 
 
 def test_server_bearer_is_case_insensitive_and_binds_ipv6(gemma):
@@ -6800,7 +6864,7 @@ def test_crash_consistency_kill_9(tmp_path):
             s.close()
 
 
-# == 31. Command line ==========================================================
+# == 32. Command line ==========================================================
 
 
 def test_cli_help_explains_every_command():
