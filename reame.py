@@ -42,8 +42,9 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
    28. Sessions: conversations the server keeps
    29. HTTP requests: routes and answers
    30. Anthropic's Messages API: one engine, another dialect
-   31. HTTP server: connections, tenants, limits, metrics
-   32. Command line
+   31. Ollama's API: one engine, a third dialect
+   32. HTTP server: connections, tenants, limits, metrics
+   33. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -57,6 +58,7 @@ import collections
 import copy
 import ctypes
 import dataclasses
+import datetime
 import hashlib
 import hmac
 import http.client
@@ -8783,8 +8785,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         extra = list(getattr(err, "headers", ()))
         if err.status == 401:
             extra.append(("WWW-Authenticate", "Bearer"))
-        anthropic = self.path.split("?", 1)[0].startswith("/v1/messages")  # (each dialect's own error shape)
-        self._send_json(err.status, anthropic_error(err) if anthropic else _openai_error(err), extra)
+        path = self.path.split("?", 1)[0]  # (each dialect's own error shape)
+        body = (anthropic_error(err) if path.startswith("/v1/messages") else {"error": err.message}
+                if path.startswith("/api/") else _openai_error(err))
+        self._send_json(err.status, body, extra)
 
     def _read_body(self) -> dict:
         n, srv = self._body_len, self.server_ref
@@ -8855,6 +8859,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                ("POST", "/v1/chat/completions"): "_completion", ("POST", "/v1/completions"): "_completion",
                ("POST", "/v1/embeddings"): "_embeddings",
                ("POST", "/v1/messages"): "_messages", ("POST", "/v1/messages/count_tokens"): "_count_tokens",
+               ("GET", "/api/version"): "_ollama_version", ("GET", "/api/tags"): "_ollama_tags",
+               ("GET", "/api/ps"): "_ollama_ps", ("POST", "/api/show"): "_ollama_show",
+               ("POST", "/api/chat"): "_ollama_chat", ("POST", "/api/generate"): "_ollama_chat",
+               ("POST", "/api/embed"): "_ollama_embed", ("POST", "/api/embeddings"): "_ollama_embed",
+               ("POST", "/api/pull"): "_ollama_refused", ("DELETE", "/api/delete"): "_ollama_refused",
+               ("POST", "/api/create"): "_ollama_refused", ("POST", "/api/copy"): "_ollama_refused",
+               ("POST", "/api/push"): "_ollama_refused",
                ("GET", "/v1/sessions/"): "_session_get", ("DELETE", "/v1/sessions/"): "_session_delete"}
 
     def _dispatch(self):
@@ -9091,6 +9102,142 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except OSError:  # the client left
             req.cancel()
             self.server_ref.count(499)
+            self._status = 499
+
+    # -- Ollama's API (section 31) --
+    def _ollama_version(self):  # (no key: Ollama clients ask it first)
+        self._send_json(200, {"version": OLLAMA_VERSION})
+
+    def _ollama_tags(self):
+        self._owner()
+        self._send_json(200, {"models": [ollama_model(self.server_ref)]})
+
+    def _ollama_ps(self):
+        self._owner()
+        expires = datetime.datetime(2999, 1, 1, tzinfo=datetime.timezone.utc).isoformat()  # (loaded while it serves)
+        self._send_json(200, {"models": [dict(ollama_model(self.server_ref), expires_at=expires, size_vram=0)]})
+
+    def _ollama_show(self):
+        self._owner()
+        srv = self.server_ref
+        m, fmt = srv.engine.model, tool_format(srv.engine.model)
+        self._send_json(200, dict(ollama_model(srv), template=m.chat_template or "", modelfile="", parameters="",
+                                  license="", model_info={"general.architecture": m.arch,
+                                                          "general.parameter_count": m.n_params},
+                                  capabilities=["completion"] + (["tools"] if fmt else [])))
+
+    def _ollama_refused(self):
+        raise RequestError("this server serves one model, %s: to use another, run `python3 reame.py pull MODEL` "
+                           "and `python3 reame.py serve MODEL`" % self.server_ref.model_name, status=400,
+                           code="unsupported", param="model")
+
+    def _ollama_embed(self):
+        """POST /api/embed ({"input": text or texts} -> {"embeddings"}) and the older
+        /api/embeddings ({"prompt"} -> {"embedding"}): /v1/embeddings' work."""
+        self._owner()
+        srv = self.server_ref
+        body = self._read_body()
+        old = self.path.split("?", 1)[0] == "/api/embeddings"
+        inputs, _ = embeddings_from_body({"input": body.get("prompt" if old else "input")})
+        emb = srv.embedder()
+        tokens = [emb.model.tokenize(x, parse_special=False) for x in inputs]
+        srv.admit()
+        vecs = srv.engine.embed(emb, tokens).wait()
+        srv.count(200)
+        self._send_json(200, {"embedding": vecs[0]} if old else {"model": srv.model_name, "embeddings": vecs,
+                                                                    "prompt_eval_count": sum(map(len, tokens))})
+
+    def _ollama_chat(self):
+        """POST /api/chat and /api/generate: NDJSON lines (stream, the default) or one JSON."""
+        owner = self._owner()
+        srv, eng = self.server_ref, self.server_ref.engine
+        body = self._read_body()
+        chat = self.path.split("?", 1)[0] == "/api/chat"
+        fields = ollama_fields(body, eng.n_ctx)
+        if chat:
+            fields.update(messages=ollama_messages(body.get("messages")), tools=body.get("tools"))
+        elif body.get("suffix"):
+            raise RequestError("'suffix' is not served (no insertion)", param="suffix")
+        elif body.get("images"):
+            raise RequestError("'images' are not served (a text model)", param="images")
+        elif not body.get("raw"):  # (Ollama applies the template unless raw)
+            system = [{"role": "system", "content": body["system"]}] if body.get("system") else []
+            fields["messages"] = system + [{"role": "user", "content": body.get("prompt") or ""}]
+            chat = True
+        else:
+            fields["prompt"] = body.get("prompt") or ""
+        api = request_from_body({k: v for k, v in fields.items() if v is not None}, chat=chat, owner=owner,
+                                n_slots=eng.n_slots, max_tokens_cap=srv.max_tokens_cap, spec_default=eng.spec.default,
+                                tool_format=tool_format(eng.model))
+        turns = api.messages
+        if api.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in turns):
+            turns = tool_messages(api.tool_format, turns, api.tools if api.calls_tools else ())
+        tokens = eng.chat_prompt(turns) if chat else eng.model.tokenize(api.prompt)
+        api.params.check_context(len(tokens), eng.n_ctx)
+        for grammar in (api.params.grammar, api.params.lazy_grammar):
+            if grammar:
+                check_grammar(eng.model, grammar)
+        srv.admit()
+        req = eng.submit_n(tokens, api.params, 1, spec=api.spec, archive=api.archive, tenant=srv.tenant(owner),
+                           replay=api.replay)[0]
+        wrap = ((lambda text, **kw: dict({"message": {"role": "assistant", "content": text}}, **kw))
+                if self.path.split("?", 1)[0] == "/api/chat" else (lambda text, **kw: dict({"response": text}, **kw)))
+        base = {"model": srv.model_name}
+
+        def line(text: str, **kw) -> dict:
+            return dict(base, created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(), **wrap(text, **kw))
+
+        def last(r: Result, text: Optional[str]) -> dict:
+            """The done line: text (None: the whole answer's content), tool calls, the counts."""
+            content, calls = (parse_tool_calls(api.tool_format, r.text, api.tool_names) if api.calls_tools
+                              else (r.text, []))
+            out = line((content or "") if text is None else "" if calls else text, **ollama_stats(r))
+            if calls and "message" in out:
+                out["message"]["tool_calls"] = ollama_calls(calls)
+            return out
+        if not api.stream:
+            results = self._wait([req])
+            if results is not None:
+                self._results = results
+                srv.count(200, results)
+                self._send_json(200, last(results[0], None))
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self._chunked = self.request_version == "HTTP/1.1"
+        if self._chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self._body_done = False
+        self._head_done()
+        self._streaming = True
+        held = _ToolText(api.tool_format, api.params.triggers, api.tool_names) if api.calls_tools else None
+        try:
+            while True:
+                try:
+                    kind, payload, _ = req.events.get(timeout=10)
+                except queue.Empty:
+                    continue
+                if kind == "text":
+                    text = held.feed(payload)[0] if held else payload
+                    if text:
+                        self._sse_write((json.dumps(line(text, done=False)) + "\n").encode())
+                elif kind == "done":
+                    self._results = [payload]
+                    srv.count(200, [payload])
+                    self._sse_write((json.dumps(last(payload, held.rest if held else "")) + "\n").encode())
+                    break
+                else:
+                    self._sse_write((json.dumps({"error": payload.message}) + "\n").encode())
+                    srv.count(payload.status)
+                    break
+            if self._chunked:
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+            self._streaming = False
+        except OSError:  # the client left
+            req.cancel()
+            srv.count(499)
             self._status = 499
 
     def _completion(self):
@@ -9540,7 +9687,102 @@ def anthropic_usage(result: Result) -> dict:
             "cache_read_input_tokens": result.n_cached_tok, "cache_creation_input_tokens": 0}
 
 
-# == 31. HTTP server: connections, tenants, limits, metrics ====================
+# == 31. Ollama's API: one engine, a third dialect =============================
+# /api/chat, /api/generate, /api/embed and the model listing calls, as the ollama
+# clients and the apps built on them speak it (serve --port 11434 is all they need):
+# NDJSON streams by default, options mapped onto the request layer's fields (section
+# 27), errors as {"error": "..."}. Model management that makes no sense for a one-model
+# server answers what to run instead.
+
+OLLAMA_VERSION = "0.9.0"  # the API version Ollama clients are told (its shapes, as of it)
+_OLLAMA_OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "seed": "seed", "num_predict": "max_tokens", "stop": "stop", "repeat_penalty": "repeat_penalty",
+                   "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+_OLLAMA_REFUSED = ("/api/pull", "/api/delete", "/api/create", "/api/copy", "/api/push", "/api/blobs/")
+
+
+def ollama_fields(body: dict, n_ctx: int) -> dict:
+    """An Ollama body's options and format -> the request layer's fields. num_ctx past the
+    server's context is a 400 (never a silent cut); options this server has no use for
+    (num_thread, num_gpu, ...) are ignored, as Ollama ignores unknown ones."""
+    opts = body.get("options") or {}
+    if not isinstance(opts, dict):
+        raise RequestError("'options' must be an object", param="options")
+    out = {"stream": body.get("stream", True) is not False}
+    for name, field in _OLLAMA_OPTIONS.items():
+        if opts.get(name) is not None:
+            out[field] = opts[name]
+    if out.get("max_tokens") in (-1, -2):  # (Ollama: -1 until the context is full)
+        del out["max_tokens"]
+    num_ctx = opts.get("num_ctx")
+    if num_ctx is not None and (not isinstance(num_ctx, int) or isinstance(num_ctx, bool) or num_ctx > n_ctx):
+        raise RequestError("'num_ctx' %r is past this server's context of %d tokens per sequence: start it with "
+                           "serve --ctx %s" % (num_ctx, n_ctx, num_ctx), param="options.num_ctx")
+    fmt = body.get("format")
+    if fmt == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    elif fmt not in (None, ""):
+        raise RequestError("'format' must be \"json\" or a JSON schema", param="format")
+    return out
+
+
+def ollama_messages(msgs) -> List[dict]:
+    """Ollama's messages (tool_calls with arguments as objects, tool turns) -> OpenAI's."""
+    if not isinstance(msgs, list):
+        raise RequestError("'messages' must be a list", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise RequestError("'messages[%d]' must be an object" % i, param="messages[%d]" % i)
+        if m.get("images"):
+            raise RequestError("'messages[%d].images': images are not served (a text model)" % i,
+                               param="messages[%d].images" % i)
+        msg = {"role": m.get("role"), "content": m.get("content") or ""}
+        if m.get("tool_calls"):
+            msg["tool_calls"] = [{"id": "call_%d_%d" % (i, j), "type": "function", "function": {
+                "name": (c.get("function") or {}).get("name"), "arguments": json.dumps(
+                    (c.get("function") or {}).get("arguments") or {}, ensure_ascii=False)}}
+                for j, c in enumerate(m["tool_calls"]) if isinstance(c, dict)]
+        out.append(msg)
+    return out
+
+
+def ollama_calls(calls: Sequence[dict]) -> List[dict]:
+    """OpenAI tool calls -> Ollama's (arguments as an object)."""
+    out = []
+    for c in calls:
+        try:
+            args = json.loads(c["function"]["arguments"] or "{}")
+        except ValueError:
+            args = {}
+        out.append({"function": {"name": c["function"]["name"], "arguments": args}})
+    return out
+
+
+def ollama_stats(r: Result) -> dict:
+    """The done line's counts and durations (nanoseconds, as Ollama gives them)."""
+    ns = lambda t: int(t * 1e9)  # noqa: E731
+    return {"done": True, "done_reason": "length" if r.finish_reason == "length" else "stop",
+            "total_duration": ns(r.total_s), "load_duration": 0, "prompt_eval_count": r.n_prompt_tok,
+            "prompt_eval_duration": ns(r.ttft_s), "eval_count": r.n_gen_tok,
+            "eval_duration": ns(max(r.total_s - r.ttft_s, 0.0))}
+
+
+def ollama_model(srv) -> dict:
+    """The served model as /api/tags, /api/ps and /api/show describe it."""
+    m = srv.engine.model
+    when = datetime.datetime.fromtimestamp(os.path.getmtime(m.path), datetime.timezone.utc).isoformat()
+    quant = (m.meta("general.file_type") or "")
+    return {"name": srv.model_name, "model": srv.model_name, "modified_at": when, "size": os.path.getsize(m.path),
+            "digest": m.fingerprint, "details": {
+                "parent_model": "", "format": "gguf", "family": m.arch, "families": [m.arch],
+                "parameter_size": "%.1fB" % (m.n_params / 1e9) if m.n_params >= 1e9 else "%dM" % (m.n_params // 10 ** 6),
+                "quantization_level": quant}}
+
+
+# == 32. HTTP server: connections, tenants, limits, metrics ====================
 # The Server owns what is shared by the handler threads: the listening socket and its
 # connection cap, API keys and their keyed scope names, the body and queue budgets, the
 # sessions, the embedder, and the counters /metrics reports (one table, _METRICS).
@@ -9880,7 +10122,7 @@ class Server:
                 self._embedder = None
 
 
-# == 32. Command line ==========================================================
+# == 33. Command line ==========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or

@@ -4733,7 +4733,57 @@ def test_anthropic_messages_with_the_anthropic_client(qwen):
         srv.shutdown()
 
 
-# == 31. HTTP server: connections, tenants, limits, metrics ====================
+# == 31. Ollama's API: one engine, a third dialect =============================
+
+
+def test_ollama_api_with_the_ollama_client(qwen):
+    """The ollama Python client, unchanged, against Reame: list, show, ps, chat (one JSON and
+    streamed NDJSON) whose greedy text is the chat completion's, generate (templated, as
+    Ollama does), embed, a tool call with arguments as an object, format with a schema,
+    num_ctx past the server's context and model management as clear errors."""
+    import ollama
+    srv = reame.Server(qwen, "qwen", host="127.0.0.1", port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        client = ollama.Client(host="http://127.0.0.1:%d" % srv.port)
+        assert [m.model for m in client.list().models] == ["qwen"] and client.ps().models[0].model == "qwen"
+        shown = client.show("qwen")
+        assert "im_start" in shown.template and "tools" in shown.capabilities and shown.details.format == "gguf"
+        ask = [{"role": "user", "content": "Name three rivers of Europe."}]
+        opts = {"temperature": 0, "num_predict": 24}
+        status, payload = _http(srv, "POST", "/v1/chat/completions", {"messages": ask, "max_tokens": 24,
+                                                                      "temperature": 0}, key=None)
+        want = json.loads(payload)["choices"][0]["message"]["content"]
+        r = client.chat(model="qwen", messages=ask, options=opts, stream=False)
+        assert r.message.content == want and r.done and r.eval_count > 0 and r.prompt_eval_count > 0
+        parts = list(client.chat(model="qwen", messages=ask, options=opts, stream=True))
+        assert "".join(p.message.content for p in parts) == want and parts[-1].done and len(parts) > 3
+        g = client.generate(model="qwen", prompt=ask[0]["content"], options=opts)
+        assert g.response == want and g.done_reason in ("stop", "length")
+        e = client.embed(model="qwen", input=["a cat", "a kitten"])
+        assert len(e.embeddings) == 2 and len(e.embeddings[0]) > 16
+        weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                                    "parameters": {"type": "object", "properties": {
+                                                        "city": {"type": "string"}}, "required": ["city"]}}}
+        t = client.chat(model="qwen", messages=[{"role": "user", "content": "What's the weather in Paris?"}],
+                        tools=[weather], options={"temperature": 0, "num_predict": 64}, stream=False)
+        assert t.message.tool_calls[0].function.name == "get_weather", t
+        assert t.message.tool_calls[0].function.arguments["city"] == "Paris"
+        schema = {"type": "object", "properties": {"river": {"type": "string"}}, "required": ["river"]}
+        f = client.chat(model="qwen", messages=ask, format=schema, options={"temperature": 0, "num_predict": 48},
+                        stream=False)
+        assert set(json.loads(f.message.content)) == {"river"}, f.message.content
+        with pytest.raises(ollama.ResponseError) as err:
+            client.chat(model="qwen", messages=ask, options={"num_ctx": 1 << 20}, stream=False)
+        assert err.value.status_code == 400 and "serve --ctx" in err.value.error
+        with pytest.raises(ollama.ResponseError) as err:
+            client.pull("llama3")
+        assert "reame.py pull" in err.value.error
+    finally:
+        srv.shutdown()
+
+
+# == 32. HTTP server: connections, tenants, limits, metrics ====================
 
 
 def test_server_bearer_is_case_insensitive_and_binds_ipv6(gemma):
@@ -6864,7 +6914,7 @@ def test_crash_consistency_kill_9(tmp_path):
             s.close()
 
 
-# == 32. Command line ==========================================================
+# == 33. Command line ==========================================================
 
 
 def test_cli_help_explains_every_command():
