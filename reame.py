@@ -43,8 +43,9 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
    29. HTTP requests: routes and answers
    30. Anthropic's Messages API: one engine, another dialect
    31. Ollama's API: one engine, a third dialect
-   32. HTTP server: connections, tenants, limits, metrics
-   33. Command line
+   32. OpenAI's Responses API: a conversation kept as it goes
+   33. HTTP server: connections, tenants, limits, metrics
+   34. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -167,7 +168,11 @@ class Config:
         return os.path.join(self.home, "sessions")
 
     @property
-    def secret_path(self) -> str:   # the installation secret (section 30)
+    def responses_dir(self) -> str:  # serve's stored responses (section 32)
+        return os.path.join(self.home, "responses")
+
+    @property
+    def secret_path(self) -> str:   # the installation secret (section 10)
         return os.path.join(self.home, "secret")
 
 
@@ -5858,7 +5863,7 @@ class SlotTable:
 
 class Metric(NamedTuple):
     """One /metrics row: name after "reame_", type, help, and a value: a number, a
-    {label value: number} dict (with the label's name), or a histogram (section 30)."""
+    {label value: number} dict (with the label's name), or a histogram (section 33)."""
 
     name: str
     kind: str
@@ -8490,7 +8495,7 @@ class Sessions:
 
 # == 29. HTTP requests: routes and answers =====================================
 # OpenAI-compatible endpoints on the standard library's http.server. One thread per
-# connection (section 30 binds this handler to its Server): it frames, authenticates,
+# connection (section 33 binds this handler to its Server): it frames, authenticates,
 # reads the request (section 27), submits to the Engine, and writes JSON or SSE from the
 # Request's events. It never touches the llama context.
 
@@ -8858,6 +8863,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                ("GET", "/metrics"): "_metrics",
                ("POST", "/v1/chat/completions"): "_completion", ("POST", "/v1/completions"): "_completion",
                ("POST", "/v1/embeddings"): "_embeddings",
+               ("POST", "/v1/responses"): "_responses", ("GET", "/v1/responses/"): "_response_get",
+               ("DELETE", "/v1/responses/"): "_response_delete",
                ("POST", "/v1/messages"): "_messages", ("POST", "/v1/messages/count_tokens"): "_count_tokens",
                ("GET", "/api/version"): "_ollama_version", ("GET", "/api/tags"): "_ollama_tags",
                ("GET", "/api/ps"): "_ollama_ps", ("POST", "/api/show"): "_ollama_show",
@@ -9095,14 +9102,168 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     event("error", anthropic_error(payload))
                     self.server_ref.count(payload.status)
                     break
-            if self._chunked:
-                self.wfile.write(b"0\r\n\r\n")
-                self.wfile.flush()
-            self._streaming = False
+            self._stream_end()
         except OSError:  # the client left
-            req.cancel()
-            self.server_ref.count(499)
-            self._status = 499
+            self._left([req])
+
+    # -- OpenAI's Responses API (section 32) --
+    def _response_get(self, rid: str):
+        self._send_json(200, self.server_ref.responses.get(self._owner(), rid)["response"])
+
+    def _response_delete(self, rid: str):
+        self.server_ref.responses.delete(self._owner(), rid)
+        self._send_json(200, {"id": rid, "object": "response.deleted", "deleted": True})
+
+    def _responses(self):
+        """POST /v1/responses: input items on top of the conversation previous_response_id
+        ended; the answer as output items (JSON, or typed events); stored unless store is false."""
+        owner = self._owner()
+        srv, eng = self.server_ref, self.server_ref.engine
+        body = self._read_body()
+        prev = body.get("previous_response_id")
+        previous = srv.responses.get(owner, prev)["messages"] if prev is not None else []
+        api = request_from_body(responses_body(body, previous), chat=True, owner=owner, n_slots=eng.n_slots,
+                                max_tokens_cap=srv.max_tokens_cap, spec_default=eng.spec.default,
+                                tool_format=tool_format(eng.model))
+        turns = api.messages
+        if api.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in turns):
+            turns = tool_messages(api.tool_format, turns, api.tools if api.calls_tools else ())
+        tokens = eng.chat_prompt(turns)
+        api.params.check_context(len(tokens), eng.n_ctx)
+        for grammar in (api.params.grammar, api.params.lazy_grammar):
+            if grammar:
+                check_grammar(eng.model, grammar)
+        srv.admit()
+        req = eng.submit_n(tokens, api.params, 1, spec=api.spec, archive=api.archive, tenant=srv.tenant(owner),
+                           replay=api.replay)[0]
+        rid = "resp_" + os.urandom(12).hex()
+        base = {"id": rid, "object": "response", "created_at": int(time.time()), "model": srv.model_name,
+                "status": "in_progress", "output": [], "previous_response_id": prev, "error": None,
+                "incomplete_details": None, "instructions": body.get("instructions"), "tools": body.get("tools") or [],
+                "tool_choice": body.get("tool_choice") or "auto", "parallel_tool_calls": api.parallel_tool_calls,
+                "temperature": api.params.temperature, "top_p": api.params.top_p,
+                "max_output_tokens": body.get("max_output_tokens"), "store": body.get("store") is not False,
+                "text": body.get("text") or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
+                "usage": None}
+
+        def finished(r: Result, calls: Optional[list] = None, output: Optional[list] = None) -> dict:
+            """The response of the finished answer r (stored unless store is false); a stream
+            gives the calls and output items it sent."""
+            text, found = parse_tool_calls(api.tool_format, r.text, api.tool_names) if api.calls_tools else (r.text, [])
+            calls = found if calls is None else calls
+            cut = r.finish_reason == "length"
+            out = dict(base, status="incomplete" if cut else "completed",
+                       output=response_output(rid, text, calls) if output is None else output,
+                       usage=response_usage(r), incomplete_details={"reason": "max_output_tokens"} if cut else None)
+            if base["store"]:
+                said = {"role": "assistant", "content": text, "tool_calls": calls} if calls else {
+                    "role": "assistant", "content": r.text}
+                srv.responses.put(owner, out, api.messages + _messages_from_body({"messages": [said]}, tools_ok=True))
+            self._results = [r]
+            srv.count(200, [r])
+            return out
+        if not api.stream:
+            results = self._wait([req])
+            if results is not None:
+                self._send_json(200, finished(results[0]))
+            return
+        self._responses_stream(req, api, base, finished)
+
+    def _responses_stream(self, req: Request, api: ApiRequest, base: dict, finished) -> None:
+        """The Responses API's typed events: response.created, then per output item its
+        .added, its deltas (output_text / function_call_arguments), .done and the item's
+        .done, then response.completed with the whole response."""
+        self._sse_start()
+        seq = [0]
+
+        def event(kind: str, **data) -> None:
+            seq[0] += 1
+            self._sse_write(b"event: %s\ndata: %s\n\n" % (kind.encode(), json.dumps(
+                dict(data, type=kind, sequence_number=seq[0])).encode()))
+        held = _ToolText(api.tool_format, api.params.triggers, api.tool_names) if api.calls_tools else None
+        items: List[dict] = []  # output items so far; the last may be open
+        text = [""]
+
+        def close_text() -> None:
+            if items and items[-1]["type"] == "message" and items[-1]["status"] == "in_progress":
+                it, k = items[-1], len(items) - 1
+                part = {"type": "output_text", "text": text[0], "annotations": []}
+                event("response.output_text.done", item_id=it["id"], output_index=k, content_index=0, text=text[0])
+                event("response.content_part.done", item_id=it["id"], output_index=k, content_index=0, part=part)
+                it.update(status="completed", content=[part])
+                event("response.output_item.done", output_index=k, item=it)
+
+        def say(piece: str) -> None:
+            if not items or items[-1]["type"] != "message":
+                items.append({"type": "message", "id": "msg_" + os.urandom(12).hex(), "status": "in_progress",
+                              "role": "assistant", "content": []})
+                event("response.output_item.added", output_index=len(items) - 1, item=dict(items[-1]))
+                event("response.content_part.added", item_id=items[-1]["id"], output_index=len(items) - 1,
+                      content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                text[0] = ""
+            text[0] += piece
+            event("response.output_text.delta", item_id=items[-1]["id"], output_index=len(items) - 1,
+                  content_index=0, delta=piece)
+
+        def call_done() -> None:
+            if items and items[-1]["type"] == "function_call" and items[-1]["status"] == "in_progress":
+                it, k = items[-1], len(items) - 1
+                event("response.function_call_arguments.done", item_id=it["id"], output_index=k,
+                      arguments=it["arguments"])
+                it["status"] = "completed"
+                event("response.output_item.done", output_index=k, item=it)
+        try:
+            event("response.created", response=base)
+            event("response.in_progress", response=base)
+            while True:
+                try:
+                    kind, payload, _ = req.events.get(timeout=10)
+                except queue.Empty:
+                    self._sse_write(b": ping\n\n")
+                    continue
+                if kind == "text":
+                    piece, parts = held.feed(payload) if held else (payload, ())
+                    if piece:
+                        say(piece)
+                    for part in parts:
+                        if part.get("id"):
+                            close_text()
+                            call_done()
+                            items.append({"type": "function_call", "id": "fc_" + part["id"][5:], "call_id": part["id"],
+                                          "name": part["function"]["name"], "arguments": "", "status": "in_progress"})
+                            event("response.output_item.added", output_index=len(items) - 1, item=dict(items[-1]))
+                        elif part["function"]["arguments"]:
+                            items[-1]["arguments"] += part["function"]["arguments"]
+                            event("response.function_call_arguments.delta", item_id=items[-1]["id"],
+                                  output_index=len(items) - 1, delta=part["function"]["arguments"])
+                elif kind == "done":
+                    calls = []
+                    if held:
+                        calls, late = held.finish(parse_tool_calls(api.tool_format, payload.text, api.tool_names)[1])
+                        if not calls and held.rest:
+                            say(held.rest)
+                        for _, c in late:
+                            close_text()
+                            call_done()
+                            items.append({"type": "function_call", "id": "fc_" + c["id"][5:], "call_id": c["id"],
+                                          "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+                                          "status": "in_progress"})
+                            event("response.output_item.added", output_index=len(items) - 1,
+                                  item=dict(items[-1], arguments=""))
+                    close_text()
+                    call_done()
+                    out = finished(payload, calls if held else [], items)
+                    event("response.completed" if out["status"] == "completed" else "response.incomplete",
+                          response=out)
+                    break
+                else:
+                    event("response.failed", response=dict(base, status="failed", error={
+                        "code": payload.code, "message": payload.message}))
+                    self.server_ref.count(payload.status)
+                    break
+            self._stream_end()
+        except OSError:  # the client left
+            self._left([req])
 
     # -- Ollama's API (section 31) --
     def _ollama_version(self):  # (no key: Ollama clients ask it first)
@@ -9202,15 +9363,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 srv.count(200, results)
                 self._send_json(200, last(results[0], None))
             return
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-ndjson")
-        self._chunked = self.request_version == "HTTP/1.1"
-        if self._chunked:
-            self.send_header("Transfer-Encoding", "chunked")
-        else:
-            self._body_done = False
-        self._head_done()
-        self._streaming = True
+        self._sse_start("application/x-ndjson")
         held = _ToolText(api.tool_format, api.params.triggers, api.tool_names) if api.calls_tools else None
         try:
             while True:
@@ -9231,14 +9384,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     self._sse_write((json.dumps({"error": payload.message}) + "\n").encode())
                     srv.count(payload.status)
                     break
-            if self._chunked:
-                self.wfile.write(b"0\r\n\r\n")
-                self.wfile.flush()
-            self._streaming = False
+            self._stream_end()
         except OSError:  # the client left
-            req.cancel()
-            srv.count(499)
-            self._status = 499
+            self._left([req])
 
     def _completion(self):
         """Who is calling -> the request (section 27) -> admission -> submit -> the answer."""
@@ -9428,11 +9576,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     return None
         return [r.wait() for r in reqs]
 
-    def _sse_start(self) -> None:
-        """The head of a stream: chunked (HTTP/1.1), so the connection outlives it and a
-        pipelined request after it is answered; HTTP/1.0: it ends when the socket closes."""
+    def _sse_start(self, content_type: str = "text/event-stream") -> None:
+        """The head of a stream (SSE; Ollama's NDJSON): chunked (HTTP/1.1), so the connection
+        outlives it and a pipelined request after it is answered; HTTP/1.0: it ends when the
+        socket closes."""
         self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Type", content_type)
         self.send_header("Cache-Control", "no-cache")
         self._chunked = self.request_version == "HTTP/1.1"
         if self._chunked:
@@ -9452,10 +9601,21 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _sse_done(self) -> None:
         """data: [DONE], and the stream's end."""
         self._sse_write(b"data: [DONE]\n\n")
+        self._stream_end()
+
+    def _stream_end(self) -> None:
+        """The end of a streamed body (chunked: its last, empty chunk)."""
         if self._chunked:
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
         self._streaming = False
+
+    def _left(self, reqs: Sequence[Request]) -> None:
+        """The client went away mid-answer: its requests are cancelled (slots free next step)."""
+        for r in reqs:
+            r.cancel()
+        self.server_ref.count(499)
+        self._status = 499
 
     def _stream(self, reqs: List[Request], api: ApiRequest, rid: str, submit, before_done=None) -> List[Result]:
         """SSE in OpenAI's chunk format for all n choices, the first wave ``reqs`` and the
@@ -9506,10 +9666,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 before_done(results if failed is None else [])
             self._sse_done()
         except OSError:  # BrokenPipe, ConnectionReset, timeouts: the client left
-            for r in reqs:
-                r.cancel()  # free the slots at the next step
-            srv.count(499)
-            self._status = 499
+            self._left(reqs)
             return []
         return results if failed is None else []
 
@@ -9782,7 +9939,163 @@ def ollama_model(srv) -> dict:
                 "quantization_level": quant}}
 
 
-# == 32. HTTP server: connections, tenants, limits, metrics ====================
+# == 32. OpenAI's Responses API: a conversation kept as it goes ================
+# POST /v1/responses (the OpenAI Agents SDK's default, Codex CLI's only API): input
+# items -> chat messages (section 27 checks them), the answer -> output items, typed
+# stream events. A response is stored (per key, unless store is false) with the whole
+# conversation it ends, so previous_response_id sends only the new input: its prompt
+# starts with the tokens the last one computed, reused from the memory and disk tiers
+# (after a restart too).
+
+_RESPONSE_MAGIC = b"REAMERSP"
+_RESPONSE_MAX_BYTES = 64 << 20
+_RESPONSES_KEPT = 1024  # stored responses held in memory (the rest are read back from disk)
+_RESPONSE_ID = re.compile(r"^resp_[A-Za-z0-9]{1,64}$")
+
+
+def responses_body(body: dict, previous: List[dict]) -> dict:
+    """A Responses API body (and the conversation its previous_response_id ended) -> the
+    chat completions body it means."""
+    if body.get("reasoning") not in (None, {}) and (body["reasoning"] or {}).get("effort") is not None:
+        raise RequestError("'reasoning' is not served: these models have no reasoning mode", param="reasoning")
+    msgs = []
+    if body.get("instructions") is not None:  # (a previous response's instructions are not carried over)
+        if not isinstance(body["instructions"], str):
+            raise RequestError("'instructions' must be a string", param="instructions")
+        msgs.append({"role": "system", "content": body["instructions"]})
+    msgs += [m for m in previous if m["role"] != "system"] if msgs else list(previous)
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise RequestError("'input' must be a string or a non-empty list of items", param="input")
+    for i, it in enumerate(items):
+        kind = it.get("type", "message") if isinstance(it, dict) else None
+        where = "input[%d]" % i
+        if kind == "message":
+            content = it.get("content")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text") \
+                            or not isinstance(part.get("text"), str):
+                        raise RequestError("'%s.content' parts must be input_text or output_text (images and "
+                                           "files are not served)" % where, param=where + ".content")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            msgs.append({"role": it.get("role"), "content": content})
+        elif kind == "function_call":
+            call = {"id": str(it.get("call_id") or ""), "type": "function",
+                    "function": {"name": it.get("name"), "arguments": it.get("arguments") or "{}"}}
+            if msgs and msgs[-1]["role"] == "assistant" and msgs[-1].get("tool_calls"):
+                msgs[-1]["tool_calls"].append(call)
+            else:
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out = it.get("output")
+            msgs.append({"role": "tool", "tool_call_id": str(it.get("call_id") or ""),
+                         "content": out if isinstance(out, str) else json.dumps(out)})
+        else:
+            raise RequestError("'%s.type' %r is not served (message, function_call, function_call_output)"
+                               % (where, kind), param=where + ".type")
+    chat = {"messages": msgs, "stream": bool(body.get("stream"))}
+    for name in ("temperature", "top_p", "parallel_tool_calls"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    tools = body.get("tools")
+    if tools:
+        if not isinstance(tools, list) or any(not isinstance(t, dict) or t.get("type") != "function" for t in tools):
+            raise RequestError("'tools' must be function tools {type: function, name, parameters} (no hosted "
+                               "tools here)", param="tools")
+        chat["tools"] = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                           if k in t}} for t in tools]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.get("name", "format"),
+                                                                          "schema": fmt.get("schema")}}
+    elif isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    return chat
+
+
+def response_output(rid: str, text: Optional[str], calls: Sequence[dict]) -> List[dict]:
+    """The answer as output items: a message with its text, then a function_call per call."""
+    out = [{"type": "message", "id": "msg_" + rid[5:], "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}] if text else []
+    out += [{"type": "function_call", "id": "fc_" + c["id"][5:], "call_id": c["id"], "name": c["function"]["name"],
+             "arguments": c["function"]["arguments"], "status": "completed"} for c in calls]
+    return out
+
+
+def response_usage(r: Result) -> dict:
+    return {"input_tokens": r.n_prompt_tok, "input_tokens_details": {"cached_tokens": r.n_cached_tok},
+            "output_tokens": r.n_gen_tok, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": r.n_prompt_tok + r.n_gen_tok}
+
+
+class StoredResponses:
+    """Responses kept for previous_response_id and GET: the response object and the whole
+    conversation it ends, per key (owner), in memory (the last _RESPONSES_KEPT) and, with
+    a folder, as records on disk (one per response, authenticated like every record)."""
+
+    def __init__(self, folder: Optional[str], records: Optional[RecordStore]):
+        self.folder = folder
+        self._shelf = (records or RecordStore()).shelf("response", _RESPONSE_MAGIC, folder, ".json") if folder else None
+        self._lock = threading.Lock()
+        self._recent: collections.OrderedDict = collections.OrderedDict()  # (owner, id) -> record; guarded
+
+    def _path(self, owner: str, rid: str) -> str:
+        return os.path.join(self.folder, owner or "open", rid + ".json")
+
+    def put(self, owner: str, response: dict, messages: List[dict]) -> None:
+        rec = {"response": response, "messages": messages}
+        with self._lock:
+            self._recent[(owner, response["id"])] = rec
+            while len(self._recent) > _RESPONSES_KEPT:
+                self._recent.popitem(last=False)
+        if self._shelf is not None and not self._shelf.write(self._path(owner, response["id"]),
+                                                             json.dumps(rec).encode()):
+            log.warning("cannot save response %s: it lives in memory only", response["id"])
+
+    def get(self, owner: str, rid) -> dict:
+        """The stored {"response", "messages"} of rid, or a 404 (another key's is not found)."""
+        if not isinstance(rid, str) or not _RESPONSE_ID.match(rid):
+            raise RequestError("no response %s" % printable(str(rid), 80), status=404, code="not_found",
+                               param="previous_response_id")
+        with self._lock:
+            rec = self._recent.get((owner, rid))
+        if rec is None and self._shelf is not None:
+            payload = self._shelf.read(self._path(owner, rid), _RESPONSE_MAX_BYTES)
+            try:
+                rec = json.loads(bytes(payload).decode("utf-8")) if payload is not None else None
+                if rec is not None:
+                    rec["messages"] = _messages_from_body(rec, tools_ok=True)
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError, ReameError):
+                rec = None
+        if rec is None:
+            raise RequestError("no response %s (not stored, deleted, or another key's)" % rid, status=404,
+                               code="not_found", param="previous_response_id")
+        return rec
+
+    def delete(self, owner: str, rid: str) -> None:
+        self.get(owner, rid)
+        with self._lock:
+            self._recent.pop((owner, rid), None)
+        if self._shelf is not None:
+            try:
+                os.remove(self._path(owner, rid))
+            except OSError:
+                pass
+
+
+# == 33. HTTP server: connections, tenants, limits, metrics ====================
 # The Server owns what is shared by the handler threads: the listening socket and its
 # connection cap, API keys and their keyed scope names, the body and queue budgets, the
 # sessions, the embedder, and the counters /metrics reports (one table, _METRICS).
@@ -9918,10 +10231,10 @@ class Server:
                  max_connections: int = 256, max_client_connections: int = 64,
                  max_body_in_flight: int = 16 << 20, shared_cache: bool = False, secret: Optional[bytes] = None,
                  embedding_model: Optional[str] = None, records: Optional[RecordStore] = None,
-                 metrics_key: Optional[str] = None, cors: Sequence[str] = ()):
+                 metrics_key: Optional[str] = None, cors: Sequence[str] = (), response_dir: Optional[str] = None):
         self.engine, self.model_name = engine, model_name
         self.cors = tuple(o.rstrip("/") for o in cors if o)  # origins a browser page may call from ("*": any)
-        self._own_records = records is None and session_dir is not None  # (sessions on disk need a writer)
+        self._own_records = records is None and (session_dir or response_dir) is not None  # (a writer on disk)
         self.records = RecordStore() if self._own_records else records
         self.api_keys = tuple(k.encode() for k in api_keys if k)
         self.metrics_key = metrics_key.encode() if metrics_key else None  # the operator's (/metrics)
@@ -9937,6 +10250,7 @@ class Server:
         self.max_body_in_flight = max_body_in_flight
         self.body_in_flight = 0  # bytes of request bodies being read or served now; guarded by _lock
         self.sessions = Sessions(lambda: self.engine, max_sessions, session_idle_s, session_dir, self.records)
+        self.responses = StoredResponses(response_dir, self.records)  # (section 32)
         self.embedding_model = embedding_model  # a GGUF for /v1/embeddings (None: the served model)
         self._embedder: Optional[Embedder] = None  # made at the first /v1/embeddings; guarded by _embedder_lock
         self._embedder_lock = threading.Lock()
@@ -10122,7 +10436,7 @@ class Server:
                 self._embedder = None
 
 
-# == 33. Command line ==========================================================
+# == 34. Command line ==========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
@@ -10446,6 +10760,7 @@ def _cmd_serve(args) -> int:
     server = Server(None, name, host=args.host, port=args.port, api_keys=keys, max_tokens_cap=args.max_tokens,
                     max_queue=args.max_queue, max_sessions=args.sessions, session_idle_s=args.session_idle,
                     session_dir=None if args.no_disk_cache else Config.from_env().sessions_dir,
+                    response_dir=None if args.no_disk_cache else Config.from_env().responses_dir,
                     max_connections=args.max_connections, shared_cache=args.shared_cache,
                     max_client_connections=args.max_client_connections, write_timeout_s=args.write_timeout,
                     embedding_model=embedding, records=records,

@@ -4783,7 +4783,79 @@ def test_ollama_api_with_the_ollama_client(qwen):
         srv.shutdown()
 
 
-# == 32. HTTP server: connections, tenants, limits, metrics ====================
+# == 32. OpenAI's Responses API: a conversation kept as it goes ================
+
+
+def test_responses_api_with_the_openai_client(qwen_model, tmp_path):
+    """client.responses.create as the Agents SDK and Codex use it: plain (greedy text equal
+    to the chat completion's), streamed typed events ending in response.completed, a
+    function tool round trip on previous_response_id, a json_schema text format,
+    retrieve/delete, store=false; and previous_response_id after a restart, where the
+    conversation's prompt is reused from the disk tier (cached_tokens)."""
+    import openai
+    kv, stored = str(tmp_path / "kv"), str(tmp_path / "responses")
+
+    def start():
+        eng = reame.Engine(qwen_model, n_ctx=2048, n_slots=2, disk_cache=1 << 30, disk_dir=kv)
+        srv = reame.Server(eng, "qwen", host="127.0.0.1", port=0, response_dir=stored)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return eng, srv, openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % srv.port, api_key="x", max_retries=0)
+    rules = "You answer questions about a library's opening hours and loans. " + "Keep answers short. " * 60
+    eng, srv, client = start()
+    try:
+        r = client.responses.create(model="qwen", instructions="Be brief.", input="Name three rivers of Europe.",
+                                    temperature=0, max_output_tokens=24)
+        status, payload = _http(srv, "POST", "/v1/chat/completions", {"messages": [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three rivers of Europe."}],
+            "max_tokens": 24, "temperature": 0}, key=None)
+        assert r.output_text == json.loads(payload)["choices"][0]["message"]["content"] and r.usage.output_tokens > 0
+        kinds, final = [], None
+        for ev in client.responses.create(model="qwen", instructions="Be brief.", input="Name three rivers of Europe.",
+                                          temperature=0, max_output_tokens=24, stream=True):
+            kinds.append(ev.type)
+            if ev.type in ("response.completed", "response.incomplete"):
+                final = ev.response
+        assert kinds[:2] == ["response.created", "response.in_progress"] and "response.output_text.delta" in kinds
+        assert final.output_text == r.output_text
+        tools = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+                  "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+        call = client.responses.create(model="qwen", input="What's the weather in Paris?", tools=tools,
+                                       tool_choice="required", temperature=0, max_output_tokens=64)
+        fc = call.output[0]
+        assert fc.type == "function_call" and fc.name == "get_weather" and json.loads(fc.arguments)["city"] == "Paris"
+        after = client.responses.create(model="qwen", previous_response_id=call.id, tools=tools, temperature=0,
+                                        max_output_tokens=32, input=[{"type": "function_call_output",
+                                                                      "call_id": fc.call_id, "output": "Sunny, 22 C"}])
+        assert after.previous_response_id == call.id and after.usage.input_tokens > call.usage.input_tokens
+        fmt = client.responses.create(model="qwen", input="Name a river as JSON.", temperature=0, max_output_tokens=48,
+                                      text={"format": {"type": "json_schema", "name": "r", "schema": {
+                                          "type": "object", "properties": {"river": {"type": "string"}},
+                                          "required": ["river"]}}})
+        assert set(json.loads(fmt.output_text)) == {"river"}
+        assert client.responses.retrieve(r.id).id == r.id
+        client.responses.delete(r.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(r.id)
+        gone = client.responses.create(model="qwen", input="Hi", store=False, max_output_tokens=4)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(gone.id)
+        first = client.responses.create(model="qwen", instructions=rules, input="When do you open?", temperature=0,
+                                        max_output_tokens=12)
+    finally:
+        srv.shutdown()
+        eng.close()
+    eng, srv, client = start()  # (a restart: nothing resident, the disk tier and the stored responses remain)
+    try:
+        nxt = client.responses.create(model="qwen", instructions=rules, previous_response_id=first.id,
+                                      input="And on Sundays?", temperature=0, max_output_tokens=12)
+        assert nxt.usage.input_tokens_details.cached_tokens >= 256, nxt.usage
+        assert nxt.usage.input_tokens > first.usage.input_tokens
+    finally:
+        srv.shutdown()
+        eng.close()
+
+
+# == 33. HTTP server: connections, tenants, limits, metrics ====================
 
 
 def test_server_bearer_is_case_insensitive_and_binds_ipv6(gemma):
@@ -6914,7 +6986,7 @@ def test_crash_consistency_kill_9(tmp_path):
             s.close()
 
 
-# == 33. Command line ==========================================================
+# == 34. Command line ==========================================================
 
 
 def test_cli_help_explains_every_command():
