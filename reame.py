@@ -8790,7 +8790,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         extra = list(getattr(err, "headers", ()))
         if err.status == 401:
             extra.append(("WWW-Authenticate", "Bearer"))
-        path = self.path.split("?", 1)[0]  # (each dialect's own error shape)
+        path = getattr(self, "path", "").split("?", 1)[0]  # (each dialect's own error shape; none before a path)
         body = (anthropic_error(err) if path.startswith("/v1/messages") else {"error": err.message}
                 if path.startswith("/api/") else _openai_error(err))
         self._send_json(err.status, body, extra)
