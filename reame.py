@@ -8995,44 +8995,64 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._send_json(200, {"object": "list", "data": data, "model": srv.model_name,
                               "usage": {"prompt_tokens": n, "total_tokens": n}})
 
-    def _anthropic_request(self, counting: bool = False) -> tuple:
-        """(owner, ApiRequest, prompt tokens) of a Messages API request (section 30)."""
-        owner = self._owner()
+    # -- one way in for every dialect: the request layer (section 27), the prompt, admission --
+    def _api(self, body: dict, owner: str, chat: bool = True, session_header: Optional[str] = None) -> ApiRequest:
+        """A chat completions (or completions) body, as sent or as a dialect translated it
+        (sections 30-32), checked by the request layer."""
         eng = self.server_ref.engine
-        api = request_from_body(anthropic_body(self._read_body(), counting), chat=True, owner=owner, n_slots=eng.n_slots,
-                                max_tokens_cap=self.server_ref.max_tokens_cap, spec_default=eng.spec.default,
-                                tool_format=tool_format(eng.model))
-        turns = api.messages
-        if api.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in turns):
-            turns = tool_messages(api.tool_format, turns, api.tools if api.calls_tools else ())
-        tokens = eng.chat_prompt(turns)
-        if not counting:
-            api.params.check_context(len(tokens), eng.n_ctx)
-        return owner, api, tokens
+        return request_from_body(body, chat=chat, owner=owner, n_slots=eng.n_slots,
+                                 max_tokens_cap=self.server_ref.max_tokens_cap, spec_default=eng.spec.default,
+                                 session_header=session_header, tool_format=tool_format(eng.model))
 
+    def _check_grammars(self, api: ApiRequest) -> None:
+        """Its grammars parse for this model (a 400 before any work, never llama.cpp's abort)."""
+        for grammar in (api.params.grammar, api.params.lazy_grammar):
+            if grammar:
+                check_grammar(self.server_ref.engine.model, grammar)
+
+    def _prompt(self, api: ApiRequest, history: List[dict], text: str, check: bool = True) -> List[int]:
+        """The prompt tokens of a conversation (its tool turns as the model's format writes
+        them) or of a completion's text; checked against the context and the logprobs bound
+        before any work (check: a request to run, not only to count)."""
+        eng = self.server_ref.engine
+        turns = history
+        if api.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in history):
+            turns = tool_messages(api.tool_format, history, api.tools if api.calls_tools else ())
+        tokens = eng.chat_prompt(turns) if api.chat else eng.model.tokenize(text)
+        if check:
+            api.params.check_context(len(tokens), eng.n_ctx)  # (before a stream starts; submit checks too)
+            api.params.check_logprobs(api.n, len(tokens), eng.n_ctx)
+        return tokens
+
+    def _submit_one(self, api: ApiRequest, tokens: List[int], owner: str) -> Request:
+        """A dialect's one answer: grammars checked, admitted (429 past --max-queue), queued."""
+        srv = self.server_ref
+        self._check_grammars(api)
+        srv.admit()
+        return srv.engine.submit_n(tokens, api.params, 1, spec=api.spec, archive=api.archive,
+                                   tenant=srv.tenant(owner), replay=api.replay)[0]
+
+    # -- Anthropic's Messages API (section 30) --
     def _count_tokens(self):  # POST /v1/messages/count_tokens
-        self._send_json(200, {"input_tokens": len(self._anthropic_request(counting=True)[2])})
+        api = self._api(anthropic_body(self._read_body(), counting=True), self._owner())
+        self._send_json(200, {"input_tokens": len(self._prompt(api, api.messages, "", check=False))})
 
     def _messages(self):
         """POST /v1/messages: Anthropic's Messages API on the same engine (section 30)."""
-        owner, api, tokens = self._anthropic_request()
-        srv, eng = self.server_ref, self.server_ref.engine
-        for grammar in (api.params.grammar, api.params.lazy_grammar):
-            if grammar:
-                check_grammar(eng.model, grammar)
-        srv.admit()
-        reqs = eng.submit_n(tokens, api.params, 1, spec=api.spec, archive=api.archive, tenant=srv.tenant(owner),
-                            replay=api.replay)
-        msg = {"id": "msg_" + reqs[0].id.replace("-", "_") + "_" + os.urandom(4).hex(), "type": "message",
+        owner = self._owner()
+        srv = self.server_ref
+        api = self._api(anthropic_body(self._read_body()), owner)
+        req = self._submit_one(api, self._prompt(api, api.messages, ""), owner)
+        msg = {"id": "msg_" + req.id.replace("-", "_") + "_" + os.urandom(4).hex(), "type": "message",
                "role": "assistant", "model": srv.model_name}
         if api.stream:
-            return self._anthropic_stream(reqs[0], api, msg)
-        results = self._wait(reqs)
+            return self._anthropic_stream(req, api, msg)
+        results = self._wait([req])
         if results is None:
             return
         r = results[0]
         text, calls = parse_tool_calls(api.tool_format, r.text, api.tool_names) if api.calls_tools else (r.text, [])
-        stop, seq = anthropic_stop(r, calls, api.params.stop, eng.model)
+        stop, seq = anthropic_stop(r, calls, api.params.stop, srv.engine.model)
         self._results = results
         srv.count(200, results)
         self._send_json(200, dict(msg, content=anthropic_blocks(text, calls), stop_reason=stop, stop_sequence=seq,
@@ -9118,24 +9138,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """POST /v1/responses: input items on top of the conversation previous_response_id
         ended; the answer as output items (JSON, or typed events); stored unless store is false."""
         owner = self._owner()
-        srv, eng = self.server_ref, self.server_ref.engine
+        srv = self.server_ref
         body = self._read_body()
         prev = body.get("previous_response_id")
         previous = srv.responses.get(owner, prev)["messages"] if prev is not None else []
-        api = request_from_body(responses_body(body, previous), chat=True, owner=owner, n_slots=eng.n_slots,
-                                max_tokens_cap=srv.max_tokens_cap, spec_default=eng.spec.default,
-                                tool_format=tool_format(eng.model))
-        turns = api.messages
-        if api.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in turns):
-            turns = tool_messages(api.tool_format, turns, api.tools if api.calls_tools else ())
-        tokens = eng.chat_prompt(turns)
-        api.params.check_context(len(tokens), eng.n_ctx)
-        for grammar in (api.params.grammar, api.params.lazy_grammar):
-            if grammar:
-                check_grammar(eng.model, grammar)
-        srv.admit()
-        req = eng.submit_n(tokens, api.params, 1, spec=api.spec, archive=api.archive, tenant=srv.tenant(owner),
-                           replay=api.replay)[0]
+        api = self._api(responses_body(body, previous), owner)
+        req = self._submit_one(api, self._prompt(api, api.messages, ""), owner)
         rid = "resp_" + os.urandom(12).hex()
         base = {"id": rid, "object": "response", "created_at": int(time.time()), "model": srv.model_name,
                 "status": "in_progress", "output": [], "previous_response_id": prev, "error": None,
@@ -9327,20 +9335,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             chat = True
         else:
             fields["prompt"] = body.get("prompt") or ""
-        api = request_from_body({k: v for k, v in fields.items() if v is not None}, chat=chat, owner=owner,
-                                n_slots=eng.n_slots, max_tokens_cap=srv.max_tokens_cap, spec_default=eng.spec.default,
-                                tool_format=tool_format(eng.model))
-        turns = api.messages
-        if api.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in turns):
-            turns = tool_messages(api.tool_format, turns, api.tools if api.calls_tools else ())
-        tokens = eng.chat_prompt(turns) if chat else eng.model.tokenize(api.prompt)
-        api.params.check_context(len(tokens), eng.n_ctx)
-        for grammar in (api.params.grammar, api.params.lazy_grammar):
-            if grammar:
-                check_grammar(eng.model, grammar)
-        srv.admit()
-        req = eng.submit_n(tokens, api.params, 1, spec=api.spec, archive=api.archive, tenant=srv.tenant(owner),
-                           replay=api.replay)[0]
+        api = self._api({k: v for k, v in fields.items() if v is not None}, owner, chat=chat)
+        req = self._submit_one(api, self._prompt(api, api.messages, api.prompt), owner)
         wrap = ((lambda text, **kw: dict({"message": {"role": "assistant", "content": text}}, **kw))
                 if self.path.split("?", 1)[0] == "/api/chat" else (lambda text, **kw: dict({"response": text}, **kw)))
         base = {"model": srv.model_name}
@@ -9392,24 +9388,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """Who is calling -> the request (section 27) -> admission -> submit -> the answer."""
         owner = self._owner()
         srv, eng = self.server_ref, self.server_ref.engine
-        api = request_from_body(self._read_body(), chat=self.path.split("?", 1)[0] == "/v1/chat/completions",
-                                owner=owner, n_slots=eng.n_slots, max_tokens_cap=srv.max_tokens_cap,
-                                spec_default=eng.spec.default, session_header=self.headers.get("X-Reame-Session"),
-                                tool_format=tool_format(eng.model))
-        for grammar in (api.params.grammar, api.params.lazy_grammar):
-            if grammar:
-                check_grammar(eng.model, grammar)
+        api = self._api(self._read_body(), owner, chat=self.path.split("?", 1)[0] == "/v1/chat/completions",
+                        session_header=self.headers.get("X-Reame-Session"))
+        self._check_grammars(api)
         srv.admit()
         session = srv.sessions.begin(api.session_id, owner, api.chat) if api.session_id is not None else None
         try:
             history = (session.messages if session else []) + api.messages
             text = (session.text if session else "") + api.prompt
-            turns = history
-            if api.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in history):
-                turns = tool_messages(api.tool_format, history, api.tools if api.calls_tools else ())
-            tokens = eng.chat_prompt(turns) if api.chat else eng.model.tokenize(text)
-            api.params.check_context(len(tokens), eng.n_ctx)  # (before a stream starts; submit checks too)
-            api.params.check_logprobs(api.n, len(tokens), eng.n_ctx)
+            tokens = self._prompt(api, history, text)
             kw = dict(spec=api.spec, archive=api.archive, tenant=srv.tenant(owner), replay=api.replay)
 
             def submit(start: int, k: int) -> List[Request]:  # choices start..start+k-1 (a wave)
