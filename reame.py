@@ -9885,10 +9885,14 @@ def ollama_messages(msgs) -> List[dict]:
                                param="messages[%d].images" % i)
         msg = {"role": m.get("role"), "content": m.get("content") or ""}
         if m.get("tool_calls"):
+            calls = m["tool_calls"] if isinstance(m["tool_calls"], list) else [None]
+            fns = [c.get("function") if isinstance(c, dict) else None for c in calls]
+            if not all(isinstance(f, dict) and isinstance(f.get("arguments", {}), dict) for f in fns):
+                raise RequestError("'messages[%d].tool_calls' must be [{function: {name, arguments: an object}}]" % i,
+                                   param="messages[%d].tool_calls" % i)
             msg["tool_calls"] = [{"id": "call_%d_%d" % (i, j), "type": "function", "function": {
-                "name": (c.get("function") or {}).get("name"), "arguments": json.dumps(
-                    (c.get("function") or {}).get("arguments") or {}, ensure_ascii=False)}}
-                for j, c in enumerate(m["tool_calls"]) if isinstance(c, dict)]
+                "name": f.get("name"), "arguments": json.dumps(f.get("arguments") or {}, ensure_ascii=False)}}
+                for j, f in enumerate(fns)]
         out.append(msg)
     return out
 

@@ -4855,6 +4855,54 @@ def test_responses_api_with_the_openai_client(qwen_model, tmp_path):
         eng.close()
 
 
+def test_attack_the_dialects_worst_values(server):
+    """What each dialect reads, at its worst: a 4xx in that dialect's own error shape before
+    any work, never a 500 (the request layer checks what the translation lets through)."""
+    hi = [{"role": "user", "content": "Hi"}]
+    cases = [
+        ("/v1/messages", {"max_tokens": 8, "messages": hi, "system": 5}),
+        ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image"}]}]}),
+        ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [5, None]}]}),
+        ("/v1/messages", {"max_tokens": 8, "messages": hi, "tool_choice": "auto"}),
+        ("/v1/messages", {"max_tokens": 8, "messages": hi, "tools": [{"name": 5}]}),
+        ("/v1/messages", {"max_tokens": True, "messages": hi}),
+        ("/v1/messages", {"max_tokens": 8, "messages": "Hi"}),
+        ("/v1/messages/count_tokens", {"messages": [{"role": "tool", "content": "x"}]}),
+        ("/api/chat", {"model": "m", "messages": hi, "options": "hot"}),
+        ("/api/chat", {"model": "m", "messages": hi, "format": 5}),
+        ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}),
+        ("/api/chat", {"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"function": "x"}]}]}),
+        ("/api/chat", {"model": "m", "messages": "Hi"}),
+        ("/api/chat", {"model": "m", "messages": hi, "options": {"num_ctx": "big"}}),
+        ("/api/generate", {"model": "m", "prompt": "Hi", "suffix": "}"}),
+        ("/api/generate", {"model": "m", "prompt": 5, "raw": True}),
+        ("/api/embed", {"model": "m", "input": 5}),
+        ("/v1/responses", {"input": 5}),
+        ("/v1/responses", {"input": [{"type": "reasoning", "summary": []}]}),
+        ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}),
+        ("/v1/responses", {"input": "Hi", "tools": [{"type": "web_search"}]}),
+        ("/v1/responses", {"input": "Hi", "reasoning": {"effort": "high"}}),
+        ("/v1/responses", {"input": "Hi", "text": {"format": {"type": "json_schema", "schema": 5}}}),
+        ("/v1/responses", {"input": "Hi", "previous_response_id": "../../etc/passwd"}),
+        ("/v1/responses", {"input": "Hi", "previous_response_id": "resp_" + "0" * 24}),
+        ("/v1/responses", {"input": [5]}),
+    ]
+    for path, body in cases:
+        status, payload = _http(server, "POST", path, body)
+        assert 400 <= status < 500, (path, body, status, payload[:300])
+        err = json.loads(payload)
+        if path.startswith("/v1/messages"):
+            assert err["type"] == "error" and err["error"]["message"], (path, body, err)
+        elif path.startswith("/api/"):
+            assert isinstance(err["error"], str) and err["error"], (path, body, err)
+        else:
+            assert err["error"]["message"], (path, body, err)
+    for method, path in (("GET", "/v1/responses/../../x"), ("DELETE", "/v1/responses/resp_nope"),
+                         ("POST", "/api/pull"), ("POST", "/api/create")):
+        status, payload = _http(server, method, path, {"model": "x"} if method == "POST" else None)
+        assert 400 <= status < 500 and json.loads(payload)["error"], (method, path, status, payload)
+
+
 # == 33. HTTP server: connections, tenants, limits, metrics ====================
 
 
