@@ -44,8 +44,9 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
    30. Anthropic's Messages API: one engine, another dialect
    31. Ollama's API: one engine, a third dialect
    32. OpenAI's Responses API: a conversation kept as it goes
-   33. HTTP server: connections, tenants, limits, metrics
-   34. Command line
+   33. The chat page: GET / in a browser
+   34. HTTP server: connections, tenants, limits, metrics
+   35. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -3871,7 +3872,7 @@ class SpecState:
     state, and its own acceptance estimates (seeded from the source's global ones)."""
 
     __slots__ = ("slot", "history", "opts", "scope", "schema", "n_prompt", "state", "acc", "shadow",
-                 "streak", "proposed_until", "probe_at", "probe_gap", "failed")
+                 "streak", "proposed_until", "probe_at", "probe_gap", "failed", "n_drafted", "n_accepted")
 
     def __init__(self, slot: int, history: List[int], opts: SpecOptions, scope: Optional[str] = None,
                  schema: Optional[dict] = None):
@@ -3887,6 +3888,7 @@ class SpecState:
         self.probe_at: dict = {}   # source name -> len(history) at which to try it again
         self.probe_gap: dict = {}  # source name -> tokens between probes (doubles while it loses)
         self.failed: set = set()   # sources that raised on this sequence: not asked again for it
+        self.n_drafted = self.n_accepted = 0  # draft tokens verified for it, and those that came true
 
 
 class DraftSource:
@@ -4326,6 +4328,8 @@ class SpecController:
         c["proposed"] += k
         c["accepted"] += n_accepted
         c["steps"] += 1
+        st.n_drafted += k
+        st.n_accepted += n_accepted
 
     def observe_step(self, n_tokens, seconds: float) -> None:
         """A decode step took seconds: n_tokens rows in one pass, or a list of the rows of
@@ -5476,6 +5480,8 @@ class Result:
     logprobs: Optional[list] = None  # with params.top_logprobs: each token's logprob_entry
     replayed: bool = False      # answered whole from a replay record (section 12), nothing computed
     message: Optional[dict] = None  # a chat answer with tool calls, as the client got it (section 29)
+    n_drafted: int = 0          # draft tokens verified (speculation, section 13), and those that came true
+    n_accepted: int = 0
 
 
 class Request:
@@ -6722,8 +6728,10 @@ class _Scheduler:
             for part in self.parts:
                 part.finish(s, reason)
         now = time.monotonic()
+        drafted, accepted = (s.spec.n_drafted, s.spec.n_accepted) if s.spec is not None else (0, 0)
         req._finish(Result("".join(req._text), list(s.tokens), reason, s.n_prompt, len(s.tokens),
-                           (s.t_first or now) - req.t_submit, now - req.t_submit, s.n_cached))
+                           (s.t_first or now) - req.t_submit, now - req.t_submit, s.n_cached,
+                           n_drafted=drafted, n_accepted=accepted))
 
     def _fail(self, s: _Seq, error: ReameError) -> None:
         """s (and its twins) end with error; its KV goes."""
@@ -8553,10 +8561,15 @@ class _ResponseWriter:
 
 
 def _usage(results: Sequence[Result]) -> dict:
+    """OpenAI's usage; speculation's drafts are reported as its predicted outputs' are
+    (completion_tokens_details: drafted tokens that came true, and those that did not)."""
     p = results[0].n_prompt_tok
     c = sum(r.n_gen_tok for r in results)
+    accepted = sum(r.n_accepted for r in results)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": results[0].n_cached_tok}}
+            "prompt_tokens_details": {"cached_tokens": results[0].n_cached_tok},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": sum(r.n_drafted for r in results) - accepted}}
 
 
 class _ToolText:
@@ -8858,8 +8871,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             pass
 
     # -- routes --
-    # (method, path) -> handler name; a path ending in "/" takes the rest as an argument
-    _ROUTES = {("GET", "/health"): "_health", ("GET", "/v1/models"): "_models", ("GET", "/v1/models/"): "_model",
+    # (method, path) -> handler name; a path ending in "/" (but "/" itself) takes the rest as an argument
+    _ROUTES = {("GET", "/"): "_page", ("GET", "/health"): "_health", ("GET", "/v1/models"): "_models", ("GET", "/v1/models/"): "_model",
                ("GET", "/metrics"): "_metrics",
                ("POST", "/v1/chat/completions"): "_completion", ("POST", "/v1/completions"): "_completion",
                ("POST", "/v1/embeddings"): "_embeddings",
@@ -8877,7 +8890,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _dispatch(self):
         path = self.path.split("?", 1)[0]
-        prefix = next((p for m, p in self._ROUTES if p.endswith("/") and path.startswith(p)), None)
+        prefix = next((p for m, p in self._ROUTES if p.endswith("/") and p != "/" and path.startswith(p)), None)
         key = path if prefix is None else prefix
         name = self._ROUTES.get((self.command, key))
         if self.command == "OPTIONS" and any(p == key for _, p in self._ROUTES) and self._cors():
@@ -8925,6 +8938,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.server_ref.engine is None:
             raise ReameError("the model is still loading", status=503, code="loading")
         return owner
+
+    def _page(self):  # the chat page (section 33): unauthenticated, it holds nothing; it asks for a key
+        if not self.server_ref.ui:
+            raise RequestError("no route GET / (this server runs with --no-ui)", status=404, code="not_found")
+        page, csp = self.server_ref.page
+        self.send_response(200)
+        for name, value in (("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(page))),
+                            ("Content-Security-Policy", csp), ("X-Content-Type-Options", "nosniff"),
+                            ("Referrer-Policy", "no-referrer"), ("Cache-Control", "no-cache")):
+            self.send_header(name, value)
+        self._head_done()
+        self.wfile.write(page)
 
     def _health(self):  # unauthenticated: for load balancers and supervisors
         self._send_json(*((503, {"status": "loading"}) if self.server_ref.engine is None else (200, {"status": "ok"})))
@@ -10086,7 +10111,381 @@ class StoredResponses:
                 pass
 
 
-# == 33. HTTP server: connections, tenants, limits, metrics ====================
+# == 33. The chat page: GET / in a browser ======================================
+#
+# One page, served by the server itself: no build step, nothing fetched from elsewhere.
+# Its three parts below read as the files they would be (the markup, the style, the
+# script); chat_page() puts them together with a Content-Security-Policy that lets
+# only these exact style and script texts run (their sha256), and lets the page talk
+# only to this server. It is a client of the public API like any other: /v1/models to
+# see the model (and whether a key is needed), /v1/chat/completions streamed with a
+# session_id (the server keeps the conversation and its KV: a follow-up sends only
+# the new turn), DELETE /v1/sessions/{id} for a new chat. The key is kept only in the
+# tab (sessionStorage). Model text is only ever set as text, never parsed as HTML.
+
+_PAGE_BODY = r"""
+<header>
+  <strong>Reame</strong>
+  <span id="model">connecting…</span>
+  <button id="new-chat" type="button">New chat</button>
+</header>
+<form id="keybar" hidden>
+  <label>API key <input id="key" type="password" autocomplete="off"></label>
+  <button id="key-use" type="submit">Use key</button>
+  <span id="key-msg" role="alert"></span>
+</form>
+<details id="settings">
+  <summary>System prompt and sampling</summary>
+  <textarea id="system" rows="2" placeholder="System prompt (optional; fixed once the chat starts)"></textarea>
+  <label>temperature <input id="temperature" type="number" min="0" max="2" step="0.1" placeholder="default"></label>
+  <label>max tokens <input id="max-tokens" type="number" min="1" step="1" placeholder="default"></label>
+</details>
+<main id="log" aria-live="polite"></main>
+<p id="error" role="alert" hidden></p>
+<form id="composer">
+  <textarea id="prompt" rows="3" placeholder="Message (Enter sends, Shift+Enter is a new line)" disabled></textarea>
+  <button id="send" type="submit" disabled>Send</button>
+  <button id="stop" type="button" hidden>Stop</button>
+</form>
+"""
+
+_PAGE_STYLE = r"""
+:root { color-scheme: light dark; --line: #8884; --soft: #8881; }
+body { margin: 0 auto; max-width: 52rem; padding: 0 1rem; font: 15px/1.45 system-ui, sans-serif;
+       display: flex; flex-direction: column; height: 100vh; box-sizing: border-box; }
+header { display: flex; gap: .75rem; align-items: baseline; padding: .6rem 0; border-bottom: 1px solid var(--line); }
+#model { flex: 1; opacity: .75; font-family: ui-monospace, monospace; }
+#keybar, details { padding: .5rem 0; border-bottom: 1px solid var(--line); }
+#key-msg { color: #c33; margin-left: .5rem; }
+details textarea { width: 100%; box-sizing: border-box; margin: .4rem 0; }
+details label { margin-right: 1rem; }
+details input { width: 6rem; }
+#log { flex: 1; overflow-y: auto; padding: .5rem 0; }
+.msg { margin: .6rem 0; padding: .5rem .7rem; border-radius: .5rem; background: var(--soft); }
+.msg.user { border-left: 3px solid #48c; }
+.msg.assistant { border-left: 3px solid #4a6; }
+.msg.failed { opacity: .6; }
+.head { display: flex; justify-content: space-between; font-size: .8rem; opacity: .7; }
+.copy { font-size: .75rem; }
+.text { white-space: pre-wrap; overflow-wrap: anywhere; }
+pre { background: #8882; padding: .5rem; overflow-x: auto; border-radius: .3rem; }
+pre[data-lang]::before { content: attr(data-lang); display: block; font-size: .7rem; opacity: .6; }
+.speed { font-size: .75rem; opacity: .65; margin-top: .3rem; font-family: ui-monospace, monospace; }
+.streaming .body::after { content: "▍"; opacity: .5; }
+#error { color: #c33; margin: .3rem 0; }
+#composer { display: flex; gap: .5rem; padding: .6rem 0; border-top: 1px solid var(--line); }
+#prompt { flex: 1; font: inherit; }
+"""
+
+_PAGE_SCRIPT = r"""
+"use strict";
+const $ = (id) => document.getElementById(id);
+// the conversation: its session id, whether the server has its first turn, and the turns
+// the server does not have yet (a stopped answer is not kept there: it is sent again)
+const chat = {key: sessionStorage.getItem("reame-key") || "", model: "", session: "", started: false,
+              pending: [], abort: null};
+
+function newSession() {
+  const b = new Uint8Array(12);
+  crypto.getRandomValues(b);
+  chat.session = "page-" + Array.from(b, (x) => x.toString(16).padStart(2, "0")).join("");
+  chat.started = false;
+  chat.pending = [];
+}
+
+function headers() {
+  const h = {"Content-Type": "application/json"};
+  if (chat.key) h["Authorization"] = "Bearer " + chat.key;
+  return h;
+}
+
+async function errorText(resp) {
+  try {
+    const e = (await resp.json()).error;
+    return (e && (e.message || e)) || resp.status + " " + resp.statusText;
+  } catch (_) {
+    return resp.status + " " + resp.statusText;
+  }
+}
+
+function showError(text) {
+  $("error").textContent = text || "";
+  $("error").hidden = !text;
+}
+
+function askKey(message) {
+  $("keybar").hidden = false;
+  $("key-msg").textContent = message;
+  $("model").textContent = "locked: this server needs an API key";
+  $("prompt").disabled = $("send").disabled = true;
+  $("key").focus();
+}
+
+async function connect() {
+  $("prompt").disabled = $("send").disabled = true;
+  let resp;
+  try {
+    resp = await fetch("/v1/models", {headers: headers()});
+  } catch (e) {
+    $("model").textContent = "server unreachable, retrying";
+    setTimeout(connect, 3000);
+    return;
+  }
+  if (resp.status === 401) {
+    askKey(chat.key ? "This key was refused: " + await errorText(resp) : "Enter an API key of this server.");
+  } else if (resp.status === 503) {
+    $("model").textContent = "the model is loading";
+    setTimeout(connect, 2000);
+  } else if (!resp.ok) {
+    $("model").textContent = await errorText(resp);
+  } else {
+    chat.model = (await resp.json()).data[0].id;
+    $("model").textContent = chat.model;
+    $("keybar").hidden = true;
+    $("prompt").disabled = $("send").disabled = false;
+    $("prompt").focus();
+  }
+}
+
+// text with ``` fences: code blocks as <pre><code> (the fence's first line names the
+// language), the rest as plain text; all of it set as text, never as HTML
+function render(text) {
+  const out = [];
+  text.split("```").forEach((part, i) => {
+    if (i % 2 === 0) {
+      part = i ? part.replace(/^\n/, "") : part;
+      if (part) {
+        const div = document.createElement("div");
+        div.className = "text";
+        div.textContent = part;
+        out.push(div);
+      }
+      return;
+    }
+    const nl = part.indexOf("\n");
+    const pre = document.createElement("pre");
+    const code = document.createElement("code");
+    const lang = (nl < 0 ? part : part.slice(0, nl)).trim();
+    if (lang) pre.dataset.lang = lang;
+    code.textContent = nl < 0 ? "" : part.slice(nl + 1).replace(/\n$/, "");
+    pre.append(code);
+    out.push(pre);
+  });
+  return out;
+}
+
+function paint(m) {
+  m.frame = 0;
+  m.body.replaceChildren(...render(m.text));
+  const log = $("log");
+  log.scrollTop = log.scrollHeight;
+}
+
+function show(m, text) {  // at most one repaint a frame while tokens stream in
+  m.text = text;
+  if (!m.frame) m.frame = requestAnimationFrame(() => paint(m));
+}
+
+async function copyText(text, button) {
+  try {
+    await navigator.clipboard.writeText(text);
+  } catch (_) {  // (no clipboard API outside a secure context)
+    const t = document.createElement("textarea");
+    t.value = text;
+    document.body.append(t);
+    t.select();
+    document.execCommand("copy");
+    t.remove();
+  }
+  button.textContent = "Copied";
+  setTimeout(() => { button.textContent = "Copy"; }, 1200);
+}
+
+function addMessage(role, text) {
+  const box = document.createElement("article");
+  box.className = "msg " + role;
+  const head = document.createElement("div");
+  head.className = "head";
+  const who = document.createElement("span");
+  who.textContent = role === "user" ? "You" : chat.model;
+  const copy = document.createElement("button");
+  copy.type = "button";
+  copy.className = "copy";
+  copy.textContent = "Copy";
+  head.append(who, copy);
+  const body = document.createElement("div");
+  body.className = "body";
+  const speed = document.createElement("div");
+  speed.className = "speed";
+  box.append(head, body, speed);
+  $("log").append(box);
+  const m = {box, body, speed, text, frame: 0};
+  copy.addEventListener("click", () => copyText(m.text, copy));
+  paint(m);
+  return m;
+}
+
+function speedLine(u, t0, first, end, replayed, finish) {
+  const n = u ? u.completion_tokens : 0;
+  const parts = [n + " tokens"];
+  if (first && n > 1 && end > first) parts.push(((n - 1) / ((end - first) / 1000)).toFixed(1) + " tok/s");
+  if (first) parts.push("first token " + ((first - t0) / 1000).toFixed(2) + " s");
+  if (u) parts.push(u.prompt_tokens_details.cached_tokens + " of " + u.prompt_tokens + " prompt tokens cached");
+  const d = u && u.completion_tokens_details;
+  if (d) {
+    const all = d.accepted_prediction_tokens + d.rejected_prediction_tokens;
+    parts.push(all ? d.accepted_prediction_tokens + " of " + all + " drafted tokens accepted" : "nothing drafted");
+  }
+  if (replayed) parts.push("replayed: nothing computed");
+  if (finish === "length") parts.push("cut at the token limit");
+  return parts.join(" · ");
+}
+
+function busy(on) {
+  $("send").hidden = on;
+  $("stop").hidden = !on;
+}
+
+// one server-sent event's data: the answer's text, its usage, an error
+function onEvent(data, st) {
+  if (data === "[DONE]") return;
+  const obj = JSON.parse(data);
+  if (obj.error) {
+    st.error = obj.error.message || String(obj.error);
+    return;
+  }
+  if (obj.reame && obj.reame.replayed) st.replayed = true;
+  if (obj.usage) st.usage = obj.usage;
+  const c = obj.choices && obj.choices[0];
+  if (c && c.delta && c.delta.content) {
+    if (!st.first) st.first = performance.now();
+    show(st.m, st.m.text + c.delta.content);
+  }
+  if (c && c.finish_reason) st.finish = c.finish_reason;
+}
+
+async function send() {
+  const text = $("prompt").value.trim();
+  if (!text || chat.abort || $("send").disabled) return;
+  showError("");
+  const session = chat.session;
+  const turn = chat.pending.concat([{role: "user", content: text}]);
+  const system = $("system").value.trim();
+  const messages = (!chat.started && system ? [{role: "system", content: system}] : []).concat(turn);
+  const body = {model: chat.model, messages, stream: true, stream_options: {include_usage: true},
+                session_id: session};
+  const t = parseFloat($("temperature").value);
+  if (!isNaN(t)) body.temperature = t;
+  const n = parseInt($("max-tokens").value, 10);
+  if (!isNaN(n)) body.max_tokens = n;
+  $("prompt").value = "";
+  $("system").readOnly = true;
+  const asked = addMessage("user", text);
+  const st = {m: addMessage("assistant", ""), first: 0, usage: null, replayed: false, finish: null, error: null};
+  st.m.box.classList.add("streaming");
+  busy(true);
+  const abort = chat.abort = new AbortController();
+  const t0 = performance.now();
+  try {
+    const resp = await fetch("/v1/chat/completions", {method: "POST", headers: headers(),
+                                                      body: JSON.stringify(body), signal: abort.signal});
+    if (!resp.ok) {
+      st.error = await errorText(resp);
+      if (resp.status === 401) askKey("This key was refused: " + st.error);
+    } else {
+      const reader = resp.body.getReader();
+      const dec = new TextDecoder();
+      let buf = "";
+      for (;;) {
+        const {value, done} = await reader.read();
+        if (done) break;
+        buf += dec.decode(value, {stream: true}).replace(/\r/g, "");
+        let cut;
+        while ((cut = buf.indexOf("\n\n")) >= 0) {
+          for (const line of buf.slice(0, cut).split("\n")) {
+            if (line.startsWith("data: ")) onEvent(line.slice(6), st);
+          }
+          buf = buf.slice(cut + 2);
+        }
+      }
+    }
+  } catch (e) {
+    if (e.name !== "AbortError") st.error = "the connection was lost: " + e.message;
+  }
+  chat.abort = null;
+  busy(false);
+  if (chat.session !== session) return;  // (a new chat began meanwhile)
+  const m = st.m;
+  paint(m);
+  m.box.classList.remove("streaming");
+  const stopped = abort.signal.aborted;
+  if (!m.text && (stopped || st.error)) {  // nothing came: this turn is not part of the conversation
+    asked.box.classList.add("failed");
+    m.box.remove();
+    asked.speed.textContent = stopped ? "stopped before an answer; not sent" : "not sent: " + st.error;
+    $("prompt").value = text;
+    if (st.error) showError(st.error);
+  } else if (stopped || st.error) {  // the server did not keep this turn: the next request sends it
+    chat.pending = turn.concat([{role: "assistant", content: m.text}]);
+    m.speed.textContent = stopped ? "stopped" : "cut short: " + st.error;
+    if (st.error) showError(st.error);
+  } else {
+    chat.started = true;
+    chat.pending = [];
+    m.speed.textContent = speedLine(st.usage, t0, st.first, performance.now(), st.replayed, st.finish);
+  }
+  $("prompt").focus();
+}
+
+function newChat() {
+  if (chat.abort) chat.abort.abort();
+  if (chat.started) {
+    fetch("/v1/sessions/" + chat.session, {method: "DELETE", headers: headers()}).catch(() => {});
+  }
+  newSession();
+  $("log").replaceChildren();
+  $("system").readOnly = false;
+  showError("");
+  $("prompt").focus();
+}
+
+$("composer").addEventListener("submit", (e) => { e.preventDefault(); send(); });
+$("prompt").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+    e.preventDefault();
+    send();
+  }
+});
+$("stop").addEventListener("click", () => { if (chat.abort) chat.abort.abort(); });
+$("new-chat").addEventListener("click", newChat);
+$("keybar").addEventListener("submit", (e) => {
+  e.preventDefault();
+  const key = $("key").value.trim();
+  if (key !== chat.key) newChat();
+  chat.key = key;
+  sessionStorage.setItem("reame-key", key);  // (this tab only: gone when it closes)
+  connect();
+});
+newSession();
+connect();
+"""
+
+
+def chat_page() -> tuple[bytes, str]:
+    """The page's bytes and its Content-Security-Policy: only its own style and script
+    (by hash) run, it connects only to this server, and no other site may frame it."""
+    def digest(text: str) -> str:
+        return "'sha256-%s'" % base64.b64encode(hashlib.sha256(text.encode()).digest()).decode()
+    page = ('<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+            '<meta name="viewport" content="width=device-width, initial-scale=1">'
+            '<title>Reame</title><link rel="icon" href="data:,"><style>%s</style></head>\n<body>%s<script>%s</script>'
+            '</body></html>\n' % (_PAGE_STYLE, _PAGE_BODY, _PAGE_SCRIPT))
+    csp = ("default-src 'none'; style-src %s; script-src %s; connect-src 'self'; img-src data:; "
+           "base-uri 'none'; form-action 'none'; frame-ancestors 'none'" % (digest(_PAGE_STYLE), digest(_PAGE_SCRIPT)))
+    return page.encode(), csp
+
+
+# == 34. HTTP server: connections, tenants, limits, metrics ====================
 # The Server owns what is shared by the handler threads: the listening socket and its
 # connection cap, API keys and their keyed scope names, the body and queue budgets, the
 # sessions, the embedder, and the counters /metrics reports (one table, _METRICS).
@@ -10222,8 +10621,10 @@ class Server:
                  max_connections: int = 256, max_client_connections: int = 64,
                  max_body_in_flight: int = 16 << 20, shared_cache: bool = False, secret: Optional[bytes] = None,
                  embedding_model: Optional[str] = None, records: Optional[RecordStore] = None,
-                 metrics_key: Optional[str] = None, cors: Sequence[str] = (), response_dir: Optional[str] = None):
+                 metrics_key: Optional[str] = None, cors: Sequence[str] = (), response_dir: Optional[str] = None,
+                 ui: bool = True):
         self.engine, self.model_name = engine, model_name
+        self.ui, self.page = ui, chat_page()  # the chat page at GET / (section 33), and whether it is served
         self.cors = tuple(o.rstrip("/") for o in cors if o)  # origins a browser page may call from ("*": any)
         self._own_records = records is None and (session_dir or response_dir) is not None  # (a writer on disk)
         self.records = RecordStore() if self._own_records else records
@@ -10427,7 +10828,7 @@ class Server:
                 self._embedder = None
 
 
-# == 34. Command line ==========================================================
+# == 35. Command line ==========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
@@ -10557,6 +10958,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key-file", help="a file with one key per line")
     sv.add_argument("--cors", action="append", default=[], metavar="ORIGIN", help="let browser pages from ORIGIN "
                     "(e.g. http://localhost:3000; * for any) call the API (CORS; repeatable; default: none)")
+    sv.add_argument("--no-ui", dest="ui", action="store_false", help="do not serve the chat page at GET / "
+                    "(a browser page that talks to this server's API; it asks for a key when there are keys)")
     sv.add_argument("--metrics-key", default=None, help="the operator's bearer key for /metrics (or "
                     "REAME_METRICS_KEY). /metrics shows every key's traffic, so with API keys it answers only "
                     "this key (403 to API keys); without API keys or this key it is open")
@@ -10755,7 +11158,8 @@ def _cmd_serve(args) -> int:
                     max_connections=args.max_connections, shared_cache=args.shared_cache,
                     max_client_connections=args.max_client_connections, write_timeout_s=args.write_timeout,
                     embedding_model=embedding, records=records,
-                    metrics_key=args.metrics_key or Config.from_env().metrics_key or None, cors=args.cors)
+                    metrics_key=args.metrics_key or Config.from_env().metrics_key or None, cors=args.cors,
+                    ui=args.ui)
 
     def on_signal(signum, frame):
         threading.Thread(target=server.shutdown, name="reame-shutdown", daemon=True).start()
@@ -10776,6 +11180,9 @@ def _cmd_serve(args) -> int:
     sys.stderr.write("reame: serving %s on http://%s:%d (%d slots x %d ctx, %d threads, speculation %s: %s)\n"
                      % (name, args.host, server.port, args.parallel, engine.n_ctx, engine.ctx.n_threads, args.spec,
                         ", ".join(engine.spec.sources)))
+    if args.ui:
+        sys.stderr.write("reame: chat page at http://%s:%d/ (--no-ui turns it off)\n"
+                         % ("[%s]" % args.host if ":" in args.host else args.host, server.port))
     sys.stderr.flush()
     try:
         while http_thread.is_alive():

@@ -14,6 +14,7 @@ minutes, not a pytest test (test_soak_runs_clean runs it for 20 seconds):
     python3 test_reame.py soak [--seconds 600] [--model gemma3-270m] [--attacks A,B]
 """
 import argparse
+import base64
 import collections
 import contextlib
 import dataclasses
@@ -3870,12 +3871,13 @@ def test_handler_answers_503_while_loading(memory_server):
 
 
 def test_handler_unknown_routes_and_methods(memory_server):
-    for method, path in (("GET", "/v1/nope"), ("POST", "/v1/nope"), ("GET", "/"), ("GET", "/v1"),
+    for method, path in (("GET", "/v1/nope"), ("POST", "/v1/nope"), ("GET", "/index.html"), ("GET", "/v1"),
                          ("GET", "/v2/completions"), ("GET", "/v1/completions/x"), ("GET", "/healthz")):
         err = _openai_error(_one(memory_server, _raw_head(method, path, "k1")), 404, "not_found")
         assert path in err["message"]
     for method, path in (("DELETE", "/v1/models"), ("PUT", "/health"), ("GET", "/v1/completions"),
-                         ("PATCH", "/v1/chat/completions"), ("POST", "/v1/sessions/s"), ("OPTIONS", "/metrics")):
+                         ("PATCH", "/v1/chat/completions"), ("POST", "/v1/sessions/s"), ("OPTIONS", "/metrics"),
+                         ("POST", "/")):
         err = _openai_error(_one(memory_server, _raw_head(method, path, "k1")), 405, "method_not_allowed")
         assert method in err["message"]
 
@@ -4008,6 +4010,9 @@ def test_server_chat_matches_in_process_greedy(server, gemma):
     out = json.loads(payload)
     want = gemma.complete(gemma.chat_prompt(msgs), temperature=0, max_tokens=12)
     assert out["choices"][0]["message"]["content"] == want.text
+    drafts = out["usage"].pop("completion_tokens_details")  # (speculation's drafts: how many depends on its state)
+    assert set(drafts) == {"accepted_prediction_tokens", "rejected_prediction_tokens"}
+    assert all(isinstance(v, int) and v >= 0 for v in drafts.values()), drafts
     assert out["usage"] == {"prompt_tokens": want.n_prompt_tok, "completion_tokens": want.n_gen_tok,
                             "total_tokens": want.n_prompt_tok + want.n_gen_tok,
                             "prompt_tokens_details": {"cached_tokens": 0}}
@@ -4170,10 +4175,11 @@ def _malformed_requests():
             {"messages": [{"role": "user", "content": "Hi"}], name: "bad"}).encode(), {}))
     cases += [("POST", "/v1/completions", json.dumps({"prompt": "word " * 3000}).encode(), {}),
               ("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 5000}).encode(), {})]
-    for path in ("/", "/v1", "/v1/nope", "/v2/completions", "/v1/completions/x", "/%00", "/" + "a" * 5000,
+    for path in ("/index.html", "/v1", "/v1/nope", "/v2/completions", "/v1/completions/x", "/%00", "/" + "a" * 5000,
                  "/v1/sessions/", "/v1/sessions/nope", "/metrics/x", "/v1/models/x"):
         for method in ("GET", "POST", "DELETE", "PUT", "PATCH"):
             cases.append((method, path, b"{}" if method in ("POST", "PUT", "PATCH") else None, {}))
+    cases += [(method, "/", b"{}" if method != "DELETE" else None, {}) for method in ("POST", "DELETE", "PUT", "PATCH")]
     for path in ("/v1/models", "/v1/chat/completions", "/v1/completions", "/metrics"):
         for method in ("PUT", "PATCH", "DELETE", "OPTIONS"):
             cases.append((method, path, None, {}))
@@ -4903,7 +4909,157 @@ def test_attack_the_dialects_worst_values(server):
         assert 400 <= status < 500 and json.loads(payload)["error"], (method, path, status, payload)
 
 
-# == 33. HTTP server: connections, tenants, limits, metrics ====================
+# == 33. The chat page: GET / in a browser ======================================
+
+
+def test_chat_page_is_served_whole_and_only_with_the_ui(server, gemma):
+    """GET / is one self-contained page: nothing fetched from elsewhere, a CSP that runs
+    only its own script and style, no key needed to load it; --no-ui is a 404."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/")
+    resp = conn.getresponse()
+    page = resp.read().decode()
+    conn.close()
+    assert resp.status == 200 and resp.getheader("Content-Type") == "text/html; charset=utf-8"
+    csp = resp.getheader("Content-Security-Policy")
+    script = re.search(r"<script>(.*)</script>", page, re.S).group(1)
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    assert "script-src 'sha256-%s'" % digest in csp and "connect-src 'self'" in csp and "default-src 'none'" in csp
+    assert "http://" not in page and "https://" not in page, "the page must fetch nothing from elsewhere"
+    assert "innerHTML" not in page and "insertAdjacentHTML" not in page  # (model text only ever as text)
+    lean = reame.Server(gemma, "gemma3-270m", host="127.0.0.1", port=0, ui=False)
+    t = threading.Thread(target=lean.serve_forever, daemon=True)
+    t.start()
+    try:
+        status, payload = _http(lean, "GET", "/", key=None)
+        assert status == 404 and json.loads(payload)["error"]["code"] == "not_found"
+        assert _http(lean, "GET", "/health", key=None)[0] == 200  # ("/" is not a prefix of every path)
+        assert _http(lean, "GET", "/v1/models", key=None)[0] == 200
+    finally:
+        lean.shutdown()
+
+
+def _chromium():
+    """Debian's Chromium, headless, driven by its ChromeDriver through selenium (both
+    installed by .ci/run: missing is a failure)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = "/usr/bin/chromium"
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1000,900"):
+        opts.add_argument(arg)
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+
+
+def test_chat_page_in_chromium_key_stream_follow_up_stop(server, gemma):
+    """The page in a real headless Chromium: a wrong key is a clear message; with a key it
+    shows the model, streams greedy answers equal to chat completions', keeps the
+    conversation on the server (the follow-up's prompt is mostly cached), stops a long
+    answer (the server frees its slot) and goes on after it; a new chat forgets the old
+    session. A screenshot is kept in test-artifacts/."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+    driver = _chromium()
+    wait = WebDriverWait(driver, 120, poll_frequency=0.1)
+    el = lambda css: driver.find_element(By.CSS_SELECTOR, css)  # noqa: E731
+    answers = lambda: driver.find_elements(By.CSS_SELECTOR, ".msg.assistant")  # noqa: E731
+
+    def ask(text):
+        n = len(answers())
+        el("#prompt").send_keys(text, Keys.ENTER)
+        wait.until(lambda d: len(answers()) == n + 1 and answers()[-1].find_element(By.CSS_SELECTOR, ".speed").text)
+        last = answers()[-1]
+        return last.find_element(By.CSS_SELECTOR, ".body").get_attribute("textContent"), \
+            last.find_element(By.CSS_SELECTOR, ".speed").text
+
+    try:
+        driver.get("http://127.0.0.1:%d/" % server.port)
+        wait.until(lambda d: el("#keybar").is_displayed())
+        assert "needs an API key" in el("#model").text
+        el("#key").send_keys("not-a-key", Keys.ENTER)
+        wait.until(lambda d: "refused" in el("#key-msg").text)
+        assert "invalid API key" in el("#key-msg").text and el("#prompt").get_attribute("disabled")
+        el("#key").clear()
+        el("#key").send_keys("k1", Keys.ENTER)
+        wait.until(lambda d: el("#model").text == "gemma3-270m")
+        assert not el("#keybar").is_displayed()
+        parts = driver.execute_script('return render("Run:\\n```py\\nx = 1 < 2\\n```\\n<b>done</b>").map('
+                                      '(e) => [e.tagName, e.dataset.lang || "", e.textContent])')
+        assert parts == [["DIV", "", "Run:\n"], ["PRE", "py", "x = 1 < 2"], ["DIV", "", "<b>done</b>"]], parts
+        el("#settings summary").click()
+        system = ("You are a friendly assistant on a small server. Answer in one short sentence. Use plain "
+                  "words. Never invent facts; say when you do not know. Prefer concrete examples over general "
+                  "advice. When asked for a list, give at most three items, each on its own line. When asked "
+                  "about colours, name common ones. When asked for a story, write it in simple sentences, with "
+                  "a beginning, a middle and an end, and give every character a name. Keep a calm and kind tone, "
+                  "and do not repeat the question back.")  # (over one 128-token chunk: what a session reuses)
+        el("#system").send_keys(system)
+        el("#temperature").send_keys("0")
+        el("#max-tokens").send_keys("24")
+
+        text1, speed1 = ask("Name a colour.")
+        m1 = [{"role": "system", "content": system}, {"role": "user", "content": "Name a colour."}]
+        status, payload = _http(server, "POST", "/v1/chat/completions", {"messages": m1, "temperature": 0, "max_tokens": 24})
+        want1 = json.loads(payload)["choices"][0]["message"]["content"]
+        assert status == 200 and "```" not in want1 and text1 == want1, (text1, want1)
+        assert re.search(r"\d+ tokens · .*tok/s · first token [\d.]+ s · \d+ of \d+ prompt tokens cached · "
+                         r"(nothing drafted|\d+ of \d+ drafted tokens accepted)", speed1), speed1
+
+        text2, speed2 = ask("Name another one.")
+        m2 = m1 + [{"role": "assistant", "content": want1}, {"role": "user", "content": "Name another one."}]
+        status, payload = _http(server, "POST", "/v1/chat/completions", {"messages": m2, "temperature": 0, "max_tokens": 24})
+        assert status == 200 and text2 == json.loads(payload)["choices"][0]["message"]["content"]
+        cached, prompt = map(int, re.search(r"(\d+) of (\d+) prompt tokens cached", speed2).groups())
+        assert cached >= 100 and prompt - cached < 128, speed2  # (the session's KV: the head and whole chunks)
+        session = driver.execute_script("return chat.session")
+        status, payload = _http(server, "GET", "/v1/sessions/" + session)
+        assert status == 200 and [m["role"] for m in json.loads(payload)["messages"]] == ["system"] + ["user", "assistant"] * 2
+
+        el("#max-tokens").clear()
+        el("#max-tokens").send_keys("400")
+        el("#prompt").send_keys("Write a long story about a dragon who learns to bake bread.", Keys.ENTER)
+        body = lambda: answers()[-1].find_element(By.CSS_SELECTOR, ".body").get_attribute("textContent")  # noqa: E731
+        wait.until(lambda d: len(answers()) == 3 and len(body()) > 40)
+        el("#stop").click()
+        wait.until(lambda d: el("#send").is_displayed() and not el("#stop").is_displayed())
+        assert answers()[-1].find_element(By.CSS_SELECTOR, ".speed").text == "stopped"
+        cut = body()
+        deadline = time.monotonic() + 20
+        while gemma.stats()["active"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gemma.stats()["active"] == 0, "the stopped answer still holds a slot"
+        time.sleep(1.0)
+        assert body() == cut, "the answer grew after Stop"
+        driver.save_screenshot(_artifact("chat_page.png"))
+
+        text4, speed4 = ask("Thanks.")  # the stopped turn goes to the server with this one
+        assert text4 and "tokens" in speed4, speed4
+        status, payload = _http(server, "GET", "/v1/sessions/" + session)
+        kept = json.loads(payload)["messages"]
+        assert [m["role"] for m in kept] == ["system"] + ["user", "assistant"] * 4 and kept[6]["content"] == cut, kept[5:]
+
+        el("#new-chat").click()
+        wait.until(lambda d: not answers() and driver.execute_script("return chat.session") != session)
+        deadline = time.monotonic() + 10
+        while _http(server, "GET", "/v1/sessions/" + session)[0] != 404 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _http(server, "GET", "/v1/sessions/" + session)[0] == 404  # (New chat deleted it)
+    finally:
+        driver.quit()
+
+
+def _artifact(name: str) -> str:
+    """Where a test keeps what a person may want to look at (REAME_TEST_ARTIFACTS, or
+    test-artifacts/ beside this file)."""
+    folder = os.environ.get("REAME_TEST_ARTIFACTS") or os.path.join(HERE, "test-artifacts")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, name)
+
+
+# == 34. HTTP server: connections, tenants, limits, metrics ====================
 
 
 def test_server_bearer_is_case_insensitive_and_binds_ipv6(gemma):
@@ -7034,7 +7190,7 @@ def test_crash_consistency_kill_9(tmp_path):
             s.close()
 
 
-# == 34. Command line ==========================================================
+# == 35. Command line ==========================================================
 
 
 def test_cli_help_explains_every_command():
