@@ -1883,6 +1883,73 @@ def print_conclave(cb: dict, w) -> None:
 # == 5. The scenario table and main ============================================================
 
 
+# -- tools under auto: how often an answer is a proper call, on 20 fixed prompts --------
+
+_AUTO_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"},
+                                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "Current local time in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "convert_currency", "description": "Convert an amount of money",
+                                      "parameters": {"type": "object", "properties": {
+                                          "amount": {"type": "number"}, "from_currency": {"type": "string"},
+                                          "to_currency": {"type": "string"}},
+                                          "required": ["amount", "from_currency", "to_currency"]}}},
+    {"type": "function", "function": {"name": "search_web", "description": "Search the web for recent information",
+                                      "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                                                     "required": ["query"]}}}]
+_AUTO_NEED = ["What's the weather in Paris?", "Is it raining in London right now?", "What time is it in Tokyo?",
+              "Convert 100 US dollars to euros.", "How many yen is 50 pounds?",
+              "Search the web for the latest Python release.", "What's the temperature in Berlin in fahrenheit?",
+              "Tell me the current time in New York.", "Find recent news about the Mars rover.",
+              "Weather forecast for Madrid please."]
+_AUTO_NONE = ["Hello! How are you?", "What is 17 times 3?", "Write a haiku about the sea.", "What does JSON stand for?",
+              "Explain what a function is in Python in one sentence.", "Say thank you in French.",
+              "What is the capital of Italy?", "Reverse the string 'abc'.", "Give me a synonym for happy.",
+              "Is 7 a prime number?"]
+
+
+def run_tools_auto(args, noise: CpuNoise) -> dict:
+    """Tools under tool_choice auto: of 10 prompts that need one of 4 tools, how many answers are proper calls (a declared tool, arguments a JSON object); of 10 that need none, how many stay text (greedy, over HTTP)."""
+    import http.client
+    eng = reame.Engine(args.model_path, n_ctx=args.ctx, n_slots=1, n_threads=args.threads)
+    srv = reame.Server(eng, "m", host="127.0.0.1", port=0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    names = {t["function"]["name"] for t in _AUTO_TOOLS}
+    rows = []
+    try:
+        for q in _AUTO_NEED + _AUTO_NONE:
+            conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=600)
+            conn.request("POST", "/v1/chat/completions", json.dumps({
+                "messages": [{"role": "user", "content": q}], "tools": _AUTO_TOOLS, "tool_choice": "auto",
+                "temperature": 0, "max_tokens": 96}), {"Content-Type": "application/json"})
+            msg = json.loads(conn.getresponse().read())["choices"][0]["message"]
+            conn.close()
+            calls = msg.get("tool_calls") or []
+            proper = bool(calls) and all(c["function"]["name"] in names and
+                                         isinstance(json.loads(c["function"]["arguments"]), dict) for c in calls)
+            rows.append({"prompt": q, "needs_tool": q in _AUTO_NEED, "call": calls[0]["function"] if calls else None,
+                         "proper": proper, "text": msg.get("content")})
+            log("%-5s %s" % ("call" if calls else "text", q))
+    finally:
+        srv.shutdown()
+        eng.close()
+    return {"rows": rows, "calls": sum(r["proper"] for r in rows if r["needs_tool"]),
+            "texts": sum(r["call"] is None for r in rows if not r["needs_tool"])}
+
+
+def print_tools_auto(res: dict, w) -> None:
+    w("tools under auto, %s, greedy: 20 fixed prompts\n" % res["config"]["model"])
+    for r in res["rows"]:
+        what = json.dumps(r["call"]) if r["call"] else repr((r["text"] or "")[:70])
+        w("  %-4s %-5s %-52s %s\n" % ("tool" if r["needs_tool"] else "", "call" if r["call"] else "text",
+                                      r["prompt"][:52], what[:90]))
+    w("%d/10 prompts that need a tool answered with a proper call; %d/10 others answered with text\n"
+      % (res["calls"], res["texts"]))
+
+
 class Scenario(NamedTuple):
     """A benchmark: flag selects it (none: the first row); run(args, noise) -> result (JSON: under name),
     print(result, w); doc: run's docstring's first line. defaults: argument defaults, a value or
@@ -1911,7 +1978,8 @@ SCENARIOS = [
     Scenario("palimpsest", "--palimpsest", run_palimpsest, print_palimpsest, {"repeats": 2, "gen_tokens": (64, 160)}),
     Scenario("conclave", "--conclave", run_conclave, print_conclave, {"gen_tokens": (64, 160)}),
     Scenario("step_cost", "--step-cost", run_step_cost, print_step_cost, {"repeats": 7}),
-    Scenario("suggest", "--suggest", run_suggest, print_suggest, {"repeats": 2, "gen_tokens": (96, 400)})]
+    Scenario("suggest", "--suggest", run_suggest, print_suggest, {"repeats": 2, "gen_tokens": (96, 400)}),
+    Scenario("tools_auto", "--tools-auto", run_tools_auto, print_tools_auto, {"model": SMALL})]
 DEFAULTS = {"model": ("gemma3-270m", "qwen2.5-coder-1.5b"), "repeats": (2, 3), "gen_tokens": (32, 128),
             "prefill_tokens": (256, 768), "handbook_tokens": (1200, 2400), "streams": ("1,4", "1,2,4,8"),
             "http_clients": ("1,4", "1,4,8")}

@@ -2398,6 +2398,43 @@ def test_json_schema_output_always_validates(qwen):
     assert qwen.stats()["spec"]["suggest.json"]["accepted"] - before > 20
 
 
+def test_schema_output_is_one_answer_alone_batched_speculated_and_cached(qwen):
+    """A pydantic-style schema (a $defs reference, a date, an email, an integer range, a
+    list of objects) constrains greedy output to the same tokens alone, batched beside two
+    other requests, with Il Suggeritore drafting its keys, and after a prompt cache hit."""
+    schema = {"$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}},
+                                    "required": ["city"]}},
+              "type": "object", "properties": {
+                  "name": {"type": "string"}, "born": {"type": "string", "format": "date"},
+                  "email": {"type": "string", "format": "email"},
+                  "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                  "addresses": {"type": "array", "items": {"$ref": "#/$defs/Address"}}},
+              "required": ["name", "born", "email", "age", "addresses"]}
+    grammar = reame.json_schema_grammar(schema)
+    story = ("Ada Lovelace was born on 1815-12-10 in London. She wrote the first published program, for "
+             "Babbage's Analytical Engine, and signed her letters ada@example.com in this story. ") * 4
+    prompt = _chat(qwen, story + "Extract the person (name, born, email, age at death 36, the cities she "
+                   "lived in: London, Paris) as JSON.")
+    assert len(prompt) > 128  # (a whole chunk to reuse from the cache)
+    p = reame.SamplingParams(temperature=0, max_tokens=120, grammar=grammar, schema=schema)
+    off = reame.SpecOptions("off")
+    alone = qwen.submit(prompt, p, spec=off, replay=False).wait()
+    got = json.loads(alone.text)
+    assert alone.finish_reason == "stop" and set(got) == set(schema["required"]), alone.text
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d", got["born"]) and "@" in got["email"] and 0 <= got["age"] <= 150
+    assert all(set(a) == {"city"} for a in got["addresses"]), got
+    others = [_chat(qwen, "Write a short poem about %s." % w) for w in ("rain", "bread")]
+    reqs = [qwen.submit(x, reame.SamplingParams(temperature=0, max_tokens=60, **(
+        dict(grammar=grammar, schema=schema) if x is prompt else {})), spec=off, replay=False)
+        for x in (others[0], prompt, others[1])]
+    batched = [r.wait() for r in reqs][1]
+    spec = qwen.submit(prompt, p, spec=reame.SpecOptions("on", 16, ("suggest",)), replay=False).wait()
+    cached = qwen.submit(prompt, p, spec=off, replay=False).wait()
+    assert cached.n_cached_tok >= 128, cached.n_cached_tok
+    assert spec.n_accepted > 10, (spec.n_drafted, spec.n_accepted)  # (the keys came as drafts)
+    assert batched.tokens == alone.tokens == spec.tokens == cached.tokens
+
+
 # == 18. Reading JSON as it is written: JsonScan ===============================
 
 
