@@ -1950,6 +1950,240 @@ def print_tools_auto(res: dict, w) -> None:
       % (res["calls"], res["texts"]))
 
 
+# -- past one box: HAProxy in front of 3 replicas, prompt affinity vs round robin; a projection --
+
+CLUSTER_REPLICAS, CLUSTER_APPS, CLUSTER_CLIENTS, CLUSTER_GEN = 3, 6, 4, 16
+
+
+def cluster_system(app: int) -> str:
+    """App app's help-desk system prompt, about 330 tokens (a disk snapshot is taken at 256)."""
+    rules = " ".join("Rule %d of app %d: answer politely, name the order number, and never promise a date "
+                     "for item %d." % (i, app, i * 7 + app) for i in range(1, 14))
+    return "You are the help desk of shop number %d. %s" % (app, rules)
+
+
+def cluster_trace(rng: random.Random, n: int) -> list:
+    """n (app, question): apps drawn with Zipf weights (app k: 1/(k+1)), each question new."""
+    weights = [1.0 / (k + 1) for k in range(CLUSTER_APPS)]
+    return [(rng.choices(range(CLUSTER_APPS), weights)[0], "Customer %d asks about order %d: where is it?"
+             % (i, 1000 + rng.randrange(9000))) for i in range(n)]
+
+
+def cluster_body(app: int, question: str) -> bytes:
+    return json.dumps({"messages": [{"role": "system", "content": cluster_system(app)},
+                                    {"role": "user", "content": question}],
+                       "max_tokens": CLUSTER_GEN, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}, "reame": {"replay": False}}).encode()
+
+
+def round_robin(config: str) -> str:
+    """The affinity configuration with its balancing replaced by round robin."""
+    lines = [ln for ln in config.splitlines() if not ln.strip().startswith(("hash-type", "hash-balance-factor"))]
+    return "\n".join("  balance roundrobin" if ln.strip().startswith("balance ") else ln for ln in lines) + "\n"
+
+
+def cluster_costs(args, noise: CpuNoise, tmp: str) -> dict:
+    """This machine's costs for the projection, from one replica alone and then a second on its
+    REAME_HOME: seconds per prompt token computed, per token restored from disk, per token decoded."""
+    home = os.path.join(tmp, "costs")
+    srv = ReameServer(args.model_path, os.path.join(tmp, "costs-a.log"), noise, threads=args.threads,
+                      n_parallel=2, ctx_per_slot=1024, home=home, tag="costs")
+    try:
+        srv.ready()
+        cold = stream(srv.port, "/v1/chat/completions", cluster_body(0, "Where is order 1?"))
+        body = json.loads(cluster_body(1, "Please tell me a long story about order 2."))
+        body["max_tokens"] = 64
+        dec = stream(srv.port, "/v1/chat/completions", json.dumps(body).encode())
+        time.sleep(2.0)  # (the snapshot writes)
+    finally:
+        srv.close()
+    srv = ReameServer(args.model_path, os.path.join(tmp, "costs-b.log"), noise, threads=args.threads,
+                      n_parallel=2, ctx_per_slot=1024, home=home, tag="costs, disk")
+    try:
+        srv.ready()
+        disk = stream(srv.port, "/v1/chat/completions", cluster_body(0, "Where is order 3?"))
+    finally:
+        srv.close()
+    c_prefill = cold["ttft_s"] / cold["prompt_tokens"]
+    cached = disk["cached_tokens"] or 0
+    c_restore = max(0.0, disk["ttft_s"] - (disk["prompt_tokens"] - cached) * c_prefill) / max(cached, 1)
+    c_decode = (dec["total_s"] - dec["ttft_s"]) / max(dec["completion_tokens"] - 1, 1)
+    return {"prefill_s_per_token": c_prefill, "restore_s_per_token": c_restore, "decode_s_per_token": c_decode,
+            "prompt_tokens": cold["prompt_tokens"], "disk_cached_tokens": cached}
+
+
+CLUSTER_POLICIES = [("affinity", True), ("round robin", True), ("affinity", False), ("round robin", False)]
+
+
+def cluster_name(policy: str, shared: bool) -> str:
+    return "%s, %s" % (policy, "one disk" if shared else "own disks")
+
+
+def cluster_pass(args, noise: CpuNoise, tmp: str, policy: str, shared: bool, trace: list) -> dict:
+    """The trace through HAProxy (policy: affinity or round robin) to 3 fresh replicas on one new
+    REAME_HOME (shared) or one each, by CLUSTER_CLIENTS clients taking the next request in order."""
+    home = os.path.join(tmp, cluster_name(policy, shared).replace(" ", "-").replace(",", ""))
+    threads = max(1, args.threads // CLUSTER_REPLICAS)
+    reps = []
+    proxy = None
+    try:
+        for i in range(CLUSTER_REPLICAS):
+            reps.append(ReameServer(args.model_path, os.path.join(tmp, "%s-r%d.log" % (policy[:5], i + 1)), noise,
+                                    threads=threads, n_parallel=2, ctx_per_slot=1024,
+                                    home=home if shared else os.path.join(home, "r%d" % (i + 1)),
+                                    tag="%s r%d" % (policy, i + 1)))
+        for r in reps:
+            r.ready()
+        front = free_port()
+        config = reame.haproxy_config(["127.0.0.1:%d" % r.port for r in reps], "127.0.0.1:%d" % front, check_s=0.5)
+        path = os.path.join(tmp, "haproxy-%s.cfg" % policy[:5])
+        with open(path, "w") as f:
+            f.write(config if policy == "affinity" else round_robin(config))
+        proxy = subprocess.Popen(["haproxy", "-db", "-f", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", front), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proxy.poll() is not None:
+                    raise RuntimeError("HAProxy did not start (%s)" % path)
+                time.sleep(0.1)
+        time.sleep(1.5)  # (its first health checks)
+        results, todo, lock = [None] * len(trace), iter(range(len(trace))), threading.Lock()
+
+        def client(_k, _start):
+            while True:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                results[i] = stream(front, "/v1/chat/completions", cluster_body(*trace[i]))
+
+        t0 = time.perf_counter()
+        run_clients(reps[0], CLUSTER_CLIENTS, client, barrier=False)
+        wall = time.perf_counter() - t0
+    finally:
+        if proxy is not None:
+            proxy.kill()
+            proxy.wait()
+        for r in reps:
+            r.close()
+    prompt = sum(r["prompt_tokens"] for r in results)
+    cached = sum(r["cached_tokens"] or 0 for r in results)
+    ttft = [r["ttft_s"] for r in results]
+    return {"requests": len(results), "prompt_tokens": prompt, "cached_tokens": cached,
+            "hit_rate": cached / prompt, "prefill_tokens": prompt - cached, "wall_s": wall,
+            "ttft_p50_s": nearest_rank(ttft, 0.5), "ttft_p95_s": nearest_rank(ttft, 0.95)}
+
+
+def simulate_cluster(costs: dict, n_boxes: int, policy: str, shared: bool, rng: random.Random, load: float,
+                     n_requests: int = 4000, apps_per_box: int = 2, slots: int = 2, balance: float = 1.5) -> dict:
+    """A projection, not a measurement: n_boxes boxes, each answering one request at a time (FIFO),
+    keeping the KV of its last `slots` apps in memory; a disk holds every prefix computed (shared:
+    one for all boxes; else each box its own). Requests of apps_per_box x n_boxes apps (Zipf) arrive as a Poisson stream at `load`
+    times what the boxes answer with every prompt cached. Costs are this machine's (cluster_costs).
+    Routing: round robin, or consistent hashing (64 points per box) with load bounded at
+    `balance` x the average outstanding requests. Returns throughput and TTFT percentiles."""
+    import bisect
+    import hashlib
+    cp, cr, cd = costs["prefill_s_per_token"], costs["restore_s_per_token"], costs["decode_s_per_token"]
+    sys_tok, user_tok = costs["prompt_tokens"] - 20, 20
+    n_apps = apps_per_box * n_boxes
+    weights = [1.0 / (k + 1) for k in range(n_apps)]
+    service_hit = user_tok * cp + CLUSTER_GEN * cd
+    rate = load * n_boxes / service_hit
+    ring = sorted((int(hashlib.md5(b"%d:%d" % (b, v)).hexdigest()[:8], 16), b)
+                  for b in range(n_boxes) for v in range(64))
+    points = [p for p, _ in ring]
+    free_at = [0.0] * n_boxes
+    queue_ends: list = [[] for _ in range(n_boxes)]  # per box: end times of requests not yet finished
+    memory = [[] for _ in range(n_boxes)]              # per box: its last `slots` apps, most recent last
+    one_disk = set()
+    disks = [one_disk if shared else set() for _ in range(n_boxes)]
+    ttfts, t, rr, last_end = [], 0.0, 0, 0.0
+    apps = rng.choices(range(n_apps), weights, k=n_requests)
+    for app in apps:
+        t += rng.expovariate(rate)
+        for ends in queue_ends:
+            while ends and ends[0] <= t:
+                ends.pop(0)
+        if policy == "round robin":
+            box, rr = rr % n_boxes, rr + 1
+        else:
+            bound = math.ceil(balance * (sum(len(e) for e in queue_ends) + 1) / n_boxes)
+            i = bisect.bisect(points, int(hashlib.md5(b"app%d" % app).hexdigest()[:8], 16)) % len(ring)
+            for k in range(len(ring)):
+                box = ring[(i + k) % len(ring)][1]
+                if len(queue_ends[box]) < bound:
+                    break
+        if app in memory[box]:
+            prefill = user_tok * cp
+            memory[box].remove(app)
+        elif app in disks[box]:
+            prefill = user_tok * cp + sys_tok * cr
+        else:
+            prefill = (sys_tok + user_tok) * cp
+        memory[box] = (memory[box] + [app])[-slots:]
+        disks[box].add(app)
+        start = max(t, free_at[box])
+        free_at[box] = start + prefill + CLUSTER_GEN * cd
+        queue_ends[box].append(free_at[box])
+        ttfts.append(start + prefill - t)
+        last_end = max(last_end, free_at[box])
+    return {"throughput_rps": n_requests / last_end, "ttft_p50_s": nearest_rank(ttfts, 0.5),
+            "ttft_p95_s": nearest_rank(ttfts, 0.95)}
+
+
+def run_cluster(args, noise: CpuNoise) -> dict:
+    """Past one box: one trace (6 apps' system prompts, Zipf, new questions, 4 clients) through Debian's HAProxy to 3 `serve` replicas on one REAME_HOME, with `reame.py haproxy-config`'s prompt affinity against round robin: prompt tokens served from cache, prefill tokens computed, TTFT p50/p95 (3 replicas share this box's cores: the cache numbers are the point). Then a projection to 4, 16 and 64 boxes with this machine's measured costs."""
+    if shutil.which("haproxy") is None:
+        raise RuntimeError("--cluster needs HAProxy (Debian: apt-get install haproxy)")
+    rng = random.Random(args.seed)
+    trace = cluster_trace(rng, 24 if args.quick else 60)
+    out = {"trace": {"requests": len(trace), "apps": CLUSTER_APPS, "clients": CLUSTER_CLIENTS,
+                     "gen_tokens": CLUSTER_GEN, "replicas": CLUSTER_REPLICAS}}
+    with tempfile.TemporaryDirectory(prefix="reame-cluster-") as tmp:
+        out["costs"] = cluster_costs(args, noise, tmp)
+        log("costs: %s" % out["costs"])
+        for policy, shared in CLUSTER_POLICIES:
+            name = cluster_name(policy, shared)
+            out[name] = cluster_pass(args, noise, tmp, policy, shared, trace)
+            log("%s: %s" % (name, out[name]))
+    projection = {}
+    for n in (4, 16, 64):
+        for policy, shared in CLUSTER_POLICIES:
+            sat = simulate_cluster(out["costs"], n, policy, shared, random.Random(n), load=3.0)
+            calm = simulate_cluster(out["costs"], n, policy, shared, random.Random(n), load=0.5)
+            projection["%d %s" % (n, cluster_name(policy, shared))] = {
+                "throughput_rps": sat["throughput_rps"], "ttft_p50_s": calm["ttft_p50_s"],
+                "ttft_p95_s": calm["ttft_p95_s"]}
+    out["projection"] = projection
+    return out
+
+
+def print_cluster(cl: dict, w) -> None:
+    t, c = cl["trace"], cl["costs"]
+    w("past one box, %s: %d requests of %d apps (Zipf) by %d clients through HAProxy to %d replicas "
+      "(one REAME_HOME, %d tokens each)\n" % (cl["config"]["model"], t["requests"], t["apps"], t["clients"],
+                                              t["replicas"], t["gen_tokens"]))
+    w("%-25s %10s %16s %13s %13s %9s\n" % ("routing, cache", "hit rate", "prefill tokens", "TTFT p50 s",
+                                            "TTFT p95 s", "wall s"))
+    for policy, shared in CLUSTER_POLICIES:
+        r = cl[cluster_name(policy, shared)]
+        w("%-25s %9.1f%% %16d %13.3f %13.3f %9.1f\n" % (cluster_name(policy, shared), 100 * r["hit_rate"],
+                                                        r["prefill_tokens"], r["ttft_p50_s"], r["ttft_p95_s"],
+                                                        r["wall_s"]))
+    w("\nprojection (a simulation with this machine's costs: %.2f ms per prompt token computed, %.3f ms per "
+      "token restored from disk, %.1f ms per token decoded; each box one request at a time, 2 apps per box, "
+      "Zipf; TTFT at half load):\n" % (1000 * c["prefill_s_per_token"], 1000 * c["restore_s_per_token"],
+                                      1000 * c["decode_s_per_token"]))
+    w("%-6s %-25s %12s %13s %13s\n" % ("boxes", "routing, cache", "requests/s", "TTFT p50 s", "TTFT p95 s"))
+    for key, r in cl["projection"].items():
+        n, name = key.split(" ", 1)
+        w("%-6s %-25s %12.2f %13.3f %13.3f\n" % (n, name, r["throughput_rps"], r["ttft_p50_s"], r["ttft_p95_s"]))
+
+
 class Scenario(NamedTuple):
     """A benchmark: flag selects it (none: the first row); run(args, noise) -> result (JSON: under name),
     print(result, w); doc: run's docstring's first line. defaults: argument defaults, a value or
@@ -1979,7 +2213,8 @@ SCENARIOS = [
     Scenario("conclave", "--conclave", run_conclave, print_conclave, {"gen_tokens": (64, 160)}),
     Scenario("step_cost", "--step-cost", run_step_cost, print_step_cost, {"repeats": 7}),
     Scenario("suggest", "--suggest", run_suggest, print_suggest, {"repeats": 2, "gen_tokens": (96, 400)}),
-    Scenario("tools_auto", "--tools-auto", run_tools_auto, print_tools_auto, {"model": SMALL})]
+    Scenario("tools_auto", "--tools-auto", run_tools_auto, print_tools_auto, {"model": SMALL}),
+    Scenario("cluster", "--cluster", run_cluster, print_cluster, {"model": SMALL})]
 DEFAULTS = {"model": ("gemma3-270m", "qwen2.5-coder-1.5b"), "repeats": (2, 3), "gen_tokens": (32, 128),
             "prefill_tokens": (256, 768), "handbook_tokens": (1200, 2400), "streams": ("1,4", "1,2,4,8"),
             "http_clients": ("1,4", "1,4,8")}

@@ -46,7 +46,8 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
    32. OpenAI's Responses API: a conversation kept as it goes
    33. The chat page: GET / in a browser
    34. HTTP server: connections, tenants, limits, metrics
-   35. Command line
+   35. Past one box: replicas behind HAProxy
+   36. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -8937,6 +8938,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                              code="invalid_api_key")
         if self.server_ref.engine is None:
             raise ReameError("the model is still loading", status=503, code="loading")
+        if self.server_ref.draining:  # (a balancer sends it again to another replica: retry-on 503)
+            err = ReameError("the server is shutting down; send this to another replica", status=503,
+                             code="draining")
+            err.headers = [("Retry-After", "1")]
+            raise err
         return owner
 
     def _page(self):  # the chat page (section 33): unauthenticated, it holds nothing; it asks for a key
@@ -8951,8 +8957,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._head_done()
         self.wfile.write(page)
 
-    def _health(self):  # unauthenticated: for load balancers and supervisors
-        self._send_json(*((503, {"status": "loading"}) if self.server_ref.engine is None else (200, {"status": "ok"})))
+    def _health(self):
+        """Unauthenticated, for load balancers and supervisors: 200 "ok" when ready (with its
+        free slots and queue), 503 "loading" or "draining" (SIGTERM: new requests go elsewhere)."""
+        srv = self.server_ref
+        if srv.engine is None or srv.draining:
+            self._send_json(503, {"status": "loading" if srv.engine is None else "draining"})
+        else:
+            st = srv.engine.stats()
+            self._send_json(200, {"status": "ok", "slots_free": srv.engine.n_slots - st["active"],
+                                  "queued": st["waiting"]})
 
     def _models(self):
         self._owner()
@@ -10667,6 +10681,7 @@ class Server:
         self._reading: dict = {}
         self._stop = threading.Event()
         self._serving = False  # serve_forever has run
+        self.draining = False  # drain(): answering what it has, refusing new requests (503)
         threading.Thread(target=self._watchdog, name="reame-watchdog", daemon=True).start()
 
     @property
@@ -10766,6 +10781,9 @@ class Server:
                 Metric("time_per_output_token_seconds", "histogram", "time per token after the first",
                        copy.deepcopy(self.h_token))]
         rows += [
+            Metric("draining", "gauge", "1 while shutting down (new requests get 503)", int(self.draining)),
+            Metric("slots_free", "gauge", "slots no request holds (a router's measure of room)",
+                   self.engine.n_slots - self.engine.stats()["active"]),
             Metric("sessions", "gauge", "conversations kept (all keys)", len(self.sessions)),
             Metric("conclaves_total", "counter", "best_of requests voted", conclave.pop("runs")),
             Metric("conclave_tokens_saved_total", "counter", "tokens early stops saved (estimate)",
@@ -10815,6 +10833,12 @@ class Server:
         if not self._stop.is_set():  # (shut down before it started: nothing to serve)
             self.httpd.serve_forever(poll_interval=0.2)
 
+    def drain(self) -> None:
+        """Stop taking requests, still listening: /health and new API requests answer 503
+        (a balancer takes this replica out and sends them elsewhere) while the requests
+        in flight finish. shutdown() then closes the port."""
+        self.draining = True
+
     def shutdown(self) -> None:
         self._stop.set()
         if self._serving:  # (socketserver's shutdown waits for a serve_forever that never ran)
@@ -10828,7 +10852,80 @@ class Server:
                 self._embedder = None
 
 
-# == 35. Command line ==========================================================
+# == 35. Past one box: replicas behind HAProxy ================================
+#
+# More users than one box serves: N independent `serve` replicas behind a real load
+# balancer, not a home-made cluster. Routing is what makes it pay: requests that share a
+# prompt's head must land where its KV is (round robin makes the hit rate fall toward
+# 1/N), with a bound on how unequal the load may get; replicas that share one REAME_HOME
+# (one box, or a shared directory) turn a miss on one replica into a disk hit on what
+# another computed. A replica gives the balancer what it needs: /health (ok with its
+# free slots, 503 loading or draining) and /metrics (queued_requests, slots_free).
+
+
+def haproxy_config(replicas: Sequence[str], bind: str = "127.0.0.1:8080", balance_factor: int = 150,
+                   check_s: float = 1.0) -> str:
+    """`reame.py haproxy-config`: an HAProxy (2.6+) configuration for N `serve` replicas,
+    routed so that requests that share a prompt's head land where its KV is: a
+    conversation by its session (X-Reame-Session, session_id), else by what opens the
+    prompt (the first message, Anthropic's system, the Responses API's instructions, a
+    completion's first 512 bytes), hashed consistently (a replica that goes or comes moves
+    only its own share) with bounded load (no replica gets over balance_factor % of the
+    average: a hot prompt spills to the next replica on the ring). Replicas are checked on
+    /health (a draining one answers 503 and is taken out); a request that finds a replica
+    dead or draining is sent again to another (the body is buffered for that)."""
+    if not replicas:
+        raise RequestError("give at least one --replica HOST:PORT")
+    for r in replicas:
+        host, _, port = r.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or any(c.isspace() for c in r):
+            raise RequestError("--replica %r: give HOST:PORT" % r)
+    if not 100 < balance_factor <= 1000:
+        raise RequestError("--balance-factor must be over 100 (a replica's share of the average load, in %)")
+    route = [("req.hdr(X-Reame-Session)", "a session header (one conversation, one replica)"),
+             ("req.body,json_query('$.session_id')", "a session in the body"),
+             ("req.body,json_query('$.messages[0].content')", "a chat's first message (the system prompt)"),
+             ("req.body,json_query('$.system')", "Anthropic's system"),
+             ("req.body,json_query('$.instructions')", "the Responses API's instructions"),
+             ("req.body,json_query('$.prompt'),bytes(0,512)", "a completion's first 512 bytes")]
+    lines = ["# HAProxy configuration for %d Reame replicas (reame.py haproxy-config)." % len(replicas),
+             "# Affinity: requests sharing a prompt's head go to the replica that has its KV;",
+             "# bounded load: none gets over %d%% of the average; dead or draining replicas are" % balance_factor,
+             "# skipped and their requests sent again elsewhere. Run: haproxy -f THIS_FILE",
+             "global",
+             "  maxconn 4096",
+             "  # a request body must fit a buffer to be routed by its content and sent again",
+             "  tune.bufsize 65536",
+             "defaults",
+             "  mode http",
+             "  timeout connect 2s",
+             "  timeout client 600s",
+             "  timeout server 600s   # an answer may take minutes on a CPU",
+             "  timeout queue 60s",
+             "frontend reame",
+             "  bind %s" % bind,
+             "  default_backend replicas",
+             "backend replicas",
+             "  option http-buffer-request",
+             "  # the routing key: the first of these the request has"]
+    for i, (sample, why) in enumerate(route):
+        cond = "" if i == 0 else " unless { var(txn.route) -m found }"
+        lines.append("  http-request set-var(txn.route) %s%s  # %s" % (sample, cond, why))
+    lines += ["  balance hash var(txn.route)   # (no key: round robin)",
+              "  hash-type consistent",
+              "  hash-balance-factor %d" % balance_factor,
+              "  option httpchk GET /health",
+              "  http-check expect status 200",
+              "  retry-on conn-failure empty-response response-timeout 503",
+              "  retries 3",
+              "  option redispatch 1",
+              "  http-response set-header X-Reame-Replica %s",
+              "  default-server inter %dms fall 2 rise 1" % int(check_s * 1000)]
+    lines += ["  server r%d %s check" % (i + 1, r) for i, r in enumerate(replicas)]
+    return "\n".join(lines) + "\n"
+
+
+# == 36. Command line ==========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
@@ -11014,6 +11111,22 @@ def _build_parser() -> argparse.ArgumentParser:
                                     "(serving processes keep what they have read until they restart).")
     ar.add_argument("action", choices=("stats", "clear"))
 
+    hp = sub.add_parser("haproxy-config", help="print an HAProxy configuration for serve replicas",
+                        description="Print an HAProxy (2.6+) configuration that routes requests to serve "
+                        "replicas by what opens their prompt (a session, else the first message, system or "
+                        "instructions), hashed consistently with bounded load, checks them on /health and sends "
+                        "a request again elsewhere when its replica dies or drains. Run the replicas with one "
+                        "REAME_HOME (or a shared directory) so a miss on one is a disk hit on another's work.")
+    hp.add_argument("--replica", action="append", required=True, metavar="HOST:PORT",
+                    help="a serve replica (repeat for each)")
+    hp.add_argument("--bind", default="127.0.0.1:8080", metavar="HOST:PORT",
+                    help="where HAProxy listens (default 127.0.0.1:8080)")
+    hp.add_argument("--balance-factor", type=int, default=150, metavar="PCT",
+                    help="no replica gets more than PCT %% of the average load: a hot prompt spills over to "
+                    "the next replica (default 150)")
+    hp.add_argument("--check-interval", type=float, default=1.0, metavar="S",
+                    help="seconds between health checks of each replica (default 1)")
+
     rm = sub.add_parser("rm", help="delete pulled models")
     rm.add_argument("models", nargs="+", metavar="MODEL")
     return p
@@ -11162,7 +11275,12 @@ def _cmd_serve(args) -> int:
                     ui=args.ui)
 
     def on_signal(signum, frame):
-        threading.Thread(target=server.shutdown, name="reame-shutdown", daemon=True).start()
+        """The first SIGTERM/SIGINT drains (503 to new requests, /health too, so a balancer
+        stops sending; the running ones get --grace seconds); a second one stops at once."""
+        if server.draining:
+            threading.Thread(target=server.shutdown, name="reame-shutdown", daemon=True).start()
+        else:
+            server.drain()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -11185,18 +11303,21 @@ def _cmd_serve(args) -> int:
                          % ("[%s]" % args.host if ":" in args.host else args.host, server.port))
     sys.stderr.flush()
     try:
-        while http_thread.is_alive():
+        while http_thread.is_alive() and not server.draining:
             http_thread.join(0.5)
     finally:
-        # Stop accepting (done), let in-flight requests finish within the grace period,
-        # then cancel the rest: engine.close() ends them with an error event.
+        # Draining (new requests get 503): let in-flight requests finish within the grace
+        # period, then close the port and cancel the rest (engine.close() ends them with
+        # an error event).
+        server.drain()
         deadline = time.monotonic() + args.grace
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and http_thread.is_alive():
             st = engine.stats()
             if not st["active"] and not st["waiting"]:
                 break
             time.sleep(0.05)
         time.sleep(0.2)  # let handler threads write their last bytes
+        server.shutdown()
         engine.close()
         records.close()
     return 0
@@ -11360,6 +11481,11 @@ def _cmd_rm(args) -> int:
     return 0
 
 
+def _cmd_haproxy_config(args) -> int:
+    sys.stdout.write(haproxy_config(args.replica, args.bind, args.balance_factor, args.check_interval))
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -11377,7 +11503,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     handler = {"run": _cmd_run, "serve": _cmd_serve, "pull": _cmd_pull, "list": _cmd_list,
-               "rm": _cmd_rm, "cache": _cmd_cache, "archive": _cmd_archive}[args.command]
+               "rm": _cmd_rm, "cache": _cmd_cache, "archive": _cmd_archive,
+               "haproxy-config": _cmd_haproxy_config}[args.command]
     try:
         return handler(args)
     except ReameError as e:

@@ -16,6 +16,7 @@ minutes, not a pytest test (test_soak_runs_clean runs it for 20 seconds):
 import argparse
 import base64
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
@@ -29,6 +30,7 @@ import pathlib
 import random
 import re
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -7227,7 +7229,188 @@ def test_crash_consistency_kill_9(tmp_path):
             s.close()
 
 
-# == 35. Command line ==========================================================
+# == 35. Past one box: replicas behind HAProxy ================================
+
+
+def test_haproxy_config_is_valid_and_refuses_bad_replicas(tmp_path):
+    """`reame.py haproxy-config` prints what Debian's HAProxy (installed by .ci/run:
+    missing is a failure) accepts; a replica that is not HOST:PORT is an error naming it."""
+    out = subprocess.run([sys.executable, "reame.py", "haproxy-config", "--replica", "10.0.0.1:8081",
+                          "--replica", "[::1]:8082", "--bind", "0.0.0.0:8080"], cwd=HERE, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(out.stdout)
+    check = subprocess.run(["haproxy", "-c", "-f", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    for want in ("balance hash var(txn.route)", "hash-type consistent", "hash-balance-factor 150",
+                 "option http-buffer-request", "option httpchk GET /health", "option redispatch",
+                 "server r1 10.0.0.1:8081 check", "server r2 [::1]:8082 check"):
+        assert want in out.stdout, want
+    for bad in ("nohost", "host:port", "host:0", "a b:80"):
+        out = subprocess.run([sys.executable, "reame.py", "haproxy-config", "--replica", bad], cwd=HERE,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and bad in out.stderr and "Traceback" not in out.stderr, (bad, out.stderr)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_replica(model: str, port: int, home: str, *extra) -> subprocess.Popen:
+    """A `reame.py serve` replica on 127.0.0.1:port with REAME_HOME=home, once it serves."""
+    p = subprocess.Popen([sys.executable, "reame.py", "serve", model, "--port", str(port), "--parallel", "2",
+                          "--ctx", "1024", "--threads", "1", "--grace", "5", "--no-ui", *extra], cwd=HERE,
+                         env=dict(os.environ, REAME_HOME=home), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                         text=True)
+    line = ""
+    while "serving" not in line:
+        line = p.stderr.readline()
+        assert line, "replica on port %d exited" % port
+    threading.Thread(target=p.stderr.read, daemon=True).start()  # (never blocks on a full pipe)
+    return p
+
+
+def _via(port: int, body: dict, timeout: float = 300) -> tuple:
+    """POST /v1/chat/completions through port: (status, answer JSON, the replica that served it)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    payload = resp.read()
+    conn.close()
+    return resp.status, json.loads(payload), resp.getheader("X-Reame-Replica")
+
+
+def _system_prompt(shop: str) -> str:
+    """A help desk's system prompt of about 300 tokens (a disk snapshot is taken at 256)."""
+    facts = " ".join("Rule %d of %s: answer politely, name the order number, and never promise a date for item %d."
+                     % (i, shop, i * 7) for i in range(1, 13))
+    return "You are the help desk of %s, a small shop. %s" % (shop, facts)
+
+
+def test_haproxy_routes_replicas_by_prompt_spills_hot_prompts_and_survives_a_kill(tmp_path):
+    """Three replicas of one model (one REAME_HOME) behind Debian's HAProxy with the
+    configuration `haproxy-config` prints: each system prompt lands on one replica and its
+    later requests are cache hits there; a hot prompt spills onto the others (bounded
+    load); kill -9 of a replica loses no request (each answered elsewhere with the same
+    greedy text) and its orphaned prompt is a disk hit on its new replica; SIGTERM drains
+    (503 on /health and to new requests, the running answer finishes)."""
+    model = _model_path("gemma3-270m")
+    home = str(tmp_path / "home")
+    ports = [_free_port() for _ in range(3)]
+    replicas = {}
+    proxy = None
+    try:
+        for i, port in enumerate(ports):
+            replicas["r%d" % (i + 1)] = _serve_replica(model, port, home)
+        front = _free_port()
+        cfg = tmp_path / "haproxy.cfg"
+        cfg.write_text(reame.haproxy_config(["127.0.0.1:%d" % p for p in ports], "127.0.0.1:%d" % front,
+                                            check_s=0.5))
+        proxy = subprocess.Popen(["haproxy", "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", front), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        time.sleep(1.5)  # (the first health checks)
+
+        def ask(system, user, **kw):
+            body = dict({"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+                         "temperature": 0, "max_tokens": 8}, **kw)
+            status, out, where = _via(front, body)
+            assert status == 200, (status, out)
+            return out, where
+
+        # three prompts that land on three replicas (the hash decides; find such three)
+        home_of = {}
+        for k in range(40):
+            system = _system_prompt("Shop %d" % k)
+            _, where = ask(system, "Hello")
+            if where not in home_of.values():
+                home_of[system] = where
+            if len(home_of) == 3:
+                break
+        assert sorted(home_of.values()) == ["r1", "r2", "r3"], home_of
+
+        # many users per prompt: each prompt stays on its replica, and hits its cache there
+        def users(system):
+            return [ask(system, "I am customer %d. Where is my order %d?" % (u, 100 + u)) for u in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            got = dict(zip(home_of, pool.map(users, home_of)))
+        for system, answers in got.items():
+            assert {where for _, where in answers} == {home_of[system]}, (home_of[system], answers)
+            assert all(out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256 for out, _ in answers), answers
+
+        # one hot prompt from many users at once: bounded load spreads it
+        hot = next(iter(home_of))
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            spread = list(pool.map(lambda u: ask(hot, "Question %d: what are your hours?" % u, max_tokens=48,
+                                                 reame={"replay": False}), range(12)))
+        assert len({where for _, where in spread}) >= 2, [where for _, where in spread]
+
+        # kill -9 of a replica while it answers: every request is answered elsewhere, the same
+        victim_prompt, victim = next((s, w) for s, w in home_of.items() if s != hot)
+        questions = ["Customer %d asks: can I change my address?" % u for u in range(4)]
+        want = [ask(victim_prompt, q, max_tokens=40, reame={"replay": False})[0]["choices"][0]["message"]["content"]
+                for q in questions]
+        def disk_hits(name):
+            status, payload = _http(types.SimpleNamespace(port=ports[int(name[1:]) - 1]), "GET", "/metrics", key=None)
+            assert status == 200
+            return int(re.search(r"^reame_disk_cache_hits_total (\d+)", payload.decode(), re.M).group(1))
+        survivors = [name for name in replicas if name != victim]
+        before = sum(disk_hits(name) for name in survivors)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(ask, victim_prompt, q, max_tokens=40, reame={"replay": False}) for q in questions]
+            time.sleep(0.3)
+            replicas[victim].kill()
+            after = [f.result() for f in futures]
+        assert [out["choices"][0]["message"]["content"] for out, _ in after] == want
+        assert victim not in {where for _, where in after}, after
+        # its orphaned prompt has a new home on the ring, where it is a cache hit: the KV the
+        # dead replica wrote to the shared REAME_HOME, restored from disk
+        time.sleep(1.5)  # (HAProxy's checks take the dead replica out)
+        again = [ask(victim_prompt, "One more question %d." % k) for k in range(2)]
+        assert len({where for _, where in again}) == 1 and again[0][1] != victim, again
+        assert all(out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256 for out, _ in again), again
+        assert sum(disk_hits(name) for name in survivors) > before
+
+        # SIGTERM drains: the running answer finishes, /health and new requests say 503
+        survivor = next(name for name in replicas if name != victim)
+        port = ports[int(survivor[1:]) - 1]
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/chat/completions", json.dumps({
+            "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 200,
+            "temperature": 0, "stream": True, "reame": {"replay": False}}))
+        resp = conn.getresponse()
+        assert resp.readline().startswith(b"data: ")
+        replicas[survivor].send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        status, payload = _http(types.SimpleNamespace(port=port), "GET", "/health", key=None)
+        assert status == 503 and json.loads(payload)["status"] == "draining"
+        status, payload = _http(types.SimpleNamespace(port=port), "POST", "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "Hi"}]}, key=None)
+        assert status == 503 and json.loads(payload)["error"]["code"] == "draining"
+        rest = resp.read()
+        assert rest.rstrip().endswith(b"data: [DONE]") and b'"finish_reason": "length"' in rest
+        assert replicas[survivor].wait(60) == 0
+        out, where = ask(hot, "Are you still open?")  # (the last replica answers everything)
+        assert where not in (victim, survivor)
+    finally:
+        if proxy is not None:
+            proxy.kill()
+        for p in replicas.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+
+
+# == 36. Command line ==========================================================
 
 
 def test_cli_help_explains_every_command():
