@@ -47,7 +47,8 @@ Sections (``grep -n '^# == ' reame.py`` prints the map):
    33. The chat page: GET / in a browser
    34. HTTP server: connections, tenants, limits, metrics
    35. Past one box: replicas behind HAProxy
-   36. Command line
+   36. Many programs, one model: the box's daemon and its client
+   37. Command line
 """
 # == 1. Imports and optional dependencies ======================================
 from __future__ import annotations
@@ -75,6 +76,7 @@ import re
 import select
 import shutil
 import socket
+import socketserver
 import struct
 import subprocess
 import sys
@@ -6289,6 +6291,7 @@ class EngineCounters:
     n_fast_verify_steps: int = 0   # decode steps with drafts that took the tiled kernel (spec_verify="fast")
     t_decode_only_py_s: float = 0.0  # Python time of steps with no prefill (build batch, sample, emit)
     n_embed_tok: int = 0           # embedding input tokens computed (section 25)
+    max_decode_seqs: int = 0       # the most sequences one decode step has computed together
 
 
 def _request_failure(e: Exception, where: str) -> ReameError:
@@ -6555,6 +6558,7 @@ class _Scheduler:
                                    if len(decoding) > 1 else b.n, time.perf_counter() - t1)
             self.counters.n_decode_tok += b.n
             self.counters.t_decode_s += t2 - t1
+            self.counters.max_decode_seqs = max(self.counters.max_decode_seqs, len(decoding))
             if not prefilling:
                 self.counters.n_decode_only_steps += 1
                 self.counters.t_decode_only_py_s += (time.perf_counter() - t0) - (t2 - t1)
@@ -6854,6 +6858,9 @@ class Engine(_Scheduler):
         sources += [src for part in self.parts for src in part.sources]
         self.spec = SpecController(sources, default=spec_default, n_vocab=self.model.n_vocab)
         self._closing = False
+        self._client_lock = threading.Lock()
+        self._client: Optional[Client] = None  # chat()'s in-process client, and its Server (no port)
+        self._local: Optional[Server] = None
         self.counters = EngineCounters()
         self._thread = threading.Thread(target=self._run, name="reame-scheduler", daemon=True)
         self._thread.start()
@@ -6980,6 +6987,24 @@ class Engine(_Scheduler):
         """Messages -> prompt tokens with the model's own chat template."""
         return self.model.chat_tokens(messages)
 
+    def chat(self, messages: Sequence[dict], **fields):
+        """A chat completion as the HTTP API answers it (a dict; with stream=True an
+        iterator of chunk dicts), from the same request layer and the same handler: the
+        request goes to section 34's handler over a socket pair in this process. Fields are
+        the API's (temperature, max_tokens, tools, response_format, session_id, ...)."""
+        return self.client().chat(messages, **fields)
+
+    def client(self) -> "Client":
+        """This engine's in-process Client (section 36): chat, complete and embed with the
+        HTTP API's shapes, no port opened."""
+        with self._client_lock:
+            if self._client is None:
+                if self._closing:
+                    raise EngineError("engine is shut down")
+                self._local = Server(self, os.path.basename(self.model.path), port=None)
+                self._client = Client(connection=self._local.pair_connection)
+            return self._client
+
     @property
     def cache_reuse(self) -> str:
         """"exact" or "all" (section 21); may change between requests."""
@@ -6998,7 +7023,7 @@ class Engine(_Scheduler):
                "cache_hits": sl.n_cache_hits, "cache_misses": sl.n_cache_misses,
                "cache_evictions": sl.n_cache_evictions, "slot_moves": sl.n_moves,
                "disk_hits": sl.n_disk_hits, "shared_prefixes": sl.n_shared,
-               "decode_s": c.t_decode_s, "step_s": c.t_step_s,
+               "decode_s": c.t_decode_s, "step_s": c.t_step_s, "max_decode_seqs": c.max_decode_seqs,
                "python_ms_per_decode_step": 1000 * c.t_decode_only_py_s / max(c.n_decode_only_steps, 1),
                "active": len(self._active), "waiting": len(self._waiting) + len(self._embeds) + self._incoming.qsize(),
                "kv_cells_active": c.kv_active, "kv_cells_cached": c.kv_cached,
@@ -7030,6 +7055,8 @@ class Engine(_Scheduler):
             Metric("prefill_tokens_total", "counter", "prompt tokens computed", st["prefill_tokens"]),
             Metric("cached_prompt_tokens_total", "counter", "prompt tokens reused, not computed", st["cached_tokens"]),
             Metric("decode_steps_total", "counter", "scheduler steps", st["steps"]),
+            Metric("decode_sequences_max", "gauge", "the most sequences one decode step computed together",
+                   st["max_decode_seqs"]),
             Metric("embedding_tokens_total", "counter", "embedding input tokens computed", st["embedding_tokens"])]
         rows += [Metric(name, kind, help_text, {src: c[field] for src, c in spec.items()}, "source")
                  for field, name, kind, help_text in _SPEC_METRICS]
@@ -7042,6 +7069,9 @@ class Engine(_Scheduler):
         if self._closing:
             return
         self._closing = True
+        with self._client_lock:
+            if self._local is not None:
+                self._local.shutdown()
         self._incoming.put(_Stop())
         self._thread.join()
         self._fail_all(EngineError("engine is shut down"))  # a submit that raced close()
@@ -8905,7 +8935,25 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             raise RequestError("no route %s %s" % (self.command, path), status=404, code="not_found")
 
     def _route(self):
-        self._guard(self._dispatch)
+        self.server_ref.last_active = time.monotonic()
+        try:
+            self._guard(self._dispatch)
+        finally:
+            self.server_ref.last_active = time.monotonic()
+
+    def _peer_uid(self) -> Optional[int]:
+        """The uid of the process at the other end of a Unix socket (None over TCP)."""
+        sock = self.connection
+        if getattr(sock, "family", None) != socket.AF_UNIX or not hasattr(socket, "SO_PEERCRED"):
+            return None
+        try:
+            return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                       struct.calcsize("3i")))[1]
+        except OSError:
+            return None
+
+    def address_string(self) -> str:  # (a Unix socket's peer has no address: its uid)
+        return self.client_address[0] if self.client_address else "unix:uid=%s" % self._peer_uid()
 
     def _cors(self) -> Optional[str]:
         return self.server_ref.cors_origin(self.headers.get("Origin"))
@@ -8930,9 +8978,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = do_HEAD = do_OPTIONS = _route
 
     def _owner(self) -> str:
-        """Authenticate; the caller's identity for session scoping."""
+        """Authenticate; the caller's identity for session scoping. Over a Unix socket a
+        request with no key is its peer's: the uid of the process that connected."""
         key = self.headers.get("x-api-key")  # (Anthropic's header; Bearer works on every route)
-        owner = self.server_ref.authorized(self.headers.get("Authorization") or ("Bearer " + key if key else None))
+        given = self.headers.get("Authorization") or ("Bearer " + key if key else None)
+        uid = None if given else self._peer_uid()
+        owner = "uid-%d" % uid if uid is not None else self.server_ref.authorized(given)
         if owner is None:
             raise ReameError("missing or invalid API key (Authorization: Bearer KEY)", status=401,
                              code="invalid_api_key")
@@ -10621,6 +10672,49 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
                 del self._per_client[who]
 
 
+class _UnixHTTPServer(_HTTPServer):
+    """The same server on a Unix socket: the file is 0600 in a 0700 directory (only its
+    owner, and root, can connect), a stale one (its server gone) is replaced, a live one
+    is an error; the file goes when the server closes."""
+
+    address_family = socket.AF_UNIX
+
+    def __init__(self, path: str, handler):
+        path = os.path.abspath(path)
+        if len(os.fsencode(path)) > 107:
+            raise RequestError("socket path %s is %d bytes; a Unix socket's path must be at most 107: use a "
+                               "shorter one (or a shorter REAME_HOME)" % (path, len(os.fsencode(path))))
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        if os.path.lexists(path):
+            import stat
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise RequestError("%s exists and is not a socket: not replaced" % path)
+            probe = socket.socket(socket.AF_UNIX)
+            try:
+                probe.connect(path)
+                raise RequestError("another server listens on %s" % path)
+            except (ConnectionRefusedError, FileNotFoundError):
+                os.unlink(path)  # (stale: its server is gone)
+            finally:
+                probe.close()
+        self.path = path
+        super().__init__(path, handler)
+        os.chmod(path, 0o600)
+        self._inode = os.stat(path).st_ino
+
+    def server_bind(self):
+        socketserver.TCPServer.server_bind(self)  # (HTTPServer's would look up a host name)
+        self.server_name, self.server_port = "localhost", 0
+
+    def server_close(self):
+        super().server_close()
+        try:
+            if os.stat(self.path).st_ino == self._inode:  # (not a socket another server has made since)
+                os.unlink(self.path)
+        except OSError:
+            pass
+
+
 class Server:
     """The HTTP front of one Engine. ``serve_forever`` blocks; ``shutdown`` stops it.
 
@@ -10628,7 +10722,8 @@ class Server:
     "loading" and the API answers 503, so a supervisor sees the port early.
     """
 
-    def __init__(self, engine: Optional[Engine], model_name: str, *, host: str = "127.0.0.1", port: int = 8080,
+    def __init__(self, engine: Optional[Engine], model_name: str, *, host: str = "127.0.0.1",
+                 port: Optional[int] = 8080, socket_path: Optional[str] = None,
                  api_keys: Sequence[str] = (), max_tokens_cap: Optional[int] = None, max_queue: int = 64,
                  max_sessions: int = 256, session_idle_s: float = 3600.0, session_dir: Optional[str] = None,
                  header_timeout_s: float = 30.0, body_timeout_s: float = 60.0, write_timeout_s: float = 60.0,
@@ -10662,12 +10757,28 @@ class Server:
         self._embedder_lock = threading.Lock()
         self.created = int(time.time())
         handler = type("_BoundHandler", (_Handler,), {"server_ref": self})
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.httpd = type("_BoundHTTPServer", (_HTTPServer,), {"address_family": family})((host, port), handler)
-        self.httpd.max_connections = max_connections
-        self.httpd.max_per_client = max_client_connections
+        # where it listens: TCP (port), a Unix socket (socket_path, 0600), both, or neither
+        # (Engine.client: requests come through pair_connection only)
+        self.listeners: List[_HTTPServer] = []
+        if port is not None:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self.listeners.append(type("_BoundHTTPServer", (_HTTPServer,), {"address_family": family})(
+                (host, port), handler))
+        self.socket_path = socket_path
+        if socket_path is not None:
+            try:
+                self.listeners.append(_UnixHTTPServer(socket_path, handler))
+            except BaseException:
+                for listener in self.listeners:
+                    listener.server_close()
+                raise
+        self.httpd = self.listeners[0] if self.listeners else _HTTPServer(("127.0.0.1", 0), handler,
+                                                                          bind_and_activate=False)
+        for h in set(self.listeners + [self.httpd]):
+            h.max_connections, h.max_per_client = max_connections, max_client_connections
         self.write_timeout_s = write_timeout_s  # a response's writes may block this long in all
-        self.port = self.httpd.server_address[1]
+        self.port = self.listeners[0].server_address[1] if port is not None else None
+        self.last_active = time.monotonic()  # a request's start or end (serve --idle-exit)
         # Counters for /metrics, guarded by _lock (many handler threads).
         self._lock = threading.Lock()
         self.n_requests: dict = collections.Counter()
@@ -10830,8 +10941,25 @@ class Server:
 
     def serve_forever(self) -> None:
         self._serving = True
-        if not self._stop.is_set():  # (shut down before it started: nothing to serve)
-            self.httpd.serve_forever(poll_interval=0.2)
+        if self._stop.is_set() or not self.listeners:  # (shut down before it started: nothing to serve)
+            return
+        for other in self.listeners[1:]:
+            threading.Thread(target=other.serve_forever, kwargs={"poll_interval": 0.2}, name="reame-http-unix",
+                             daemon=True).start()
+        self.listeners[0].serve_forever(poll_interval=0.2)
+
+    def pair_connection(self, timeout: Optional[float] = None) -> http.client.HTTPConnection:
+        """A connection to this server inside this process: one end of a socket pair, the
+        other handed to a handler thread, as an accepted connection would be."""
+        server = self.httpd
+
+        class _Pair(http.client.HTTPConnection):
+            def connect(self):
+                mine, theirs = socket.socketpair()
+                mine.settimeout(self.timeout)
+                server.process_request(theirs, ("in-process", 0))
+                self.sock = mine
+        return _Pair("localhost", timeout=timeout)
 
     def drain(self) -> None:
         """Stop taking requests, still listening: /health and new API requests answer 503
@@ -10842,8 +10970,10 @@ class Server:
     def shutdown(self) -> None:
         self._stop.set()
         if self._serving:  # (socketserver's shutdown waits for a serve_forever that never ran)
-            self.httpd.shutdown()
-        self.httpd.server_close()
+            for listener in self.listeners:
+                listener.shutdown()
+        for h in set(self.listeners + [self.httpd]):
+            h.server_close()
         if self._own_records:
             self.records.close()
         with self._embedder_lock:
@@ -10925,7 +11055,200 @@ def haproxy_config(replicas: Sequence[str], bind: str = "127.0.0.1:8080", balanc
     return "\n".join(lines) + "\n"
 
 
-# == 36. Command line ==========================================================
+# == 36. Many programs, one model: the box's daemon and its client ==============
+#
+# Several programs on one small box that each want a model should not each load it, keep
+# their own KV and compute their own batch. mmap already shares the weights' pages
+# between processes (Reame does not repack them, which would make private copies); what
+# connect() adds is one engine they all talk to without setting up a server: a daemon
+# per model and REAME_HOME, on a Unix socket under $REAME_HOME/daemons, started by the
+# first connect() that finds none and gone after an idle timeout. A daemon is found
+# through its lock file: it holds an exclusive flock on SOCKET.lock for its life, so a
+# daemon killed with -9 leaves nothing that looks alive. Client speaks the HTTP API over
+# the socket (or, from Engine.client(), over a socket pair in this process): the same
+# request fields and the same answer shapes as the HTTP API. Standard library only.
+
+
+class Client:
+    """The HTTP API from Python: chat(), complete() and embed() take the API's fields and
+    return its JSON as dicts (with stream=True, an iterator of its chunks); an error is
+    a ReameError with the API's status, code and message. ``connection()`` makes one
+    http.client connection (a daemon's Unix socket, or an in-process socket pair)."""
+
+    def __init__(self, socket_path: Optional[str] = None, model: str = "", api_key: Optional[str] = None, *,
+                 connection=None, timeout_s: float = 600.0):
+        self.socket_path, self.model, self.api_key, self.timeout_s = socket_path, model, api_key, timeout_s
+        self._connection = connection or self._unix
+
+    def _unix(self, timeout: Optional[float] = None) -> http.client.HTTPConnection:
+        path = self.socket_path
+
+        class _Unix(http.client.HTTPConnection):
+            def connect(self):
+                sock = socket.socket(socket.AF_UNIX)
+                sock.settimeout(self.timeout)
+                try:
+                    sock.connect(path)
+                except OSError:
+                    sock.close()
+                    raise
+                self.sock = sock
+        return _Unix("localhost", timeout=timeout)
+
+    def chat(self, messages: Sequence[dict], *, stream: bool = False, **fields):
+        return self._post("/v1/chat/completions", dict(fields, messages=list(messages)), stream)
+
+    def complete(self, prompt, *, stream: bool = False, **fields):
+        return self._post("/v1/completions", dict(fields, prompt=prompt), stream)
+
+    def embed(self, input, **fields) -> dict:
+        return self._post("/v1/embeddings", dict(fields, input=input), False)
+
+    def health(self, timeout: float = 5.0) -> tuple:
+        status, payload = self._call("GET", "/health", None, timeout)[:2]
+        return status, json.loads(payload)
+
+    def metrics(self) -> dict:
+        """/metrics as {name: value} (unlabelled rows)."""
+        status, payload = self._call("GET", "/metrics", None, self.timeout_s)[:2]
+        if status != 200:
+            raise _client_error(status, payload)
+        return parse_metrics(payload.decode())
+
+    def _headers(self) -> dict:
+        h = {"Content-Type": "application/json"}
+        if self.api_key:
+            h["Authorization"] = "Bearer " + self.api_key
+        return h
+
+    def _call(self, method: str, path: str, body: Optional[dict], timeout: float):
+        conn = self._connection(timeout)
+        try:
+            conn.request(method, path, None if body is None else json.dumps(body).encode(), self._headers())
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def _post(self, path: str, body: dict, stream: bool):
+        if self.model:
+            body.setdefault("model", self.model)
+        if not stream:
+            status, payload = self._call("POST", path, body, self.timeout_s)
+            if status != 200:
+                raise _client_error(status, payload)
+            return json.loads(payload)
+        body["stream"] = True
+        conn = self._connection(self.timeout_s)
+        try:
+            conn.request("POST", path, json.dumps(body).encode(), self._headers())
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise _client_error(resp.status, resp.read())
+        except BaseException:
+            conn.close()
+            raise
+        return self._chunks(conn, resp)
+
+    @staticmethod
+    def _chunks(conn, resp) -> Iterator[dict]:
+        try:
+            for line in iter(resp.readline, b""):
+                if not line.startswith(b"data: "):
+                    continue
+                if line[6:].strip() == b"[DONE]":
+                    return
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise _client_error(200, json.dumps(chunk).encode())
+                yield chunk
+            raise ReameError("the stream ended before [DONE]", status=502, code="stream_cut")
+        finally:
+            conn.close()
+
+
+def _client_error(status: int, payload: bytes) -> ReameError:
+    try:
+        err = json.loads(payload)["error"]
+        return ReameError(err["message"], status=status if status != 200 else 500, code=err.get("code") or "error")
+    except (ValueError, KeyError, TypeError):
+        return ReameError("HTTP %d: %r" % (status, payload[:200]), status=status or 500, code="http_error")
+
+
+def daemon_socket(model_path: str, home: Optional[str] = None) -> str:
+    """The socket of the daemon for this model file under this REAME_HOME."""
+    ident = hashlib.sha256(os.path.realpath(model_path).encode()).hexdigest()[:16]
+    return os.path.join(home or Config.from_env().home, "daemons", ident + ".sock")
+
+
+def _locked(path: str) -> bool:
+    """Does a live process hold an exclusive flock on path (a daemon's lock file)?"""
+    import fcntl
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def connect(model: str, *, api_key: Optional[str] = None, idle_exit_s: float = 600.0, start: bool = True,
+            timeout_s: float = 600.0, serve_args: Sequence[str] = ()) -> Client:
+    """A Client of this box's daemon for model (an alias, a path or an hf:// reference):
+    one per model file and REAME_HOME, on $REAME_HOME/daemons/ID.sock. When none runs,
+    this starts one (`reame.py serve MODEL --socket ... --idle-exit idle_exit_s`, plus
+    serve_args, detached, its log beside its socket) and waits until it is ready; two
+    programs connecting at once start one. start=False: a ReameError if none runs."""
+    path = resolve_model(model)
+    sock = daemon_socket(path)
+    name = _spec_for(model).alias if _spec_for(model) else os.path.basename(path)
+    client = Client(sock, name, api_key, timeout_s=timeout_s)
+
+    def ready() -> Optional[int]:  # the daemon's /health status, None when nobody answers
+        try:
+            return client.health(timeout=5.0)[0]
+        except (OSError, http.client.HTTPException, ValueError):
+            return None
+
+    if ready() == 200:
+        return client
+    _private_dirs(Config.from_env().home, os.path.dirname(sock))
+    deadline = time.monotonic() + timeout_s
+    with _FileLock(sock + ".start"):  # programs connecting at once take turns: one starts it
+        proc = None
+        if not _locked(sock + ".lock"):
+            if not start:
+                raise ReameError("no Reame daemon serves %s (%s)" % (name, sock), status=503, code="no_daemon")
+            log_fd = os.open(sock[:-5] + ".log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
+                             0o600)
+            with os.fdopen(log_fd, "ab") as log_file:
+                proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "serve", path, "--socket", sock,
+                                         "--idle-exit", str(idle_exit_s), *serve_args],
+                                        stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                                        start_new_session=True, close_fds=True)
+        while True:
+            status = ready()
+            if status == 200:
+                return client
+            if proc is not None and proc.poll() is not None:
+                with open(sock[:-5] + ".log", "rb") as f:
+                    tail = f.read()[-1500:].decode("utf-8", "replace")
+                raise ReameError("the daemon for %s exited (%s); its log ends:\n%s" % (name, proc.returncode, tail),
+                                 status=500, code="daemon_failed")
+            if proc is None and status is None and not _locked(sock + ".lock"):
+                raise ReameError("the daemon for %s went away" % name, status=503, code="no_daemon")
+            if time.monotonic() > deadline:
+                raise ReameError("the daemon for %s was not ready within %.0f s" % (name, timeout_s), status=504,
+                                 code="daemon_timeout")
+            time.sleep(0.1)
+
+
+# == 37. Command line ==========================================================
 
 _EPILOG = """\
 models: an alias (see `reame.py list --all`), a path to a .gguf file, or
@@ -11049,7 +11372,14 @@ def _build_parser() -> argparse.ArgumentParser:
                         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_model_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    sv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    sv.add_argument("--port", type=int, default=None, help="TCP port (default 8080, or none with --socket; 0 "
+                    "picks a free one)")
+    sv.add_argument("--socket", nargs="?", const="", default=None, metavar="PATH",
+                    help="also (or, without --port, only) listen on a Unix socket, 0600 (default path: "
+                    "$REAME_HOME/reame.sock): the same API; a request with no key is its peer uid's tenant. "
+                    "One server per socket (it holds PATH.lock)")
+    sv.add_argument("--idle-exit", type=float, default=0, metavar="S",
+                    help="exit after S seconds with no request (0: never; reame.connect()'s daemons use it)")
     sv.add_argument("--parallel", type=int, default=4, help="sequences decoded together (default 4)")
     sv.add_argument("--api-key", action="append", default=[], help="accept this bearer key (repeatable)")
     sv.add_argument("--api-key-file", help="a file with one key per line")
@@ -11255,16 +11585,32 @@ def _cmd_serve(args) -> int:
         log.warning("!!! serving on %s WITHOUT an API key: anyone who can reach this port can use it. "
                     "Pass --api-key or set REAME_API_KEY.", args.host)
     if (args.parallel < 1 or args.ctx < 16 or args.max_queue < 0 or args.max_connections < 1
-            or args.max_client_connections < 1 or args.write_timeout <= 0):
+            or args.max_client_connections < 1 or args.write_timeout <= 0 or args.idle_exit < 0):
         raise RequestError("--parallel must be >= 1, --ctx >= 16, --max-queue >= 0, --max-connections and "
-                           "--max-client-connections >= 1, --write-timeout > 0")
+                           "--max-client-connections >= 1, --write-timeout > 0, --idle-exit >= 0")
+    if args.socket == "":
+        args.socket = os.path.join(Config.from_env().home, "reame.sock")
+    if args.port is None and args.socket is None:
+        args.port = 8080
+    hold = None
+    if args.socket is not None:  # one server per socket: it holds PATH.lock while it lives
+        import fcntl
+        args.socket = os.path.abspath(args.socket)
+        os.makedirs(os.path.dirname(args.socket), mode=0o700, exist_ok=True)
+        hold = os.open(args.socket + ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            fcntl.flock(hold, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(hold)
+            raise RequestError("another Reame server holds %s.lock: it serves that socket" % args.socket) from None
     _ensure_library()
     path = resolve_model(args.model)
     name = _spec_for(args.model).alias if _spec_for(args.model) else os.path.basename(path)
     embedding = resolve_model(args.embedding_model) if args.embedding_model else None
     # The port opens first (/health says "loading"), then the model loads.
     records = RecordStore()  # (one writer for the engine's stores and the sessions)
-    server = Server(None, name, host=args.host, port=args.port, api_keys=keys, max_tokens_cap=args.max_tokens,
+    server = Server(None, name, host=args.host, port=args.port, socket_path=args.socket, api_keys=keys,
+                    max_tokens_cap=args.max_tokens,
                     max_queue=args.max_queue, max_sessions=args.sessions, session_idle_s=args.session_idle,
                     session_dir=None if args.no_disk_cache else Config.from_env().sessions_dir,
                     response_dir=None if args.no_disk_cache else Config.from_env().responses_dir,
@@ -11295,16 +11641,23 @@ def _cmd_serve(args) -> int:
     server.engine = engine
     if args.warm:
         _warm_ahead(engine, server, keys, args.warm, shared=args.shared_cache)
-    sys.stderr.write("reame: serving %s on http://%s:%d (%d slots x %d ctx, %d threads, speculation %s: %s)\n"
-                     % (name, args.host, server.port, args.parallel, engine.n_ctx, engine.ctx.n_threads, args.spec,
+    where = (["http://%s:%d" % ("[%s]" % args.host if ":" in args.host else args.host, server.port)]
+             if server.port is not None else []) + (["unix:" + args.socket] if args.socket else [])
+    sys.stderr.write("reame: serving %s on %s (%d slots x %d ctx, %d threads, speculation %s: %s)\n"
+                     % (name, " and ".join(where), args.parallel, engine.n_ctx, engine.ctx.n_threads, args.spec,
                         ", ".join(engine.spec.sources)))
-    if args.ui:
+    if args.ui and server.port is not None:
         sys.stderr.write("reame: chat page at http://%s:%d/ (--no-ui turns it off)\n"
                          % ("[%s]" % args.host if ":" in args.host else args.host, server.port))
     sys.stderr.flush()
     try:
         while http_thread.is_alive() and not server.draining:
             http_thread.join(0.5)
+            st = engine.stats()
+            if (args.idle_exit and not st["active"] and not st["waiting"]
+                    and time.monotonic() - server.last_active > args.idle_exit):
+                log.info("no request for %.0f s (--idle-exit): exiting", args.idle_exit)
+                break
     finally:
         # Draining (new requests get 503): let in-flight requests finish within the grace
         # period, then close the port and cancel the rest (engine.close() ends them with
@@ -11320,6 +11673,8 @@ def _cmd_serve(args) -> int:
         server.shutdown()
         engine.close()
         records.close()
+        if hold is not None:
+            os.close(hold)  # (after the socket is gone: a new server may take it now)
     return 0
 
 

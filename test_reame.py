@@ -7410,7 +7410,180 @@ def test_haproxy_routes_replicas_by_prompt_spills_hot_prompts_and_survives_a_kil
             p.wait(30)
 
 
-# == 36. Command line ==========================================================
+# == 36. Many programs, one model: the box's daemon and its client ==============
+
+
+def test_engine_chat_is_the_http_api_in_process(gemma, server):
+    """Engine.chat() answers as the HTTP API does, from the same request layer: the same
+    JSON (text, usage, shape), a stream of the same chunks, the same 400 for a bad field."""
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    got = gemma.chat(msgs, temperature=0, max_tokens=12)
+    status, payload = _http(server, "POST", "/v1/chat/completions", {"messages": msgs, "temperature": 0,
+                                                                      "max_tokens": 12})
+    want = json.loads(payload)
+    assert status == 200 and got["object"] == "chat.completion" and set(got) == set(want)
+    assert got["choices"] == want["choices"] and got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+    chunks = list(gemma.chat(msgs, temperature=0, max_tokens=12, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == \
+        want["choices"][0]["message"]["content"] and chunks[-1]["usage"]["completion_tokens"] > 0
+    with pytest.raises(reame.ReameError) as e:
+        gemma.chat(msgs, temperature=7)
+    assert e.value.status == 400 and e.value.code == "invalid_value" and "temperature" in e.value.message
+    assert gemma.client().complete("Once upon a time", max_tokens=4, temperature=0)["object"] == "text_completion"
+
+
+def test_serve_on_a_unix_socket_beside_tcp_with_the_peer_uid_as_tenant(tmp_path):
+    """serve --socket: the same API on a 0600 socket; with API keys, TCP needs a key while a
+    socket request without one is its peer uid's tenant (a session made there is not the
+    key's); a second server on the same socket is refused (it holds PATH.lock)."""
+    import stat
+    sock = str(tmp_path / "r.sock")
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "reame.py", "serve", _model_path("gemma3-270m"), "--socket", sock, "--port",
+                          str(port), "--api-key", "k9", "--parallel", "1", "--ctx", "512", "--no-ui"], cwd=HERE,
+                         env=dict(os.environ, REAME_HOME=str(tmp_path / "home")), stderr=subprocess.PIPE,
+                         stdout=subprocess.DEVNULL, text=True)
+    try:
+        line = ""
+        while "serving" not in line:
+            line = p.stderr.readline()
+            assert line, "the server exited"
+        assert "unix:" + sock in line and "http://127.0.0.1:%d" % port in line, line
+        threading.Thread(target=p.stderr.read, daemon=True).start()
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+        c = reame.Client(sock, "gemma3-270m")
+        body = {"temperature": 0, "max_tokens": 6, "session_id": "mine"}
+        out = c.chat([{"role": "user", "content": "Hi"}], **body)
+        assert out["choices"][0]["message"]["content"]
+        tcp = types.SimpleNamespace(port=port)
+        assert _http(tcp, "GET", "/v1/models", key=None)[0] == 401
+        assert _http(tcp, "GET", "/v1/sessions/mine", key="k9")[0] == 404  # (the key's tenant is not the uid's)
+        assert c.health()[0] == 200
+        second = subprocess.run([sys.executable, "reame.py", "serve", _model_path("gemma3-270m"), "--socket", sock],
+                                cwd=HERE, capture_output=True, text=True, timeout=120,
+                                env=dict(os.environ, REAME_HOME=str(tmp_path / "home")))
+        assert second.returncode == 1 and "holds" in second.stderr and "Traceback" not in second.stderr
+        assert c.health()[0] == 200  # (the first one still serves)
+    finally:
+        p.terminate()
+        assert p.wait(60) == 0
+    assert not os.path.exists(sock)  # (gone with its server)
+
+
+def _rss_kb(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory in kB: VmRSS (all), RssFile (mapped files: the weights,
+    shared by every process that maps them) or RssAnon (its own: KV, buffers, Python)."""
+    with open("/proc/%d/status" % pid) as f:
+        return int(re.search(r"^%s:\s+(\d+) kB" % field, f.read(), re.M).group(1))
+
+
+_CONNECT = """
+import json, os, sys, time
+sys.path.insert(0, %(here)r)
+import reame
+c = reame.connect(%(model)r, idle_exit_s=60, serve_args=["--parallel", "4", "--ctx", "1024", "--no-ui"])
+while not os.path.exists(%(go)r):
+    time.sleep(0.01)
+out = c.chat([{"role": "system", "content": %(system)r}, {"role": "user", "content": "Write a story about %%s." %% sys.argv[1]}],
+             temperature=0, max_tokens=48, reame={"replay": False})
+print(json.dumps({"socket": c.socket_path, "text": out["choices"][0]["message"]["content"],
+                  "cached": out["usage"]["prompt_tokens_details"]["cached_tokens"]}))
+"""
+
+_ENGINE = """
+import os, sys, time
+sys.path.insert(0, %(here)r)
+import reame
+eng = reame.Engine(%(model)r, n_ctx=1024, n_slots=4)
+r = eng.complete(eng.chat_prompt([{"role": "user", "content": "Write a story about a cat."}]), temperature=0, max_tokens=48)
+print(os.getpid(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_three_programs_share_one_daemon(tmp_path):
+    """Three separate programs connect() to one model: one daemon starts, it decodes their
+    requests in one batch, its resident memory is about one Engine's, not three (an
+    Engine's weights are pages of the mapped file, never private copies: shared by every
+    process; what three Engines hold three times is their own memory: KV, buffers);
+    killed with -9, the next connect() starts a fresh daemon and the caches on disk are
+    intact."""
+    home = tempfile.mkdtemp(prefix="rh-", dir="/tmp")  # (a Unix socket's path has 107 bytes at most)
+    model = _model_path("gemma3-270m")
+    go = os.path.join(home, "go")
+    system = _system_prompt("the daemon's shop")
+    code = _CONNECT % {"here": HERE, "model": model, "go": go, "system": system}
+    env = dict(os.environ, REAME_HOME=home)
+    daemon = None
+    try:
+        progs = [subprocess.Popen([sys.executable, "-c", code, topic], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for topic in ("a cat", "a ship", "a tree")]
+        sock = reame.daemon_socket(model, home)
+        deadline = time.monotonic() + 120
+        while not (os.path.exists(sock) and reame._locked(sock + ".lock")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # (all three have connected, or are waiting for the one daemon)
+        with open(go, "w"):
+            pass
+        outs = []
+        for p in progs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-2000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+        assert {o["socket"] for o in outs} == {sock}
+        daemons = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).count(sock) == 1
+                   and " serve " in _cmdline(pid)]
+        assert len(daemons) == 1, daemons  # one daemon for the three
+        daemon = int(daemons[0])
+        c = reame.Client(sock)
+        assert c.metrics()["reame_decode_sequences_max"] >= 3  # their requests decoded in one batch
+        rss_daemon, own_daemon = _rss_kb(daemon), _rss_kb(daemon, "RssAnon")
+        engines = [subprocess.Popen([sys.executable, "-c", _ENGINE % {"here": HERE, "model": model}], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(3)]
+        try:
+            pids = [int(e.stdout.readline()) for e in engines]
+            rss_engines = sum(_rss_kb(pid) for pid in pids)
+            own_engines = sum(_rss_kb(pid, "RssAnon") for pid in pids)
+            assert all(_rss_kb(pid, "RssFile") * 1024 > 0.9 * os.path.getsize(model) for pid in pids)
+        finally:
+            for e in engines:
+                e.kill()
+                e.wait()
+        assert rss_daemon < 0.5 * rss_engines and own_daemon < 0.5 * own_engines, (
+            rss_daemon, rss_engines, own_daemon, own_engines)
+        os.kill(daemon, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while os.path.exists("/proc/%d" % daemon) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(go, "w"):
+            pass
+        again = subprocess.run([sys.executable, "-c", code, "a cat"], env=env, capture_output=True, text=True,
+                               timeout=300)
+        assert again.returncode == 0, again.stderr[-2000:]
+        fresh = json.loads(again.stdout.strip().splitlines()[-1])
+        assert fresh["text"] == outs[0]["text"] and fresh["cached"] >= 256  # (its prompt's KV, from disk)
+        new = [pid for pid in os.listdir("/proc") if pid.isdigit() and " serve " in _cmdline(pid)
+               and sock in _cmdline(pid)]
+        assert len(new) == 1 and int(new[0]) != daemon
+        daemon = int(new[0])
+    finally:
+        if daemon is not None:
+            try:
+                os.kill(daemon, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open("/proc/%s/cmdline" % pid, "rb") as f:
+            return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+# == 37. Command line ==========================================================
 
 
 def test_cli_help_explains_every_command():
