@@ -11015,7 +11015,9 @@ def haproxy_config(replicas: Sequence[str], bind: str = "127.0.0.1:8080", balanc
     route = [("req.hdr(X-Reame-Session)", "a session header (one conversation, one replica)"),
              ("req.body,json_query('$.session_id')", "a session in the body"),
              ("req.body,json_query('$.messages[0].content')", "a chat's first message (the system prompt)"),
+             ("req.body,json_query('$.messages[0].content[0].text')", "... given as content parts"),
              ("req.body,json_query('$.system')", "Anthropic's system"),
+             ("req.body,json_query('$.system[0].text')", "... given as blocks"),
              ("req.body,json_query('$.instructions')", "the Responses API's instructions"),
              ("req.body,json_query('$.prompt'),bytes(0,512)", "a completion's first 512 bytes")]
     lines = ["# HAProxy configuration for %d Reame replicas (reame.py haproxy-config)." % len(replicas),
