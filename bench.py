@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import http.client
 import json
 import math
@@ -1258,9 +1259,9 @@ def workload_bodies(system: str, replay: bool = True) -> list:
     return out
 
 
-def workload_pass(srv: ServerProcess, bodies: list, clients: int) -> dict:
-    """The trace through srv by `clients` threads, each taking the next request in order."""
-    results, todo, lock = [None] * len(bodies), iter(range(len(bodies))), threading.Lock()
+def in_order(srv: ServerProcess, clients: int, n: int, one) -> list:
+    """one(i) for i in 0..n-1 by `clients` threads, each taking the next i in order: the results."""
+    results, todo, lock = [None] * n, iter(range(n)), threading.Lock()
 
     def client(_k, _start):
         while True:
@@ -1268,10 +1269,17 @@ def workload_pass(srv: ServerProcess, bodies: list, clients: int) -> dict:
                 i = next(todo, None)
             if i is None:
                 return
-            results[i] = dict(stream(srv.port, "/v1/chat/completions", bodies[i][1]), name=bodies[i][0])
+            results[i] = one(i)
 
-    t0 = time.perf_counter()
     run_clients(srv, clients, client, barrier=False)
+    return results
+
+
+def workload_pass(srv: ServerProcess, bodies: list, clients: int) -> dict:
+    """The trace through srv by `clients` threads, each taking the next request in order."""
+    t0 = time.perf_counter()
+    results = in_order(srv, clients, len(bodies), lambda i: dict(stream(srv.port, "/v1/chat/completions",
+                                                                        bodies[i][1]), name=bodies[i][0]))
     total = time.perf_counter() - t0
     if any(r is None for r in results):
         raise RuntimeError("%s: a workload request got no answer" % srv.name)
@@ -2050,18 +2058,9 @@ def cluster_pass(args, noise: CpuNoise, tmp: str, policy: str, shared: bool, tra
                     raise RuntimeError("HAProxy did not start (%s)" % path)
                 time.sleep(0.1)
         time.sleep(1.5)  # (its first health checks)
-        results, todo, lock = [None] * len(trace), iter(range(len(trace))), threading.Lock()
-
-        def client(_k, _start):
-            while True:
-                with lock:
-                    i = next(todo, None)
-                if i is None:
-                    return
-                results[i] = stream(front, "/v1/chat/completions", cluster_body(*trace[i]))
-
         t0 = time.perf_counter()
-        run_clients(reps[0], CLUSTER_CLIENTS, client, barrier=False)
+        results = in_order(reps[0], CLUSTER_CLIENTS, len(trace),
+                           lambda i: stream(front, "/v1/chat/completions", cluster_body(*trace[i])))
         wall = time.perf_counter() - t0
     finally:
         if proxy is not None:
@@ -2086,7 +2085,6 @@ def simulate_cluster(costs: dict, n_boxes: int, policy: str, shared: bool, rng: 
     Routing: round robin, or consistent hashing (64 points per box) with load bounded at
     `balance` x the average outstanding requests. Returns throughput and TTFT percentiles."""
     import bisect
-    import hashlib
     cp, cr, cd = costs["prefill_s_per_token"], costs["restore_s_per_token"], costs["decode_s_per_token"]
     sys_tok, user_tok = costs["prompt_tokens"] - 20, 20
     n_apps = apps_per_box * n_boxes
@@ -2182,6 +2180,143 @@ def print_cluster(cl: dict, w) -> None:
     for key, r in cl["projection"].items():
         n, name = key.split(" ", 1)
         w("%-6s %-25s %12.2f %13.3f %13.3f\n" % (n, name, r["throughput_rps"], r["ttft_p50_s"], r["ttft_p95_s"]))
+
+
+# -- MoE models Reame makes itself: random weights, the real architectures --------------------
+# A MoE GGUF with random weights computes exactly what a trained one of the same shape does:
+# a faithful test of correctness and speed (not of answers). Written with llama.cpp's own gguf
+# package from the pinned source, quantized by the same tree's libllama (llama_model_quantize,
+# what llama-quantize calls); the tokenizer and chat template are copied from a real GGUF.
+
+MOE_SHAPES = {  # name: (arch, layers, n_embd, heads, kv heads, expert ff, experts, used, shared ff)
+    "tiny-qwen2moe": ("qwen2moe", 2, 256, 4, 2, 256, 8, 2, 256),
+    "tiny-olmoe": ("olmoe", 2, 256, 4, 4, 256, 8, 2, 0),
+    "olmoe-1b-7b-shaped": ("olmoe", 16, 2048, 16, 16, 1024, 64, 8, 0)}
+
+
+class _QuantizeParams(ctypes.Structure):
+    _fields_ = [("nthread", ctypes.c_int32), ("ftype", ctypes.c_int), ("output_tensor_type", ctypes.c_int),
+                ("token_embedding_type", ctypes.c_int), ("allow_requantize", ctypes.c_bool),
+                ("quantize_output_tensor", ctypes.c_bool), ("only_copy", ctypes.c_bool), ("pure", ctypes.c_bool),
+                ("keep_split", ctypes.c_bool), ("dry_run", ctypes.c_bool), ("imatrix", ctypes.c_void_p),
+                ("kv_overrides", ctypes.c_void_p), ("tt_overrides", ctypes.c_void_p),
+                ("prune_layers", ctypes.c_void_p), ("max_buf_size", ctypes.c_size_t)]
+
+
+def _gguf_package():
+    """llama.cpp's gguf package, from the source the libraries were built from."""
+    with open(os.path.join(os.path.dirname(reame.lib().path), "manifest.json")) as f:
+        src = json.load(f)["source_dir"]
+    sys.path.insert(0, os.path.join(src, "gguf-py"))
+    import gguf
+    return gguf
+
+
+def make_moe_gguf(name: str, out_path: str, tokenizer_from: str, seed: int = 0, ftype: int = 15,
+                  pure: bool = False) -> str:
+    """Write MOE_SHAPES[name] with random weights (seeded) and the tokenizer and chat template
+    of the GGUF tokenizer_from, as F16, then quantize it (ftype 15: Q4_K_M) to out_path."""
+    import numpy as np
+    gguf = _gguf_package()
+    arch, n_layer, n_embd, n_head, n_head_kv, n_ff, n_expert, n_used, n_ff_sh = MOE_SHAPES[name]
+    rng = np.random.default_rng(seed)
+    reader = gguf.GGUFReader(tokenizer_from)
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    tmp = out_path + ".f16.tmp"
+    w = gguf.GGUFWriter(tmp, arch)
+    w.add_name("reame %s (random weights)" % name)
+    w.add_block_count(n_layer)
+    w.add_context_length(4096)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff if arch == "olmoe" else n_ff * n_used)  # (olmoe: each expert's)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(n_used)
+    w.add_expert_feed_forward_length(n_ff)
+    if n_ff_sh:
+        w.add_expert_shared_feed_forward_length(n_ff_sh)
+    w.add_file_type(1)  # F16
+    for key, field in reader.fields.items():  # the tokenizer and chat template, as they are
+        if key.startswith("tokenizer."):
+            value = field.contents()
+            kind = field.types[0]
+            if kind == gguf.GGUFValueType.ARRAY:
+                w.add_array(key, value)
+            elif kind == gguf.GGUFValueType.STRING:
+                w.add_string(key, value)
+            elif kind == gguf.GGUFValueType.BOOL:
+                w.add_bool(key, value)
+            else:
+                w.add_uint32(key, int(value))
+    head = n_embd // n_head
+
+    def mat(*shape, fan_in):  # numpy order: ggml's dims reversed
+        return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float16)
+
+    def ones(n):
+        return np.ones(n, dtype=np.float32)
+    w.add_tensor("token_embd.weight", mat(n_vocab, n_embd, fan_in=1))
+    w.add_tensor("output_norm.weight", ones(n_embd))
+    w.add_tensor("output.weight", mat(n_vocab, n_embd, fan_in=n_embd))
+    for i in range(n_layer):
+        b = "blk.%d." % i
+        w.add_tensor(b + "attn_norm.weight", ones(n_embd))
+        w.add_tensor(b + "attn_q.weight", mat(n_embd, n_embd, fan_in=n_embd))
+        w.add_tensor(b + "attn_k.weight", mat(head * n_head_kv, n_embd, fan_in=n_embd))
+        w.add_tensor(b + "attn_v.weight", mat(head * n_head_kv, n_embd, fan_in=n_embd))
+        w.add_tensor(b + "attn_output.weight", mat(n_embd, n_embd, fan_in=n_embd))
+        if arch == "qwen2moe":
+            for t, n in (("q", n_embd), ("k", head * n_head_kv), ("v", head * n_head_kv)):
+                w.add_tensor(b + "attn_%s.bias" % t, (rng.standard_normal(n, dtype=np.float32) * 0.02))
+        else:
+            w.add_tensor(b + "attn_q_norm.weight", ones(n_embd))
+            w.add_tensor(b + "attn_k_norm.weight", ones(head * n_head_kv))
+        w.add_tensor(b + "ffn_norm.weight", ones(n_embd))
+        w.add_tensor(b + "ffn_gate_inp.weight", mat(n_expert, n_embd, fan_in=n_embd).astype(np.float32))
+        w.add_tensor(b + "ffn_gate_exps.weight", mat(n_expert, n_ff, n_embd, fan_in=n_embd))
+        w.add_tensor(b + "ffn_up_exps.weight", mat(n_expert, n_ff, n_embd, fan_in=n_embd))
+        w.add_tensor(b + "ffn_down_exps.weight", mat(n_expert, n_embd, n_ff, fan_in=n_ff))
+        if n_ff_sh:
+            w.add_tensor(b + "ffn_gate_inp_shexp.weight", mat(n_embd, fan_in=n_embd).astype(np.float32))
+            w.add_tensor(b + "ffn_gate_shexp.weight", mat(n_ff_sh, n_embd, fan_in=n_embd))
+            w.add_tensor(b + "ffn_up_shexp.weight", mat(n_ff_sh, n_embd, fan_in=n_embd))
+            w.add_tensor(b + "ffn_down_shexp.weight", mat(n_embd, n_ff_sh, fan_in=n_ff_sh))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    try:
+        q = reame.lib()._cdlls[-1]
+        q.llama_model_quantize_default_params.restype = _QuantizeParams
+        q.llama_model_quantize.restype = ctypes.c_uint32
+        q.llama_model_quantize.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(_QuantizeParams)]
+        params = q.llama_model_quantize_default_params()
+        params.ftype, params.nthread, params.pure = ftype, reame.pick_threads(), pure
+        part = out_path + ".q.tmp"
+        if q.llama_model_quantize(tmp.encode(), part.encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError("llama_model_quantize failed for %s" % name)
+        os.replace(part, out_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out_path
+
+
+def moe_model(name: str, tokenizer_from: str, cache_dir: Optional[str] = None) -> str:
+    """MOE_SHAPES[name] as a Q4_K_M GGUF, made once and cached under $REAME_HOME/moe (keyed by
+    the shape, the seed, the tokenizer's file and the libraries' build)."""
+    key = hashlib.sha256(json.dumps([MOE_SHAPES[name], os.path.basename(tokenizer_from),
+                                     os.path.getsize(tokenizer_from), reame.lib().build_id()]).encode()).hexdigest()
+    folder = cache_dir or os.path.join(reame.Config.from_env().home, "moe")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "%s-%s.gguf" % (name, key[:12]))
+    if not os.path.exists(path):
+        log("making %s (random weights) at %s" % (name, path))
+        make_moe_gguf(name, path, tokenizer_from)
+    return path
 
 
 class Scenario(NamedTuple):

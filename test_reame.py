@@ -79,6 +79,29 @@ def qwen_model():
     m.close()
 
 
+def _moe_path(name):
+    """A tiny MoE GGUF with random weights that bench.py makes (llama.cpp's gguf package from
+    the pinned source, quantized to Q4_K_M by this build's libllama), cached in
+    $REAME_HOME/moe: 2 layers, 8 experts, 2 active; it computes what a trained model of its
+    shape computes, so it tests the MoE path's arithmetic (mul_mat_id, the F32 router)."""
+    import bench
+    return bench.moe_model(name, _model_path("qwen2.5-coder-0.5b"))
+
+
+@pytest.fixture(scope="module")
+def qwen_moe():
+    eng = reame.Engine(_moe_path("tiny-qwen2moe"), n_ctx=1024, n_slots=4)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def olmoe():
+    eng = reame.Engine(_moe_path("tiny-olmoe"), n_ctx=1024, n_slots=4)
+    yield eng
+    eng.close()
+
+
 def _chat(eng, text, system=None):
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
     return eng.chat_prompt(msgs)
@@ -493,12 +516,15 @@ def test_bad_model_path_and_corrupt_gguf(tmp_path):
     assert "cannot load model" in str(e.value)
 
 
-def test_rows_of_one_step_get_the_logits_they_get_alone(qwen):
+@pytest.mark.parametrize("fixture", ["qwen", "qwen_moe", "olmoe"])
+def test_rows_of_one_step_get_the_logits_they_get_alone(fixture, request):
     """Each row of a k-row decode step (verified drafts, batched users) gets bit-identical
     logits to the same token decoded alone: the multi-token Q4_K/Q6_K kernels of
     build_llama.sh's patch 3 (AVX-512: 512-bit kernels for one token and for many; past
-    32 rows, a second column block) included."""
+    32 rows, a second column block) included; on the MoE models too (expert matmuls by
+    mul_mat_id, the F32 router, Q8_0 attention: llamafile's sgemm kept to prompt chunks)."""
     import ctypes
+    qwen = request.getfixturevalue(fixture)
     L, m = reame.lib(), qwen.model
     cpu = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
     loaded = {line.split()[-1] for line in open("/proc/self/maps") if "libggml-cpu" in line} if cpu else set()
@@ -524,7 +550,7 @@ def test_rows_of_one_step_get_the_logits_they_get_alone(qwen):
             b.add(follow[j], P + j, 0, True)
             ctx.decode(b, rowwise=True)
             alone.append(logits(0))
-        for k in (2, 3, 4, 5, 16, 20):
+        for k in (2, 3, 4, 5, 8, 16, 20):
             ctx.seq_rm(0, P, -1)
             b.clear()
             for j in range(k):
@@ -2400,6 +2426,48 @@ def test_json_schema_output_always_validates(qwen):
     assert qwen.stats()["spec"]["suggest.json"]["accepted"] - before > 20
 
 
+class _KnownAnswer(reame.DraftSource):
+    """Proposes what the plain run wrote next (right every time): each step verifies k rows."""
+    name = "known"
+
+    def __init__(self, prompt, answer):
+        self.prompt, self.answer = list(prompt), list(answer)
+
+    def propose(self, seqs, ks):
+        out = []
+        for seq, k in zip(seqs, ks):
+            at = len(seq.history) - len(self.prompt)
+            out.append(self.answer[at:at + k] if seq.history[:len(self.prompt)] == self.prompt and at >= 0 else [])
+        return out
+
+
+@pytest.mark.parametrize("fixture", ["qwen_moe", "olmoe"])
+def test_moe_speculated_and_replayed_equal_plain(fixture, request, tmp_path):
+    """On the MoE models: drafts verified up to 16 rows a step, all right, and drafts under a
+    schema (Il Suggeritore's forced keys) give the plain tokens; a replayed answer is the live one."""
+    eng = request.getfixturevalue(fixture)
+    prompt = _chat(eng, "Invent a person. Reply with JSON.")
+    p = reame.SamplingParams(temperature=0, max_tokens=80, grammar=reame.json_schema_grammar(PERSON), schema=PERSON)
+    off = eng.submit(prompt, p, spec=reame.SpecOptions("off"), replay=False).wait()
+    on = eng.submit(prompt, p, spec=reame.SpecOptions("on", 16, ("suggest",)), replay=False).wait()
+    assert on.tokens == off.tokens and on.n_drafted > 0
+    plain = _spec_run(eng, prompt, "off", max_tokens=64)
+    src = _KnownAnswer(prompt, plain.tokens)
+    eng.spec.sources[src.name] = src
+    eng.spec.acc[src.name] = reame.Acceptance(64)
+    eng.spec.counters[src.name] = dict(eng.spec.counters["lookup"], proposed=0, accepted=0, steps=0)
+    try:
+        known = eng.submit(prompt, temperature=0, max_tokens=64, replay=False,
+                           spec=reame.SpecOptions("on", 16, ("known",))).wait()
+    finally:
+        del eng.spec.sources[src.name]
+    assert known.tokens == plain.tokens and known.n_accepted >= 40, (known.n_drafted, known.n_accepted)
+    with _replay_engine(eng.model.path, tmp_path) as r:
+        live = r.complete(prompt, temperature=0, max_tokens=24)
+        steps = r.stats()["steps"]
+        again = r.complete(prompt, temperature=0, max_tokens=24)
+        assert again.replayed and r.stats()["steps"] == steps and again.tokens == live.tokens == plain.tokens[:24]
+
 def test_schema_output_is_one_answer_alone_batched_speculated_and_cached(qwen):
     """A pydantic-style schema (a $defs reference, a date, an email, an integer range, a
     list of objects) constrains greedy output to the same tokens alone, batched beside two
@@ -2589,7 +2657,7 @@ def test_suggeritore_values_equal_plain_greedy_and_get_accepted(qwen):
 # == 21. Slots: the memory tier, and consecutive sequence ids ==================
 
 
-@pytest.mark.parametrize("fixture", ["qwen", "gemma"])
+@pytest.mark.parametrize("fixture", ["qwen", "gemma", "qwen_moe", "olmoe"])
 def test_cache_hit_equals_cold(fixture, request):
     """The greedy contract on the cache-hit path: a conversation's second turn that
     reuses the first turn's resident KV (cache_reuse=exact) gives exactly the tokens of
@@ -2803,7 +2871,7 @@ def test_serve_warm_file(tmp_path):
 # == 23. The scheduler: one batch per step =====================================
 
 
-@pytest.mark.parametrize("fixture", ["qwen", "gemma"])
+@pytest.mark.parametrize("fixture", ["qwen", "gemma", "qwen_moe", "olmoe"])
 def test_batched_equals_alone(fixture, request):
     """4 sequences decoded together in one batch give exactly the tokens each gives alone."""
     eng = request.getfixturevalue(fixture)
