@@ -2188,6 +2188,7 @@ def print_cluster(cl: dict, w) -> None:
 # package from the pinned source, quantized by the same tree's libllama (llama_model_quantize,
 # what llama-quantize calls); the tokenizer and chat template are copied from a real GGUF.
 
+MOE_GENERATOR = 2  # bump when make_moe_gguf writes other bytes: cached files are keyed by it
 MOE_SHAPES = {  # name: (arch, layers, n_embd, heads, kv heads, expert ff, experts, used, shared ff)
     "tiny-qwen2moe": ("qwen2moe", 2, 256, 4, 2, 256, 8, 2, 256),
     "tiny-olmoe": ("olmoe", 2, 256, 4, 4, 256, 8, 2, 0),
@@ -2253,40 +2254,55 @@ def make_moe_gguf(name: str, out_path: str, tokenizer_from: str, seed: int = 0, 
                 w.add_uint32(key, int(value))
     head = n_embd // n_head
 
-    def mat(*shape, fan_in):  # numpy order: ggml's dims reversed
-        return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float16)
+    def mat(*shape, fan_in, dtype=np.float16):  # numpy order: ggml's dims reversed
+        return lambda: (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(dtype)
 
     def ones(n):
-        return np.ones(n, dtype=np.float32)
-    w.add_tensor("token_embd.weight", mat(n_vocab, n_embd, fan_in=1))
-    w.add_tensor("output_norm.weight", ones(n_embd))
-    w.add_tensor("output.weight", mat(n_vocab, n_embd, fan_in=n_embd))
+        return lambda: np.ones(n, dtype=np.float32)
+
+    def small(n):
+        return lambda: rng.standard_normal(n, dtype=np.float32) * 0.02
+    # (name, numpy shape, dtype, maker): described first, then made and written one at a time,
+    # so an OLMoE-sized model never sits in memory whole
+    tensors = [("token_embd.weight", (n_vocab, n_embd), np.float16, mat(n_vocab, n_embd, fan_in=1)),
+               ("output_norm.weight", (n_embd,), np.float32, ones(n_embd)),
+               ("output.weight", (n_vocab, n_embd), np.float16, mat(n_vocab, n_embd, fan_in=n_embd))]
+    kv = head * n_head_kv
     for i in range(n_layer):
         b = "blk.%d." % i
-        w.add_tensor(b + "attn_norm.weight", ones(n_embd))
-        w.add_tensor(b + "attn_q.weight", mat(n_embd, n_embd, fan_in=n_embd))
-        w.add_tensor(b + "attn_k.weight", mat(head * n_head_kv, n_embd, fan_in=n_embd))
-        w.add_tensor(b + "attn_v.weight", mat(head * n_head_kv, n_embd, fan_in=n_embd))
-        w.add_tensor(b + "attn_output.weight", mat(n_embd, n_embd, fan_in=n_embd))
+        layer = [("attn_norm.weight", (n_embd,), np.float32, ones(n_embd)),
+                 ("attn_q.weight", (n_embd, n_embd), np.float16, mat(n_embd, n_embd, fan_in=n_embd)),
+                 ("attn_k.weight", (kv, n_embd), np.float16, mat(kv, n_embd, fan_in=n_embd)),
+                 ("attn_v.weight", (kv, n_embd), np.float16, mat(kv, n_embd, fan_in=n_embd)),
+                 ("attn_output.weight", (n_embd, n_embd), np.float16, mat(n_embd, n_embd, fan_in=n_embd))]
         if arch == "qwen2moe":
-            for t, n in (("q", n_embd), ("k", head * n_head_kv), ("v", head * n_head_kv)):
-                w.add_tensor(b + "attn_%s.bias" % t, (rng.standard_normal(n, dtype=np.float32) * 0.02))
+            layer += [("attn_q.bias", (n_embd,), np.float32, small(n_embd)),
+                      ("attn_k.bias", (kv,), np.float32, small(kv)), ("attn_v.bias", (kv,), np.float32, small(kv))]
         else:
-            w.add_tensor(b + "attn_q_norm.weight", ones(n_embd))
-            w.add_tensor(b + "attn_k_norm.weight", ones(head * n_head_kv))
-        w.add_tensor(b + "ffn_norm.weight", ones(n_embd))
-        w.add_tensor(b + "ffn_gate_inp.weight", mat(n_expert, n_embd, fan_in=n_embd).astype(np.float32))
-        w.add_tensor(b + "ffn_gate_exps.weight", mat(n_expert, n_ff, n_embd, fan_in=n_embd))
-        w.add_tensor(b + "ffn_up_exps.weight", mat(n_expert, n_ff, n_embd, fan_in=n_embd))
-        w.add_tensor(b + "ffn_down_exps.weight", mat(n_expert, n_embd, n_ff, fan_in=n_ff))
+            layer += [("attn_q_norm.weight", (n_embd,), np.float32, ones(n_embd)),
+                      ("attn_k_norm.weight", (kv,), np.float32, ones(kv))]
+        layer += [("ffn_norm.weight", (n_embd,), np.float32, ones(n_embd)),
+                  ("ffn_gate_inp.weight", (n_expert, n_embd), np.float32,
+                   mat(n_expert, n_embd, fan_in=n_embd, dtype=np.float32)),
+                  ("ffn_gate_exps.weight", (n_expert, n_ff, n_embd), np.float16,
+                   mat(n_expert, n_ff, n_embd, fan_in=n_embd)),
+                  ("ffn_up_exps.weight", (n_expert, n_ff, n_embd), np.float16,
+                   mat(n_expert, n_ff, n_embd, fan_in=n_embd)),
+                  ("ffn_down_exps.weight", (n_expert, n_embd, n_ff), np.float16,
+                   mat(n_expert, n_embd, n_ff, fan_in=n_ff))]
         if n_ff_sh:
-            w.add_tensor(b + "ffn_gate_inp_shexp.weight", mat(n_embd, fan_in=n_embd).astype(np.float32))
-            w.add_tensor(b + "ffn_gate_shexp.weight", mat(n_ff_sh, n_embd, fan_in=n_embd))
-            w.add_tensor(b + "ffn_up_shexp.weight", mat(n_ff_sh, n_embd, fan_in=n_embd))
-            w.add_tensor(b + "ffn_down_shexp.weight", mat(n_embd, n_ff_sh, fan_in=n_ff_sh))
+            layer += [("ffn_gate_inp_shexp.weight", (n_embd,), np.float32, mat(n_embd, fan_in=n_embd, dtype=np.float32)),
+                      ("ffn_gate_shexp.weight", (n_ff_sh, n_embd), np.float16, mat(n_ff_sh, n_embd, fan_in=n_embd)),
+                      ("ffn_up_shexp.weight", (n_ff_sh, n_embd), np.float16, mat(n_ff_sh, n_embd, fan_in=n_embd)),
+                      ("ffn_down_shexp.weight", (n_embd, n_ff_sh), np.float16, mat(n_embd, n_ff_sh, fan_in=n_ff_sh))]
+        tensors += [(b + name, shape, dtype, make) for name, shape, dtype, make in layer]
+    for name, shape, dtype, _make in tensors:
+        w.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for _name, _shape, _dtype, make in tensors:
+        w.write_tensor_data(make())
     w.close()
     try:
         q = reame.lib()._cdlls[-1]
@@ -2308,7 +2324,7 @@ def make_moe_gguf(name: str, out_path: str, tokenizer_from: str, seed: int = 0, 
 def moe_model(name: str, tokenizer_from: str, cache_dir: Optional[str] = None) -> str:
     """MOE_SHAPES[name] as a Q4_K_M GGUF, made once and cached under $REAME_HOME/moe (keyed by
     the shape, the seed, the tokenizer's file and the libraries' build)."""
-    key = hashlib.sha256(json.dumps([MOE_SHAPES[name], os.path.basename(tokenizer_from),
+    key = hashlib.sha256(json.dumps([MOE_GENERATOR, MOE_SHAPES[name], os.path.basename(tokenizer_from),
                                      os.path.getsize(tokenizer_from), reame.lib().build_id()]).encode()).hexdigest()
     folder = cache_dir or os.path.join(reame.Config.from_env().home, "moe")
     os.makedirs(folder, exist_ok=True)
@@ -2385,7 +2401,9 @@ OPTIONS = [  # flag, default (False: a switch; a tuple: the choices, the first t
     ("--archive-index-tokens", 25_000_000, "--palimpsest: tokens of the synthetic archive whose index is timed"),
     ("--best-of", 5, "--conclave: candidates"),
     ("--against", "", "--step-cost: also this libllama (an older build's, say), alternating: the ratio"),
-    ("--suggest-only", "", "--suggest: only the workloads whose name contains this text")]
+    ("--suggest-only", "", "--suggest: only the workloads whose name contains this text"),
+    ("--make-moe", "", "make (or find cached) the MoE GGUF of this shape with random weights, print its path and "
+     "exit: tiny-qwen2moe, tiny-olmoe, olmoe-1b-7b-shaped (about 4 GB, minutes); then --model PATH")]
 
 
 def parse_args(argv=None) -> tuple:
@@ -2435,6 +2453,11 @@ def _sigterm(signum, frame):
 def main(argv=None) -> int:
     args, sc = parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
+    if args.make_moe:
+        if args.make_moe not in MOE_SHAPES:
+            sys.exit("--make-moe: one of %s" % ", ".join(MOE_SHAPES))
+        print(moe_model(args.make_moe, reame.resolve_model("qwen2.5-coder-0.5b")))
+        return 0
     args.model_path = os.path.abspath(reame.resolve_model(args.model))
     noise = CpuNoise()
     try:
