@@ -2332,6 +2332,9 @@ def moe_model(name: str, tokenizer_from: str, cache_dir: Optional[str] = None) -
     if not os.path.exists(path):
         log("making %s (random weights) at %s" % (name, path))
         make_moe_gguf(name, path, tokenizer_from)
+        for old in os.listdir(folder):  # (the same shape made for another build or generator)
+            if old.startswith(name + "-") and old.endswith(".gguf") and old != os.path.basename(path):
+                os.remove(os.path.join(folder, old))
     return path
 
 
