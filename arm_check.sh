@@ -13,7 +13,7 @@
 #      ggml's one-row kernel, as shipped and as an armv8.6-a+i8mm build would compile
 #      them), `import reame` + the library, `reame.py run gemma3-270m`, and the tests
 #        test_import_without_libllama_numpy_zstandard
-#        test_rows_of_one_step_get_the_logits_they_get_alone
+#        test_rows_of_one_step_get_the_logits_they_get_alone[qwen]
 #        test_batched_equals_alone[gemma]
 #        test_cache_hit_equals_cold[gemma]
 #        test_spec_lookup_equals_plain_greedy
@@ -38,7 +38,7 @@ LIBDIR="$HERE/_llama-aarch64"
 TIMEOUT=3600
 JOBS="$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)"
 TESTS="test_reame.py::test_import_without_libllama_numpy_zstandard
-test_reame.py::test_rows_of_one_step_get_the_logits_they_get_alone
+test_reame.py::test_rows_of_one_step_get_the_logits_they_get_alone[qwen]
 test_reame.py::test_batched_equals_alone[gemma]
 test_reame.py::test_cache_hit_equals_cold[gemma]
 test_reame.py::test_spec_lookup_equals_plain_greedy"
