@@ -7001,7 +7001,7 @@ class Engine(_Scheduler):
             if self._client is None:
                 if self._closing:
                     raise EngineError("engine is shut down")
-                self._local = Server(self, os.path.basename(self.model.path), port=None)
+                self._local = Server(self, os.path.basename(self.model.path), port=None, ui=False)
                 self._client = Client(connection=self._local.pair_connection)
             return self._client
 
@@ -7025,7 +7025,8 @@ class Engine(_Scheduler):
                "disk_hits": sl.n_disk_hits, "shared_prefixes": sl.n_shared,
                "decode_s": c.t_decode_s, "step_s": c.t_step_s, "max_decode_seqs": c.max_decode_seqs,
                "python_ms_per_decode_step": 1000 * c.t_decode_only_py_s / max(c.n_decode_only_steps, 1),
-               "active": len(self._active), "waiting": len(self._waiting) + len(self._embeds) + self._incoming.qsize(),
+               "active": len(self._active), "slots_free": self.n_slots - len(self._active),
+               "waiting": len(self._waiting) + len(self._embeds) + self._incoming.qsize(),
                "kv_cells_active": c.kv_active, "kv_cells_cached": c.kv_cached,
                "kv_cells_total": self.n_ctx * self.n_slots, "spec": self.spec.stats(),
                "fast_verify_steps": c.n_fast_verify_steps, "warm_prefills": c.n_warm, "warm_tokens": c.n_warm_tok,
@@ -7040,6 +7041,7 @@ class Engine(_Scheduler):
         spec = st["spec"]
         rows = [
             Metric("active_sequences", "gauge", "sequences holding a slot", st["active"]),
+            Metric("slots_free", "gauge", "slots no request holds (a router's measure of room)", st["slots_free"]),
             Metric("queued_requests", "gauge", "requests waiting for a slot", st["waiting"]),
             Metric("kv_cells_used", "gauge", "KV cells of active sequences", st["kv_cells_active"]),
             Metric("kv_cells_cached", "gauge", "KV cells kept by free slots (the memory tier)", st["kv_cells_cached"]),
@@ -7703,6 +7705,12 @@ def _openai_error(err: ReameError) -> dict:
         kind = "authentication_error"
     return {"error": {"message": err.message, "type": kind, "param": err.param,
                       "code": err.code}}
+
+
+def _renamed(src: dict, names: dict) -> dict:
+    """A dialect's fields that src gives (not null), under the request layer's names:
+    names maps the dialect's name to the layer's (sections 30-32)."""
+    return {field: src[name] for name, field in names.items() if src.get(name) is not None}
 
 
 def _field(body: dict, name: str, kinds, default=None, *, check=None, why=""):
@@ -8820,9 +8828,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                  printable(self.path.split("?", 1)[0]), self._status, extra, time.monotonic() - self._t0)
 
     def _send_json(self, status: int, obj: dict, headers: Sequence = ()) -> None:
-        data = json.dumps(obj).encode()
+        self._send_bytes(status, "application/json", json.dumps(obj).encode(), headers)
+
+    def _send_bytes(self, status: int, content_type: str, data: bytes, headers: Sequence = ()) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         for k, v in headers:
             self.send_header(k, v)
@@ -8903,8 +8913,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     # -- routes --
     # (method, path) -> handler name; a path ending in "/" (but "/" itself) takes the rest as an argument
-    _ROUTES = {("GET", "/"): "_page", ("GET", "/health"): "_health", ("GET", "/v1/models"): "_models", ("GET", "/v1/models/"): "_model",
-               ("GET", "/metrics"): "_metrics",
+    _ROUTES = {("GET", "/"): "_page", ("GET", "/health"): "_health", ("GET", "/v1/models"): "_models",
+               ("GET", "/v1/models/"): "_model", ("GET", "/metrics"): "_metrics",
                ("POST", "/v1/chat/completions"): "_completion", ("POST", "/v1/completions"): "_completion",
                ("POST", "/v1/embeddings"): "_embeddings",
                ("POST", "/v1/responses"): "_responses", ("GET", "/v1/responses/"): "_response_get",
@@ -9000,13 +9010,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if not self.server_ref.ui:
             raise RequestError("no route GET / (this server runs with --no-ui)", status=404, code="not_found")
         page, csp = self.server_ref.page
-        self.send_response(200)
-        for name, value in (("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(page))),
-                            ("Content-Security-Policy", csp), ("X-Content-Type-Options", "nosniff"),
-                            ("Referrer-Policy", "no-referrer"), ("Cache-Control", "no-cache")):
-            self.send_header(name, value)
-        self._head_done()
-        self.wfile.write(page)
+        self._send_bytes(200, "text/html; charset=utf-8", page, (
+            ("Content-Security-Policy", csp), ("X-Content-Type-Options", "nosniff"),
+            ("Referrer-Policy", "no-referrer"), ("Cache-Control", "no-cache")))
 
     def _health(self):
         """Unauthenticated, for load balancers and supervisors: 200 "ok" when ready (with its
@@ -9016,8 +9022,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send_json(503, {"status": "loading" if srv.engine is None else "draining"})
         else:
             st = srv.engine.stats()
-            self._send_json(200, {"status": "ok", "slots_free": srv.engine.n_slots - st["active"],
-                                  "queued": st["waiting"]})
+            self._send_json(200, {"status": "ok", "slots_free": st["slots_free"], "queued": st["waiting"]})
 
     def _models(self):
         self._owner()
@@ -9042,12 +9047,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                              status=403 if tenant else 401, code="forbidden" if tenant else "invalid_api_key")
         if srv.engine is None:
             raise ReameError("the model is still loading", status=503, code="loading")
-        data = self.server_ref.metrics_text().encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(data)))
-        self._head_done()
-        self.wfile.write(data)
+        self._send_bytes(200, "text/plain; version=0.0.4", self.server_ref.metrics_text().encode())
 
     def _session_get(self, sid: str):
         self._send_json(200, self.server_ref.sessions.get(sid, self._owner()))
@@ -9870,11 +9870,8 @@ def anthropic_body(body: dict, counting: bool = False) -> dict:
         elif text or not any(o.get("role") == "tool" for o in out[-1:]):
             out.append({"role": m["role"], "content": "".join(text)})
     chat = {"messages": out, "max_tokens": body["max_tokens"], "stream": bool(body.get("stream"))}
-    for name in ("temperature", "top_p", "top_k"):
-        if body.get(name) is not None:
-            chat[name] = body[name]
-    if body.get("stop_sequences") is not None:
-        chat["stop"] = body["stop_sequences"]
+    chat.update(_renamed(body, {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                                "stop_sequences": "stop"}))
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
@@ -9943,9 +9940,7 @@ def ollama_fields(body: dict, n_ctx: int) -> dict:
     if not isinstance(opts, dict):
         raise RequestError("'options' must be an object", param="options")
     out = {"stream": body.get("stream", True) is not False}
-    for name, field in _OLLAMA_OPTIONS.items():
-        if opts.get(name) is not None:
-            out[field] = opts[name]
+    out.update(_renamed(opts, _OLLAMA_OPTIONS))
     if out.get("max_tokens") in (-1, -2):  # (Ollama: -1 until the context is full)
         del out["max_tokens"]
     num_ctx = opts.get("num_ctx")
@@ -10080,11 +10075,8 @@ def responses_body(body: dict, previous: List[dict]) -> dict:
             raise RequestError("'%s.type' %r is not served (message, function_call, function_call_output)"
                                % (where, kind), param=where + ".type")
     chat = {"messages": msgs, "stream": bool(body.get("stream"))}
-    for name in ("temperature", "top_p", "parallel_tool_calls"):
-        if body.get(name) is not None:
-            chat[name] = body[name]
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
+    chat.update(_renamed(body, {"temperature": "temperature", "top_p": "top_p",
+                                "parallel_tool_calls": "parallel_tool_calls", "max_output_tokens": "max_tokens"}))
     tools = body.get("tools")
     if tools:
         if not isinstance(tools, list) or any(not isinstance(t, dict) or t.get("type") != "function" for t in tools):
@@ -10672,6 +10664,19 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
                 del self._per_client[who]
 
 
+class _SocketConnection(http.client.HTTPConnection):
+    """An http.client connection over the socket open_socket(timeout) gives: a daemon's
+    Unix socket (Client), or one end of a socket pair whose other end a handler serves
+    (Server.pair_connection)."""
+
+    def __init__(self, open_socket, timeout: Optional[float] = None):
+        super().__init__("localhost", timeout=timeout)
+        self._open_socket = open_socket
+
+    def connect(self):
+        self.sock = self._open_socket(self.timeout)
+
+
 class _UnixHTTPServer(_HTTPServer):
     """The same server on a Unix socket: the file is 0600 in a 0700 directory (only its
     owner, and root, can connect), a stale one (its server gone) is replaced, a live one
@@ -10733,7 +10738,8 @@ class Server:
                  metrics_key: Optional[str] = None, cors: Sequence[str] = (), response_dir: Optional[str] = None,
                  ui: bool = True):
         self.engine, self.model_name = engine, model_name
-        self.ui, self.page = ui, chat_page()  # the chat page at GET / (section 33), and whether it is served
+        self.ui = ui  # the chat page at GET / (section 33): its bytes and CSP when served
+        self.page = chat_page() if ui else None
         self.cors = tuple(o.rstrip("/") for o in cors if o)  # origins a browser page may call from ("*": any)
         self._own_records = records is None and (session_dir or response_dir) is not None  # (a writer on disk)
         self.records = RecordStore() if self._own_records else records
@@ -10893,8 +10899,6 @@ class Server:
                        copy.deepcopy(self.h_token))]
         rows += [
             Metric("draining", "gauge", "1 while shutting down (new requests get 503)", int(self.draining)),
-            Metric("slots_free", "gauge", "slots no request holds (a router's measure of room)",
-                   self.engine.n_slots - self.engine.stats()["active"]),
             Metric("sessions", "gauge", "conversations kept (all keys)", len(self.sessions)),
             Metric("conclaves_total", "counter", "best_of requests voted", conclave.pop("runs")),
             Metric("conclave_tokens_saved_total", "counter", "tokens early stops saved (estimate)",
@@ -10951,15 +10955,12 @@ class Server:
     def pair_connection(self, timeout: Optional[float] = None) -> http.client.HTTPConnection:
         """A connection to this server inside this process: one end of a socket pair, the
         other handed to a handler thread, as an accepted connection would be."""
-        server = self.httpd
-
-        class _Pair(http.client.HTTPConnection):
-            def connect(self):
-                mine, theirs = socket.socketpair()
-                mine.settimeout(self.timeout)
-                server.process_request(theirs, ("in-process", 0))
-                self.sock = mine
-        return _Pair("localhost", timeout=timeout)
+        def open_socket(timeout):
+            mine, theirs = socket.socketpair()
+            mine.settimeout(timeout)
+            self.httpd.process_request(theirs, ("in-process", 0))
+            return mine
+        return _SocketConnection(open_socket, timeout)
 
     def drain(self) -> None:
         """Stop taking requests, still listening: /health and new API requests answer 503
@@ -11083,19 +11084,16 @@ class Client:
         self._connection = connection or self._unix
 
     def _unix(self, timeout: Optional[float] = None) -> http.client.HTTPConnection:
-        path = self.socket_path
-
-        class _Unix(http.client.HTTPConnection):
-            def connect(self):
-                sock = socket.socket(socket.AF_UNIX)
-                sock.settimeout(self.timeout)
-                try:
-                    sock.connect(path)
-                except OSError:
-                    sock.close()
-                    raise
-                self.sock = sock
-        return _Unix("localhost", timeout=timeout)
+        def open_socket(timeout):
+            sock = socket.socket(socket.AF_UNIX)
+            sock.settimeout(timeout)
+            try:
+                sock.connect(self.socket_path)
+            except OSError:
+                sock.close()
+                raise
+            return sock
+        return _SocketConnection(open_socket, timeout)
 
     def chat(self, messages: Sequence[dict], *, stream: bool = False, **fields):
         return self._post("/v1/chat/completions", dict(fields, messages=list(messages)), stream)
@@ -11107,12 +11105,12 @@ class Client:
         return self._post("/v1/embeddings", dict(fields, input=input), False)
 
     def health(self, timeout: float = 5.0) -> tuple:
-        status, payload = self._call("GET", "/health", None, timeout)[:2]
+        status, payload = self._call("GET", "/health", None, timeout)
         return status, json.loads(payload)
 
     def metrics(self) -> dict:
         """/metrics as {name: value} (unlabelled rows)."""
-        status, payload = self._call("GET", "/metrics", None, self.timeout_s)[:2]
+        status, payload = self._call("GET", "/metrics", None, self.timeout_s)
         if status != 200:
             raise _client_error(status, payload)
         return parse_metrics(payload.decode())
@@ -11649,15 +11647,17 @@ def _cmd_serve(args) -> int:
                      % (name, " and ".join(where), args.parallel, engine.n_ctx, engine.ctx.n_threads, args.spec,
                         ", ".join(engine.spec.sources)))
     if args.ui and server.port is not None:
-        sys.stderr.write("reame: chat page at http://%s:%d/ (--no-ui turns it off)\n"
-                         % ("[%s]" % args.host if ":" in args.host else args.host, server.port))
+        sys.stderr.write("reame: chat page at %s/ (--no-ui turns it off)\n" % where[0])
     sys.stderr.flush()
+
+    def idle() -> bool:
+        st = engine.stats()
+        return not st["active"] and not st["waiting"]
+
     try:
         while http_thread.is_alive() and not server.draining:
             http_thread.join(0.5)
-            st = engine.stats()
-            if (args.idle_exit and not st["active"] and not st["waiting"]
-                    and time.monotonic() - server.last_active > args.idle_exit):
+            if args.idle_exit and time.monotonic() - server.last_active > args.idle_exit and idle():
                 log.info("no request for %.0f s (--idle-exit): exiting", args.idle_exit)
                 break
     finally:
@@ -11666,10 +11666,7 @@ def _cmd_serve(args) -> int:
         # an error event).
         server.drain()
         deadline = time.monotonic() + args.grace
-        while time.monotonic() < deadline and http_thread.is_alive():
-            st = engine.stats()
-            if not st["active"] and not st["waiting"]:
-                break
+        while time.monotonic() < deadline and http_thread.is_alive() and not idle():
             time.sleep(0.05)
         time.sleep(0.2)  # let handler threads write their last bytes
         server.shutdown()

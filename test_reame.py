@@ -7337,6 +7337,7 @@ def _serve_replica(model: str, port: int, home: str, *extra) -> subprocess.Popen
     while "serving" not in line:
         line = p.stderr.readline()
         assert line, "replica on port %d exited" % port
+    p.serving_line = line
     threading.Thread(target=p.stderr.read, daemon=True).start()  # (never blocks on a full pipe)
     return p
 
@@ -7507,17 +7508,10 @@ def test_serve_on_a_unix_socket_beside_tcp_with_the_peer_uid_as_tenant(tmp_path)
     import stat
     sock = str(tmp_path / "r.sock")
     port = _free_port()
-    p = subprocess.Popen([sys.executable, "reame.py", "serve", _model_path("gemma3-270m"), "--socket", sock, "--port",
-                          str(port), "--api-key", "k9", "--parallel", "1", "--ctx", "512", "--no-ui"], cwd=HERE,
-                         env=dict(os.environ, REAME_HOME=str(tmp_path / "home")), stderr=subprocess.PIPE,
-                         stdout=subprocess.DEVNULL, text=True)
+    p = _serve_replica(_model_path("gemma3-270m"), port, str(tmp_path / "home"), "--socket", sock, "--api-key", "k9")
     try:
-        line = ""
-        while "serving" not in line:
-            line = p.stderr.readline()
-            assert line, "the server exited"
+        line = p.serving_line
         assert "unix:" + sock in line and "http://127.0.0.1:%d" % port in line, line
-        threading.Thread(target=p.stderr.read, daemon=True).start()
         assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
         c = reame.Client(sock, "gemma3-270m")
         body = {"temperature": 0, "max_tokens": 6, "session_id": "mine"}
