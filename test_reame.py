@@ -7532,6 +7532,37 @@ def test_serve_on_a_unix_socket_beside_tcp_with_the_peer_uid_as_tenant(tmp_path)
     assert not os.path.exists(sock)  # (gone with its server)
 
 
+def test_unix_socket_path_worst_values(tmp_path):
+    """serve --socket's path: over 107 bytes, a file that is not a socket, and a live
+    server's socket are refused with what to do (nothing replaced); a stale socket (its
+    server gone) is replaced; the file goes with its server."""
+    long_path = str(tmp_path / ("d" * 120) / "r.sock")
+    with pytest.raises(reame.RequestError, match="at most 107"):
+        reame.Server(None, "m", port=None, socket_path=long_path)
+    plain = tmp_path / "plain.sock"
+    plain.write_text("mine")
+    with pytest.raises(reame.RequestError, match="not a socket"):
+        reame.Server(None, "m", port=None, socket_path=str(plain))
+    assert plain.read_text() == "mine"
+    path = str(tmp_path / "s.sock")
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)
+    stale.close()  # (the file stays, nobody listens: stale)
+    first = reame.Server(None, "m", port=None, socket_path=path)
+    threading.Thread(target=first.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(reame.RequestError, match="another server listens"):
+            reame.Server(None, "m", port=None, socket_path=path)
+        status, health = reame.Client(path).health()
+        assert status == 503 and health == {"status": "loading"}
+    finally:
+        first.shutdown()
+    assert not os.path.exists(path)
+    out = subprocess.run([sys.executable, "reame.py", "serve", "x.gguf", "--idle-exit", "-1"], cwd=HERE,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "--idle-exit >= 0" in out.stderr and "Traceback" not in out.stderr
+
+
 def _rss_kb(pid: int, field: str = "VmRSS") -> int:
     """A process's resident memory in kB: VmRSS (all), RssFile (mapped files: the weights,
     shared by every process that maps them) or RssAnon (its own: KV, buffers, Python)."""
