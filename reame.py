@@ -6497,7 +6497,7 @@ class _Scheduler:
 
     def _step(self) -> None:
         """One step: a decode batch for every generating sequence, then prefill chunks
-        (up to n_batch prompt tokens, oldest request first).
+        (up to n_batch prompt tokens, the shortest prompt left first; the oldest gets a chunk every step).
 
         Greedy output must not depend on who else is in the batch, and llama.cpp's CPU
         kernels pick tiling by batch shape (flash attention tiles 64+ queries, K-quant
@@ -6562,12 +6562,18 @@ class _Scheduler:
             if not prefilling:
                 self.counters.n_decode_only_steps += 1
                 self.counters.t_decode_only_py_s += (time.perf_counter() - t0) - (t2 - t1)
-        budget = self.ctx.n_batch
-        for s in prefilling:
+        # Prompt chunks, up to n_batch tokens a step: the shortest prompt left first, so a short chat
+        # is not queued behind a long document (its first token waited for the whole document);
+        # the oldest prompt still gets a chunk every step, so a stream of short ones never starves it.
+        # (Chunks sit at fixed positions, so the order changes no result.)
+        budget, oldest = self.ctx.n_batch, next((s for s in prefilling if not s.req.warm), None)
+        for s in sorted(prefilling, key=lambda s: s.n_prompt - s.n_done):
             if s.req.warm:  # a chunk a step, and only while no request runs: it never delays one by more
                 if len(self._active) == 1:
                     self._prefill_chunk(s)
                 continue
+            if s is oldest and budget <= 0:
+                budget = 1
             while budget > 0 and s.n_done < s.n_prompt:
                 n = self._prefill_chunk(s)
                 if n < 0:

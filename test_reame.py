@@ -2895,6 +2895,31 @@ def test_batched_equals_alone_long_prompts(gemma):
     assert [r.wait().tokens for r in reqs] == alone
 
 
+def test_a_short_prompt_is_not_queued_behind_a_long_one(tmp_path, monkeypatch):
+    """A short chat sent while a 3,000-token document prefills gets its first token before
+    the document does (the shortest prompt left goes first), its tokens are those it gets
+    alone, and the document's prefill is not starved: it goes on a chunk a step meanwhile."""
+    path = _model_path("gemma3-270m")
+    monkeypatch.setenv("REAME_HOME", str(tmp_path))  # nothing cached from other tests
+    with reame.Engine(path, n_ctx=4096, n_slots=2) as eng:
+        short = _chat(eng, "Name a color.")
+        alone = eng.complete(short, temperature=0, max_tokens=8).tokens
+        doc = eng.model.tokenize("".join("Note %d: ship %d left port at dawn with cargo %d. " % (i, i * 7, i * 13)
+                                           for i in range(250)))[:3000]
+        assert len(doc) == 3000
+        t_long = time.perf_counter()
+        long_req = eng.submit(doc, temperature=0, max_tokens=4)
+        while eng.counters.n_prefill_tok < 256:  # the document is under way
+            time.sleep(0.005)
+        before = eng.counters.n_prefill_tok
+        t_short = time.perf_counter()
+        short_res = eng.submit(short, temperature=0, max_tokens=8).wait(120)
+        long_res = long_req.wait(300)
+    assert short_res.tokens == alone
+    assert t_short + short_res.ttft_s < t_long + long_res.ttft_s, "the short chat waited for the document"
+    assert eng.counters.n_prefill_tok - before >= 3000 - 512 and long_res.n_gen_tok == 4
+
+
 def test_every_decode_of_the_process_runs_on_one_thread(qwen, monkeypatch):
     """Two engines (two scheduler threads) decode on the one compute thread: libgomp
     gives each thread that starts parallel work its own team, and two teams on the
