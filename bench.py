@@ -842,6 +842,12 @@ _THINGS = ["a letter never sent", "a map with one road missing", "a broken compa
            "a music box", "a notebook of weather", "a seed vault key", "a silver whistle"]
 
 
+def stock_server(args) -> str:
+    """llama-server as released (./build_llama.sh --stock), else --server's (Reame's patched libraries)."""
+    stock = os.path.join(HERE, "_llama-stock", "llama-server")
+    return stock if os.access(stock, os.X_OK) and args.server == DEFAULT_SERVER else args.server
+
+
 def load_chat(rng: random.Random, tag: str) -> str:
     """A short chat asking for new prose: nothing in the prompt to copy, a different story each time."""
     return ("Write a short story (%s) about %s in %s who finds %s. Give it a title." % (
@@ -927,7 +933,7 @@ def run_load(args, noise: CpuNoise) -> dict:
                                                noise, threads=args.threads, n_parallel=slots, ctx_per_slot=ctx,
                                                home=home)))
             if not args.no_server:
-                sides.append(("server", LlamaServer(args.server, args.model_path, os.path.join(
+                sides.append(("server", LlamaServer(stock_server(args), args.model_path, os.path.join(
                     log_dir, "server-%s-%d.log" % (mix, n)), noise, defaults=True,
                     extra=("-np", str(slots), "-c", str(slots * ctx)))))  # the slots and room the clients need
             if not args.no_server:
@@ -952,7 +958,9 @@ def run_load(args, noise: CpuNoise) -> dict:
             for _, srv in sides:
                 srv.close()
     return {"config": {"clients": clients, "gen_tokens": args.gen_tokens, "ctx_per_slot": ctx,
-                       "load_long": args.load_long, "cmds": cmds, "logs": log_dir},
+                       "load_long": args.load_long, "cmds": cmds, "logs": log_dir,
+                       "server_build": "stock llama.cpp" if stock_server(args) != args.server else
+                       "Reame's patched libraries: ./build_llama.sh --stock builds stock"},
             "rows": [load_row(mix, n, runs[(mix, n)]) for mix, n in cases]}
 
 
@@ -985,9 +993,9 @@ def print_load(ld: dict, w) -> None:
     c = ld["config"]
     w("Load: N clients at once, streamed greedy chat, %d tokens each, fresh text (a new story or 1,000 tokens of new "
       "notes per client; Reame: empty REAME_HOME, replay off), each server fresh per row, %d alternating repeats, "
-      "medians.\nserver = llama-server as a user starts it (defaults: repacking on); matched = llama-server with "
+      "medians.\nserver = llama-server as a user starts it (%s; its defaults: repacking on); matched = llama-server with "
       "Reame's kernels (repacking off) and batch. Ratios: Reame / other for tok/s, other / Reame for TTFT "
-      "(> 1: Reame is better).\n\n" % (c["gen_tokens"], c["repeats"]))
+      "(> 1: Reame is better).\n\n" % (c["gen_tokens"], c["repeats"], c["server_build"]))
     w("%-6s %3s | %-27s | %-27s | %-27s | %-27s\n" % ("mix", "N", "aggregate tok/s R / S / M", "decode tok/s per stream",
                                                       "TTFT p50 s", "TTFT p95 s"))
     for row in ld["rows"]:
@@ -1830,7 +1838,7 @@ def run_step_cost(args, noise: CpuNoise) -> dict:
     elif benches:
         out["llama_bench"] = {name: {key: median([r[key] for r in rows]) for key in rows[0]}
                               for name, rows in benches.items()}
-    else:
+    elif not args.no_server:
         out["llama_bench_missing"] = "no stock llama-bench at %s: ./build_llama.sh --stock builds it" % stock
     return out
 
