@@ -850,7 +850,7 @@ def stock_server(args) -> str:
 
 def load_chat(rng: random.Random, tag: str) -> str:
     """A short chat asking for new prose: nothing in the prompt to copy, a different story each time."""
-    return ("Write a short story (%s) about %s in %s who finds %s. Give it a title." % (
+    return ("Write a story of about 300 words (%s) about %s in %s who finds %s." % (
         tag, rng.choice(_PEOPLE), rng.choice(_PLACES), rng.choice(_THINGS)))
 
 
@@ -922,7 +922,11 @@ def run_load(args, noise: CpuNoise) -> dict:
                 for i in range(n)]
 
     long_words = int(args.load_long * words_per_tok)
-    cases = [(mix, n) for mix in ("chat", "rag") for n in clients] + [("long", 5)] * (args.load_long > 0)
+    mixes = [m for m in args.load_mixes.split(",") if m]
+    if set(mixes) - {"chat", "rag", "long"}:
+        raise SystemExit("--load-mixes: a comma-separated list of chat, rag and long")
+    cases = [(mix, n) for mix in ("chat", "rag") if mix in mixes for n in clients] + [("long", 5)] * (
+        "long" in mixes and args.load_long > 0)
     ctx = max(args.ctx, 1400 + args.gen_tokens, args.load_long + 400 if args.load_long else 0)
     log_dir, cmds, runs = tempfile.mkdtemp(prefix="bench-load-"), {}, {}
     for mix, n in cases:
@@ -2637,6 +2641,7 @@ OPTIONS = [  # flag, default (False: a switch; a tuple: the choices, the first t
     ("--with-http", False, "engine: then the HTTP scenario"),
     ("--http-clients", str, "--http, --load: concurrent clients (default 1,4,8; --load 1,2,4,8,16; --quick 1,4)"),
     ("--load-long", 4000, "--load: the long prompt's tokens in its last row (0: no such row)"),
+    ("--load-mixes", "chat,rag,long", "--load: the rows to run"),
     ("--handbook-tokens", int, "--prefix-cache, --workload, --warm-ahead: the handbook's shared prompt tokens "
      "(default 2400; --quick 1200)"),
     ("--prefix-gen-tokens", 8, "--prefix-cache: max_tokens per question"),

@@ -7866,6 +7866,14 @@ def test_c_kernels_batched_equal_alone(tmp_path):
         r = subprocess.run([exe], capture_output=True, text=True, timeout=600)
         print("== %s\n%s%s" % (name, r.stdout, r.stderr))
         assert r.returncode == 0 and r.stdout.rstrip().endswith("test_kernels: PASS"), "%s:\n%s" % (name, r.stdout[-4000:])
+    if x86 and "avx512bw" in cpu and man.get("ggml_native") == "ON":  # the timing harness still builds and runs
+        exe = str(tmp_path / "time_kernels")
+        r = subprocess.run([cc, "-std=gnu11", "-O2", "-march=native", *inc, os.path.join(HERE, "patches", "time_kernels.c"),
+                            "-o", exe, *link], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, "time_kernels.c failed to compile:\n" + r.stderr[-4000:]
+        r = subprocess.run([exe, "512", "8"], capture_output=True, text=True, timeout=120)
+        lines = r.stdout.splitlines()
+        assert r.returncode == 0 and len(lines) == 6 and all("ns per block-token" in ln for ln in lines), r.stdout
 
 
 # -- `python3 test_reame.py soak`: the soak of the HTTP server's section, from the command line --
