@@ -850,8 +850,10 @@ def stock_server(args) -> str:
 
 def load_chat(rng: random.Random, tag: str) -> str:
     """A short chat asking for new prose: nothing in the prompt to copy, a different story each time."""
-    return ("Write a story of about 300 words (%s) about %s in %s who finds %s." % (
-        tag, rng.choice(_PEOPLE), rng.choice(_PLACES), rng.choice(_THINGS)))
+    # (the request's own words first: prompts that opened alike gave llama-server's prompt cache
+    # the shared opening, which is not fresh text)
+    return ("%s in %s finds %s: write their story in about 300 words (%s)." % (
+        rng.choice(_PEOPLE).capitalize(), rng.choice(_PLACES), rng.choice(_THINGS), tag))
 
 
 def load_document(rng: random.Random, tag: str, n_words: int) -> str:
