@@ -871,7 +871,7 @@ def load_document(rng: random.Random, tag: str, n_words: int) -> str:
 
 def load_stream(srv: ServerProcess, body: bytes, start) -> dict:
     out = stream(srv.port, "/v1/chat/completions", body, start, timeout_s=1800)
-    n = out["completion_tokens"] if out["completion_tokens"] is not None else out["chunks"]
+    out["n"] = n = out["completion_tokens"] if out["completion_tokens"] is not None else out["chunks"]
     span = out["t_end"] - out["t0"] - out["ttft_s"]
     out["decode_tok_s"] = (n - 1) / span if n > 1 and span > 0 else None
     return out
@@ -890,7 +890,7 @@ def load_run(srv: ServerProcess, bodies: list, late: Optional[list] = None, dela
 
     outs, _ = run_clients(srv, len(all_bodies), one)
     wall = max(o["t_end"] for o in outs) - min(o["t0"] for o in outs)
-    toks = [o["completion_tokens"] if o["completion_tokens"] is not None else o["chunks"] for o in outs]
+    toks = [o["n"] for o in outs]
     return {"tok_s": sum(toks) / wall, "decode_tok_s": [o["decode_tok_s"] for o in outs], "tokens": toks,
             "ttft_s": [o["ttft_s"] for o in outs], "late": len(late or []), "texts": [o["text"] for o in outs],
             "prompt_tokens": [o["prompt_tokens"] for o in outs]}
@@ -930,22 +930,22 @@ def run_load(args, noise: CpuNoise) -> dict:
     cases = [(mix, n) for mix in ("chat", "rag") if mix in mixes for n in clients] + [("long", 5)] * (
         "long" in mixes and args.load_long > 0)
     ctx = max(args.ctx, 1400 + args.gen_tokens, args.load_long + 400 if args.load_long else 0)
-    log_dir, cmds, runs = tempfile.mkdtemp(prefix="bench-load-"), {}, {}
+    log_dir, cmds, runs, settings = tempfile.mkdtemp(prefix="bench-load-"), {}, {}, {}
     for mix, n in cases:
-        slots, sides = n, []
+        sides = []
         try:
             home = tempfile.mkdtemp(prefix="home-", dir=log_dir)
             sides.append(("reame", ReameServer(args.model_path, os.path.join(log_dir, "reame-%s-%d.log" % (mix, n)),
-                                               noise, threads=args.threads, n_parallel=slots, ctx_per_slot=ctx,
+                                               noise, threads=args.threads, n_parallel=n, ctx_per_slot=ctx,
                                                home=home)))
             if not args.no_server:
                 sides.append(("server", LlamaServer(stock_server(args), args.model_path, os.path.join(
                     log_dir, "server-%s-%d.log" % (mix, n)), noise, defaults=True,
-                    extra=("-np", str(slots), "-c", str(slots * ctx)))))  # the slots and room the clients need
-            if not args.no_server:
-                with reame.Engine(args.model_path, n_ctx=ctx, n_slots=slots, n_threads=args.threads) as eng:
-                    settings = dict(eng.ctx.settings)  # what serve builds: matched's batch, KV layout, repacking
-                sides.append(("matched", matched_server(args, settings, slots, ctx, os.path.join(
+                    extra=("-np", str(n), "-c", str(n * ctx)))))  # the slots and room the clients need
+                if n not in settings:  # what serve builds with n slots: matched's batch, KV layout, repacking
+                    with reame.Engine(args.model_path, n_ctx=ctx, n_slots=n, n_threads=args.threads) as eng:
+                        settings[n] = dict(eng.ctx.settings)
+                sides.append(("matched", matched_server(args, settings[n], n, ctx, os.path.join(
                     log_dir, "matched-%s-%d.log" % (mix, n)), noise)))
             for side, srv in sides:
                 srv.ready()
@@ -1011,8 +1011,7 @@ def print_load(ld: dict, w) -> None:
             vals = "/".join(_fmt(s[k][key], digits) if k in s else "-" for k in LOAD_SIDES)
             rs = ",".join(_x(row.get("vs_" + k, {}).get(key)) for k in ("server", "matched") if "vs_" + k in row)
             return "%s (%s)" % (vals, rs)
-        label = "long" if row["mix"] == "long" else row["mix"]
-        w("%-6s %3d | %-27s | %-27s | %-27s | %-27s\n" % (label, row["clients"], cell("tok_s", 1),
+        w("%-6s %3d | %-27s | %-27s | %-27s | %-27s\n" % (row["mix"], row["clients"], cell("tok_s", 1),
                                                            cell("decode_tok_s", 1), cell("ttft_p50", 2),
                                                            cell("ttft_p95", 2)))
     for row in ld["rows"]:
