@@ -7832,7 +7832,7 @@ def test_serve_cli_answers_and_exits_0_on_sigterm():
 
 
 def test_c_kernels_batched_equal_alone(tmp_path):
-    """build_llama.sh's multi-token Q4_K/Q6_K kernels (patches/reame-kernels.c), tested
+    """build_llama.sh's multi-token Q4_K/Q6_K (AVX-512: Q8_0/Q5_0 too) kernels (patches/reame-kernels.c), tested
     as C on random blocks: k tokens at once give each token the bits it gets alone (the
     AVX2/AVX kernels: ggml's one-row kernel's bits), within a stated bound of the exact
     dot product. First the kernels in the shipped _llama/libggml-cpu.so (the ones the
@@ -7871,9 +7871,10 @@ def test_c_kernels_batched_equal_alone(tmp_path):
         r = subprocess.run([cc, "-std=gnu11", "-O2", "-march=native", *inc, os.path.join(HERE, "patches", "time_kernels.c"),
                             "-o", exe, *link], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, "time_kernels.c failed to compile:\n" + r.stderr[-4000:]
-        r = subprocess.run([exe, "512", "8"], capture_output=True, text=True, timeout=120)
-        lines = r.stdout.splitlines()
-        assert r.returncode == 0 and len(lines) == 6 and all("ns per block-token" in ln for ln in lines), r.stdout
+        for typ in ("0", "3"):  # Q4_K, Q5_0
+            r = subprocess.run([exe, "512", "8", typ], capture_output=True, text=True, timeout=120)
+            lines = r.stdout.splitlines()
+            assert r.returncode == 0 and len(lines) == 6 and all("ns per block-token" in ln for ln in lines), r.stdout
 
 
 # -- `python3 test_reame.py soak`: the soak of the HTTP server's section, from the command line --

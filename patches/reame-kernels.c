@@ -1,4 +1,4 @@
-// reame-kernels.c -- multi-token Q4_K . q8_K and Q6_K . q8_K dot products for ggml's x86
+// reame-kernels.c -- multi-token Q4_K . q8_K, Q6_K . q8_K (and Q8_0/Q5_0 . q8_0) dot products for ggml's x86
 // CPU backend (part of build_llama.sh's patches; see patches/multi-token-kernels.diff).
 //
 // Not a translation unit of its own: build_llama.sh copies this file to
@@ -15,13 +15,19 @@
 //                                      for that column alone.
 //   reame_vec_dot_{q4,q6}_K_q8_K_512   AVX-512 F+BW (VNNI when there); any nc. A column's
 //                                      result does not depend on nc or on the other columns.
-// patches/test_kernels.c checks both claims on random blocks (test_reame.py runs it).
+//   reame_mm_{q8,q5}_0_q8_0_512        AVX-512 F+BW, Q8_0/Q5_0 weights against q8_0 tokens,
+//                                      nr rows at once (row r at vx + r*bx; s[r + c*bs]),
+//                                      n a multiple of 64, any nc. As the _512 kernels: a
+//                                      column's result does not depend on nc.
+// patches/test_kernels.c checks these claims on random blocks (test_reame.py runs it).
 
 // the kernels defined below (ggml-cpu.c, which calls them, declares them too)
 void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
+void reame_mm_q8_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q5_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 
 #if defined(__AVX2__) || defined(__AVX__)
 // reame: a Q4_K block's 8 scales (bytes 0-7) and 8 mins (bytes 8-15), as ggml decodes them
@@ -439,5 +445,102 @@ void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void
         REAME_COLS_DISPATCH(reame_q6_K_512_cols, n / QK_K, (const block_q6_K *) vx,
                             (const block_q8_K *) ((const char *) vy + c0*by), by, s + c0*bs, bs, nc - c0);
     }
+}
+// reame: Q8_0 and Q5_0 weights (against q8_0 tokens) in 512-bit registers, one token or
+// many. A register holds two 32-value blocks; the weight side (5-bit unpacking, absolute
+// values, signs, the blocks' scales) is done once for up to REAME_COLS tokens, and a token
+// costs a load, a sign flip (ggml's abs/sign trick: |w| . (y * sign w)), one vpdpbusd and
+// three float steps per two blocks. Its scales are converted once per call (dy below). The
+// float steps are the same whatever the number of tokens, so a token gets the same bits
+// alone or batched (not ggml's one-row kernel's bits: its lanes are summed in another
+// order). The row kernels take a range of rows, so the token scales are converted once.
+static inline __m512 reame_halves_ps(float lo, float hi) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(lo)), _mm256_set1_ps(hi), 1);
+}
+// a pair of weight blocks: |w| as bytes, the mask of negative weights, 8 x dx per half
+static inline __attribute__((always_inline)) void reame_q0_pair(
+        const void * vx, int i, const int q5, __m512i * ax, __mmask64 * neg, __m512 * dx) {
+    if (q5) {
+        const block_q5_0 * x = (const block_q5_0 *) vx + i;
+        // value j < 16: low nibble of qs[j]; j >= 16: high nibble of qs[j - 16]
+        const __m256i q01 = MM256_SET_M128I(_mm_loadu_si128((const __m128i *) x[1].qs), _mm_loadu_si128((const __m128i *) x[0].qs));
+        const __m512i qq = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0), _mm512_castsi256_si512(q01));
+        const __m512i nib = _mm512_and_si512(_mm512_srlv_epi64(qq, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), _mm512_set1_epi8(0xF));
+        uint32_t h0, h1;
+        memcpy(&h0, x[0].qh, 4);
+        memcpy(&h1, x[1].qh, 4);
+        const __mmask64 hb = (__mmask64) h0 | ((__mmask64) h1 << 32);  // 5th bit set: w = nib >= 0
+        *ax = _mm512_mask_mov_epi8(_mm512_sub_epi8(_mm512_set1_epi8(16), nib), hb, nib);
+        *neg = ~hb;
+        *dx = reame_halves_ps(GGML_CPU_FP16_TO_FP32(x[0].d), GGML_CPU_FP16_TO_FP32(x[1].d));
+    } else {
+        const block_q8_0 * x = (const block_q8_0 *) vx + i;
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) x[0].qs)),
+                                             _mm256_loadu_si256((const __m256i *) x[1].qs), 1);
+        *ax = _mm512_abs_epi8(w);
+        *neg = _mm512_movepi8_mask(w);
+        *dx = reame_halves_ps(GGML_CPU_FP16_TO_FP32(x[0].d), GGML_CPU_FP16_TO_FP32(x[1].d));
+    }
+}
+// nc (1..REAME_COLS) tokens against one weight row of nb blocks (nb even); dy[c*nb + i]:
+// token c's scale of block i as a float
+static inline __attribute__((always_inline)) void reame_q0_512_cols(
+        int nb, const void * vx, const int q5, const block_q8_0 * y0, size_t by, const float * dy,
+        float * s, size_t bs, const int nc) {
+    const size_t xb = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0);
+    __m512 acc[REAME_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps();
+    for (int i = 0; i < nb; i += 2) {
+        for (int o = 0; o < (int) (2 * xb); o += 64) _mm_prefetch((const char *) vx + (i + REAME_PREFETCH) * xb + o, _MM_HINT_T0);
+        __m512i ax;
+        __mmask64 neg;
+        __m512 dx;
+        reame_q0_pair(vx, i, q5, &ax, &neg, &dx);
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_0 * y = (const block_q8_0 *) ((const char *) y0 + c*by) + i;
+            const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) y[0].qs)),
+                                                 _mm256_loadu_si256((const __m256i *) y[1].qs), 1);
+            const __m512i sumi = REAME_DPBUSD512(ax, _mm512_mask_sub_epi8(q, neg, _mm512_setzero_si512(), q));
+            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sumi), dx);
+            acc[c] = _mm512_fmadd_ps(t, reame_halves_ps(dy[c*nb + i], dy[c*nb + i + 1]), acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; ++c) s[c*bs] = _mm512_reduce_add_ps(acc[c]);
+}
+// up to 32 tokens share a pass over the rows (a row stays in L1 for their groups of 8)
+static void reame_q0_512_rows(int q5, int n, int nr, int nc, float * s, size_t bs, const char * vx, size_t bx,
+                              const char * vy, size_t by) {
+    const int nb = n / QK8_0;
+    for (int cs = 0; cs < nc; cs += 32) {
+        const int ms = nc - cs < 32 ? nc - cs : 32;
+        float dy[32 * nb];
+        for (int c = 0; c < ms; ++c) {
+            const block_q8_0 * yc = (const block_q8_0 *) (vy + (cs + c)*by);
+            for (int i = 0; i < nb; ++i) dy[c*nb + i] = GGML_CPU_FP16_TO_FP32(yc[i].d);
+        }
+        for (int r = 0; r < nr; ++r) {
+            const char * xr = vx + r*bx;
+            for (int c0 = 0; c0 < ms; c0 += REAME_COLS) {
+                const int m = ms - c0 < REAME_COLS ? ms - c0 : REAME_COLS;
+                const block_q8_0 * y = (const block_q8_0 *) (vy + (cs + c0)*by);
+                const float * d = dy + c0*nb;
+                float * sr = s + r + (cs + c0)*bs;
+#define REAME_Q0_COLS(k) (q5 ? reame_q0_512_cols(nb, xr, 1, y, by, d, sr, bs, k) : reame_q0_512_cols(nb, xr, 0, y, by, d, sr, bs, k))
+                switch (m) {
+                    case 1: REAME_Q0_COLS(1); break;  case 2: REAME_Q0_COLS(2); break;
+                    case 3: REAME_Q0_COLS(3); break;  case 4: REAME_Q0_COLS(4); break;
+                    case 5: REAME_Q0_COLS(5); break;  case 6: REAME_Q0_COLS(6); break;
+                    case 7: REAME_Q0_COLS(7); break;  default: REAME_Q0_COLS(8); break;
+                }
+#undef REAME_Q0_COLS
+            }
+        }
+    }
+}
+void reame_mm_q8_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
+    reame_q0_512_rows(0, n, nr, nc, s, bs, vx, bx, vy, by);
+}
+void reame_mm_q5_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
+    reame_q0_512_rows(1, n, nr, nc, s, bs, vx, bx, vy, by);
 }
 #endif // reame AVX-512

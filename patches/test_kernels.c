@@ -22,6 +22,7 @@
 //      the magnitudes of the terms the kernels add (scale part and min part apart, before
 //      they cancel): 16x the float rounding the kernels' nb + ~8 rounding steps can add.
 //      ggml's one-row kernel is held to the same bound.
+// With AVX-512 it tests the Q8_0/Q5_0 kernels the same way (test_q0: 1 and 3).
 // Prints what it checked; exit status 0 when every check passed.
 
 #include <math.h>
@@ -45,6 +46,8 @@ void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
 #define HAVE_512 1
 void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
+void reame_mm_q8_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q5_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 #endif
 
 typedef void (*multi_fn)(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
@@ -194,6 +197,104 @@ static int check_acc(struct kernel * K, const char * name, int nb, int row, int 
     return 1;
 }
 
+#ifdef HAVE_512
+// The Q8_0/Q5_0 kernels (reame_mm_*_0_q8_0_512: nr rows at once) on 3 rows of nb blocks
+// (n = 32 nb; 0.5B: 28 and 152) against 40 q8_0 tokens: kind 0 quantized from random floats,
+// 1 random bits (q8_0 tokens: random values in -127..127, as quantize_row_q8_0 makes), 2
+// extremes. Checks 1 (k = 1..40 tokens, and 3 rows against one at a time) and 3 above.
+#define Q0_ROWS 3
+static void test_q0(int q5) {
+    static const int nbs[] = {2, 4, 6, 28, 152};
+    const char * name = q5 ? "reame_mm_q5_0_q8_0_512" : "reame_mm_q8_0_q8_0_512";
+    const size_t xs = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0);
+    long n_batched = 0, n_acc = 0;
+    double worst = 0.0;
+    for (size_t inb = 0; inb < sizeof(nbs) / sizeof(nbs[0]); ++inb) {
+        const int nb = nbs[inb], n = nb * 32;
+        const size_t by = nb * sizeof(block_q8_0);
+        block_q8_0 * acts = malloc(NTOK * by);
+        char * w = malloc(Q0_ROWS * nb * xs);
+        float * f = malloc(n * sizeof(float)), * wf = malloc(n * sizeof(float));
+        float * one = malloc(NTOK * Q0_ROWS * sizeof(float)), * out = malloc(NTOK * BS * Q0_ROWS * sizeof(float));
+        for (int c = 0; c < NTOK; ++c) {
+            block_q8_0 * y = (block_q8_0 *) ((char *) acts + c * by);
+            const int kind = c % 5 == 4 ? 2 : c % 2;
+            if (kind == 0) {
+                const double scale = exp2(-4.0 + 8.0 * unif());
+                for (int j = 0; j < n; ++j) f[j] = (float) (scale * gauss());
+                quantize_row_q8_0(f, y, n);
+            } else {
+                for (int i = 0; i < nb; ++i) {
+                    const int8_t v = (rnd() & 1) ? 127 : -127;
+                    for (int j = 0; j < 32; ++j) y[i].qs[j] = kind == 1 ? (int8_t) (rnd() % 255 - 127) : v;
+                    y[i].d = ggml_fp32_to_fp16(rnd_scale() * 64.0f);
+                }
+            }
+        }
+        for (int rep = 0; rep < 12; ++rep) {
+            const int kind = rep % 3;
+            for (int r = 0; r < Q0_ROWS; ++r) {
+                char * row = w + r * nb * xs;
+                if (kind == 0) {
+                    const double scale = exp2(-6.0 + 6.0 * unif());
+                    for (int j = 0; j < n; ++j) f[j] = (float) (scale * gauss() * ((rnd() % 64) ? 1.0 : 8.0));
+                    if (q5) quantize_row_q5_0_ref(f, (block_q5_0 *) row, n); else quantize_row_q8_0_ref(f, (block_q8_0 *) row, n);
+                } else {
+                    for (size_t j = 0; j < nb * xs; ++j) row[j] = (char) (kind == 1 ? rnd() : (j % 2 ? 0x80 : 0x7F));
+                    for (int i = 0; i < nb; ++i) {
+                        const ggml_half d = ggml_fp32_to_fp16(rnd_scale());
+                        memcpy(row + i * xs, &d, sizeof(d));
+                    }
+                }
+            }
+            for (int r = 0; r < Q0_ROWS; ++r) {  // one row, one token at a time; accuracy
+                const char * row = w + r * nb * xs;
+                if (q5) dequantize_row_q5_0((const block_q5_0 *) row, wf, n); else dequantize_row_q8_0((const block_q8_0 *) row, wf, n);
+                for (int c = 0; c < NTOK; ++c) {
+                    const block_q8_0 * y = (const block_q8_0 *) ((const char *) acts + c * by);
+                    float got;
+                    (q5 ? reame_mm_q5_0_q8_0_512 : reame_mm_q8_0_q8_0_512)(n, 1, 1, &got, 1, row, nb * xs, y, by);
+                    one[c * Q0_ROWS + r] = got;
+                    double e = 0.0, m = 0.0;
+                    for (int j = 0; j < n; ++j) {
+                        const double a = (double) ggml_fp16_to_fp32(y[j / 32].d) * y[j / 32].qs[j % 32];
+                        e += (double) wf[j] * a;
+                        m += fabs((double) wf[j] * a);
+                    }
+                    const double bound = (nb + 8) * exp2(-24.0) * m, err = fabs((double) got - e);
+                    if (bound > 0 && err / bound > worst) worst = err / bound;
+                    if (err <= 16.0 * bound) n_acc++;
+                    else fail("accuracy", name, nb, rep, 1, c, got, (float) e);
+                }
+            }
+            for (int k = 1; k <= NTOK; ++k) {  // all rows, k tokens at once (two windows of the 40)
+                const int offs[2] = {0, NTOK - k};
+                for (int o_i = 0; o_i < (offs[1] > 0 ? 2 : 1); ++o_i) {
+                    const int o = offs[o_i];
+                    const size_t bs = BS * Q0_ROWS;  // token c's row r at out[r + c * bs]
+                    for (int j = 0; j < NTOK * BS * Q0_ROWS; ++j) out[j] = NAN;
+                    (q5 ? reame_mm_q5_0_q8_0_512 : reame_mm_q8_0_q8_0_512)(n, Q0_ROWS, k, out, bs, w, nb * xs,
+                                                                          (const char *) acts + o * by, by);
+                    for (int j = 0; j < NTOK * BS * Q0_ROWS; ++j) {
+                        const int c = j / bs, r = j % bs;
+                        if (r < Q0_ROWS && c < k) {
+                            if (bits(out[j]) == bits(one[(o + c) * Q0_ROWS + r])) n_batched++;
+                            else fail("batched = alone", name, nb, rep, k, o + c, out[j], one[(o + c) * Q0_ROWS + r]);
+                        } else if (!isnan(out[j])) {
+                            fail("wrote outside its k results", name, nb, rep, k, c, out[j], NAN);
+                        }
+                    }
+                }
+            }
+        }
+        free(acts); free(w); free(f); free(wf); free(one); free(out);
+    }
+    printf("  %-28s %6ld batched results (k = 1..%d tokens, %d rows) bit-equal to one token and row at a time, "
+           "%ld within the accuracy bound (worst error %.3f of the float rounding bound)\n",
+           name, n_batched, NTOK, Q0_ROWS, n_acc, worst);
+}
+#endif
+
 int main(int argc, char ** argv) {
     if (argc > 1) rng_state = strtoull(argv[1], NULL, 0);
     ggml_cpu_init();  // fp16 tables, for builds without F16C
@@ -306,6 +407,10 @@ int main(int argc, char ** argv) {
         if (K->ggml_bits) printf(", %ld bit-equal to %s", K->n_ggml, ggml_k[K->q6].name);
         printf(", %ld within the accuracy bound (worst error %.3f of the float rounding bound)\n", K->n_acc, K->worst);
     }
+#ifdef HAVE_512
+    test_q0(0);
+    test_q0(1);
+#endif
     if (n_fail) {
         printf("test_kernels: FAILED (%d failed checks)\n", n_fail);
         return 1;
