@@ -3106,7 +3106,7 @@ def test_attack_embeddings_share_the_scheduler(gemma):
         status, payload = _http(full, "POST", "/v1/embeddings", {"input": "x"}, key=None)
         assert status == 429 and json.loads(payload)["error"]["code"] == "queue_full", payload
         words = gemma.model.tokenize("lighthouse keeper " * 800, add_special=False)[:1500]
-        arrivals, done = [], {}
+        arrivals = []
 
         def stream():
             body = {"prompt": "Count from one to two hundred in words: one, two,", "max_tokens": 300,
