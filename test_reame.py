@@ -4800,6 +4800,9 @@ def test_server_n_and_best_of_beyond_parallel(server, gemma):
 def test_server_logs_one_line_per_request_without_prompt_text(server):
     with _reame_log() as records:
         _http(server, "POST", "/v1/completions", {"prompt": "secret-words-here", "max_tokens": 3})
+        deadline = time.time() + 10  # the line is written after the response (its total time)
+        while time.time() < deadline and not any("/v1/completions" in r.getMessage() for r in records):
+            time.sleep(0.02)
     text = "\n".join(r.getMessage() for r in records)
     lines = [line for line in text.splitlines() if "/v1/completions" in line]
     assert len(lines) == 1, lines
