@@ -352,7 +352,8 @@ void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
 static inline __m512i reame_pair(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
 // one block of one token: the 4 weight registers w . its q8 values, 4-value sums packed as
 // _mm512_packs_epi32 leaves them (128-bit lane L: 4 sums of w[m]'s lane L, then 4 of
-// w[m+1]'s), times the scales sc[0], sc[1] laid out to match; 8 int32 lanes
+// w[m+1]'s), times the scales sc[0], sc[1] laid out to match; 16 int32 lanes (each half
+// a partial sum of the block: the halves are added at the end, in float)
 static inline __m512i reame_dot4(const __m512i * w, const __m512i * sc, const int8_t * q8) {
     const __m512i * q = (const __m512i *) q8;
     const __m512i p01 = _mm512_packs_epi32(REAME_DPBUSD512(w[0], _mm512_loadu_si512(q + 0)),
@@ -433,31 +434,31 @@ static inline __attribute__((always_inline)) void reame_q6_K_512_cols(
     for (int c = 0; c < nc; ++c) s[c*bs] = _mm512_reduce_add_ps(acc[c]);
 }
 // a constant column count per call, so the compiler keeps the sums in registers
-#define REAME_COLS_DISPATCH(fn, nb, x, y, by, s, bs, m) do { switch (m) { \
-    case 1: fn(nb, x, y, by, s, bs, 1); break;  case 2: fn(nb, x, y, by, s, bs, 2); break; \
-    case 3: fn(nb, x, y, by, s, bs, 3); break;  case 4: fn(nb, x, y, by, s, bs, 4); break; \
-    case 5: fn(nb, x, y, by, s, bs, 5); break;  case 6: fn(nb, x, y, by, s, bs, 6); break; \
-    case 7: fn(nb, x, y, by, s, bs, 7); break;  default: fn(nb, x, y, by, s, bs, 8); break; } } while (0)
+#define REAME_COLS_DISPATCH(m, fn, ...) do { switch (m) { \
+    case 1: fn(__VA_ARGS__, 1); break;  case 2: fn(__VA_ARGS__, 2); break; \
+    case 3: fn(__VA_ARGS__, 3); break;  case 4: fn(__VA_ARGS__, 4); break; \
+    case 5: fn(__VA_ARGS__, 5); break;  case 6: fn(__VA_ARGS__, 6); break; \
+    case 7: fn(__VA_ARGS__, 7); break;  default: fn(__VA_ARGS__, 8); break; } } while (0)
 void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
     for (int c0 = 0; c0 < nc; c0 += REAME_COLS) {
-        REAME_COLS_DISPATCH(reame_q4_K_512_cols, n / QK_K, (const block_q4_K *) vx,
-                            (const block_q8_K *) ((const char *) vy + c0*by), by, s + c0*bs, bs, nc - c0);
+        REAME_COLS_DISPATCH(nc - c0, reame_q4_K_512_cols, n / QK_K, (const block_q4_K *) vx,
+                            (const block_q8_K *) ((const char *) vy + c0*by), by, s + c0*bs, bs);
     }
 }
 void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
     for (int c0 = 0; c0 < nc; c0 += REAME_COLS) {
-        REAME_COLS_DISPATCH(reame_q6_K_512_cols, n / QK_K, (const block_q6_K *) vx,
-                            (const block_q8_K *) ((const char *) vy + c0*by), by, s + c0*bs, bs, nc - c0);
+        REAME_COLS_DISPATCH(nc - c0, reame_q6_K_512_cols, n / QK_K, (const block_q6_K *) vx,
+                            (const block_q8_K *) ((const char *) vy + c0*by), by, s + c0*bs, bs);
     }
 }
 // reame: Q8_0 and Q5_0 weights (against q8_0 tokens) in 512-bit registers, one token or
 // many. A register holds two 32-value blocks; the weight side (5-bit unpacking, absolute
 // values, signs, the blocks' scales) is done once for up to REAME_COLS tokens, and a token
 // costs a load, a sign flip (ggml's abs/sign trick: |w| . (y * sign w)), one vpdpbusd and
-// three float steps per two blocks. Its scales are converted once per call (dy below). The
-// float steps are the same whatever the number of tokens, so a token gets the same bits
-// alone or batched (not ggml's one-row kernel's bits: its lanes are summed in another
-// order). The row kernels take a range of rows, so the token scales are converted once.
+// three float steps per two blocks. The row kernels take a range of rows, so the token
+// scales are converted once a call (dy below). The float steps are the same whatever the
+// number of tokens, so a token gets the same bits alone or batched (not ggml's one-row
+// kernel's bits: its lanes are summed in another order).
 static inline __m512 reame_halves_ps(float lo, float hi) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(lo)), _mm256_set1_ps(hi), 1);
 }
@@ -525,18 +526,11 @@ static void reame_q0_512_rows(int q5, int n, int nr, int nc, float * s, size_t b
         for (int r = 0; r < nr; ++r) {
             const char * xr = vx + r*bx;
             for (int c0 = 0; c0 < ms; c0 += REAME_COLS) {
-                const int m = ms - c0 < REAME_COLS ? ms - c0 : REAME_COLS;
                 const block_q8_0 * y = (const block_q8_0 *) (vy + (cs + c0)*by);
                 const float * d = dy + c0*nb;
                 float * sr = s + r + (cs + c0)*bs;
-#define REAME_Q0_COLS(k) (q5 ? reame_q0_512_cols(nb, xr, 1, y, by, d, sr, bs, k) : reame_q0_512_cols(nb, xr, 0, y, by, d, sr, bs, k))
-                switch (m) {
-                    case 1: REAME_Q0_COLS(1); break;  case 2: REAME_Q0_COLS(2); break;
-                    case 3: REAME_Q0_COLS(3); break;  case 4: REAME_Q0_COLS(4); break;
-                    case 5: REAME_Q0_COLS(5); break;  case 6: REAME_Q0_COLS(6); break;
-                    case 7: REAME_Q0_COLS(7); break;  default: REAME_Q0_COLS(8); break;
-                }
-#undef REAME_Q0_COLS
+                if (q5) REAME_COLS_DISPATCH(ms - c0, reame_q0_512_cols, nb, xr, 1, y, by, d, sr, bs);
+                else REAME_COLS_DISPATCH(ms - c0, reame_q0_512_cols, nb, xr, 0, y, by, d, sr, bs);
             }
         }
     }

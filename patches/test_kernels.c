@@ -207,8 +207,7 @@ static void test_q0(int q5) {
     static const int nbs[] = {2, 4, 6, 28, 152};
     const char * name = q5 ? "reame_mm_q5_0_q8_0_512" : "reame_mm_q8_0_q8_0_512";
     const size_t xs = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0);
-    long n_batched = 0, n_acc = 0;
-    double worst = 0.0;
+    struct kernel K = {name, q5, NULL, NTOK, 0, 0, 0, 0, 0.0};  // (q6: here Q5_0 or Q8_0)
     for (size_t inb = 0; inb < sizeof(nbs) / sizeof(nbs[0]); ++inb) {
         const int nb = nbs[inb], n = nb * 32;
         const size_t by = nb * sizeof(block_q8_0);
@@ -261,10 +260,7 @@ static void test_q0(int q5) {
                         e += (double) wf[j] * a;
                         m += fabs((double) wf[j] * a);
                     }
-                    const double bound = (nb + 8) * exp2(-24.0) * m, err = fabs((double) got - e);
-                    if (bound > 0 && err / bound > worst) worst = err / bound;
-                    if (err <= 16.0 * bound) n_acc++;
-                    else fail("accuracy", name, nb, rep, 1, c, got, (float) e);
+                    K.n_acc += check_acc(&K, name, nb, rep, c, got, e, m);
                 }
             }
             for (int k = 1; k <= NTOK; ++k) {  // all rows, k tokens at once (two windows of the 40)
@@ -278,7 +274,7 @@ static void test_q0(int q5) {
                     for (int j = 0; j < NTOK * BS * Q0_ROWS; ++j) {
                         const int c = j / bs, r = j % bs;
                         if (r < Q0_ROWS && c < k) {
-                            if (bits(out[j]) == bits(one[(o + c) * Q0_ROWS + r])) n_batched++;
+                            if (bits(out[j]) == bits(one[(o + c) * Q0_ROWS + r])) K.n_batched++;
                             else fail("batched = alone", name, nb, rep, k, o + c, out[j], one[(o + c) * Q0_ROWS + r]);
                         } else if (!isnan(out[j])) {
                             fail("wrote outside its k results", name, nb, rep, k, c, out[j], NAN);
@@ -291,7 +287,7 @@ static void test_q0(int q5) {
     }
     printf("  %-28s %6ld batched results (k = 1..%d tokens, %d rows) bit-equal to one token and row at a time, "
            "%ld within the accuracy bound (worst error %.3f of the float rounding bound)\n",
-           name, n_batched, NTOK, Q0_ROWS, n_acc, worst);
+           name, K.n_batched, NTOK, Q0_ROWS, K.n_acc, K.worst);
 }
 #endif
 

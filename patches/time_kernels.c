@@ -1,8 +1,9 @@
 // time_kernels.c -- times reame-kernels.c's AVX-512 kernels: nanoseconds per (weight block,
 // token) for k = 1..32 tokens a call, the weights in L2 (256 rows of n values; more rows
 // put them in memory), best of 20 passes. Type 0 Q4_K, 1 Q6_K (256-value blocks), 2 Q8_0,
-// 3 Q5_0 (32-value blocks; beside them ggml's one-row kernel, token by token). A measurement, not a test (test_kernels.c checks the bits);
-// it is how a candidate kernel is judged before it goes into the build. Built like
+// 3 Q5_0 (32-value blocks; beside them ggml's one-row kernel, token by token). A
+// measurement, not a test (test_kernels.c checks the bits); it is how a candidate kernel
+// is judged before it goes into the build. Built like
 // test_kernels.c's "from the source" builds ($SRC = "source_dir" in _llama/manifest.json;
 // X86 = $SRC/ggml/src/ggml-cpu/arch/x86, whose quants.c #includes ./reame-kernels.c, so a
 // candidate is timed by copying quants.c and it into a directory of their own):
