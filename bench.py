@@ -1837,6 +1837,7 @@ def run_step_cost(args, noise: CpuNoise) -> dict:
                     log("step cost round %d/%d done" % (rnd + 1, args.repeats))
     out = {name: {"step_s": {k: median(v) for k, v in t.items()},
                   "ratio": {k: median(v) / median(t[1]) for k, v in t.items()}} for name, t in times.items()}
+    out["controller"] = controller_choices(out["this"]["step_s"])
     if args.against:
         out.update(config={"against": args.against}, this_vs_against={
             k: out["this"]["step_s"][k] / out["against"]["step_s"][k] for k in out["this"]["step_s"]})
@@ -1845,6 +1846,26 @@ def run_step_cost(args, noise: CpuNoise) -> dict:
                               for name, rows in benches.items()}
     elif not args.no_server:
         out["llama_bench_missing"] = "no stock llama-bench at %s: ./build_llama.sh --stock builds it" % stock
+    return out
+
+
+SPEC_ACCEPTANCE = (0.5, 0.7, 0.8, 0.9)  # per draft token, for the controller's reading of a step-cost curve
+
+
+def controller_choices(step_s: dict) -> dict:
+    """What the speculation controller makes of a step-cost curve: its CostModel fed these
+    costs, the draft length choose_k picks for one sequence (up to SpecOptions' default max_k)
+    and its expected speedup, at each acceptance of SPEC_ACCEPTANCE (the same for every
+    draft position): steeper costs (a MoE model's experts) buy shorter drafts."""
+    cm = reame.CostModel()
+    for k in sorted(step_s):
+        cm.observe(k, step_s[k])
+    max_k = reame.SpecOptions().max_k
+    out = {str(a): dict(zip(("k", "gain"), reame.choose_k([a] * max_k, cm.cost, 1, max_k)))
+           for a in SPEC_ACCEPTANCE}
+    # the lowest acceptance (in hundredths) at which drafting clears the controller's margin
+    out["break_even"] = next((a / 100 for a in range(1, 100) if reame.worth_it(
+        reame.choose_k([a / 100] * max_k, cm.cost, 1, max_k)[1], reame._SPEC_MARGIN)), None)
     return out
 
 
@@ -1874,6 +1895,11 @@ def print_step_cost(sc: dict, w) -> None:
         w("  tg64: %s\n" % "; ".join("%s %.1f tok/s" % (n, 1 / v) for n, v in tg if v))
     elif sc.get("llama_bench_missing"):
         w("  (%s)\n" % sc["llama_bench_missing"])
+    if sc.get("controller"):
+        w("\nThe speculation controller on this curve (one sequence; draft length chosen, expected speedup), by "
+          "acceptance per draft token:\n  %s\n  it drafts from an acceptance of %s on\n" % ("  ".join(
+              "%s: k=%d %.2fx" % (a, c["k"], c["gain"]) for a, c in sc["controller"].items() if a != "break_even"),
+              sc["controller"]["break_even"]))
 
 
 # -- suggest: Il Suggeritore on vs off ---------------------------------------------------------

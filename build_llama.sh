@@ -31,11 +31,11 @@ PIN_VERSION="11434.0.0"
 PIN_SHA256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 # The patches in ./patches (see apply_patches): bump PATCH_ID whenever they change, so the
 # source is unpacked and patched afresh and the build cache key changes.
-PATCH_ID="reame-p17"
+PATCH_ID="reame-p18"
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PATCH_DIR="$HERE/patches"
-PATCH_DIFFS=(no-split-kv.diff tiled-min-rows.diff multi-token-kernels.diff fa-rows.diff)
+PATCH_DIFFS=(no-split-kv.diff tiled-min-rows.diff multi-token-kernels.diff fa-rows.diff moe-experts.diff)
 KERNELS_IN_TREE="ggml/src/ggml-cpu/arch/x86/reame-kernels.c"
 # aarch64 builds (native or --cross) also get the NEON multi-token kernels, in a source
 # tree of their own (keyed by ARM_PATCH_ID too), so the x86 tree and its build key are
@@ -185,6 +185,8 @@ fi
 #                             with AVX-512, Q8_0/Q5_0 matmuls too
 #   fa-rows.diff              (AVX-512) a decode step's flash attention rows score 16 cells at
 #                             a time and sum V in float; the tiled attention obeys the switch
+#   moe-experts.diff          (x86) a MoE step's expert matmuls (mul_mat_id) go to the same
+#                             kernels: an expert's tokens share one weight unpack
 # patches/test_kernels.c tests the kernels (test_reame.py builds and runs it). A diff that
 # is already in is skipped; one that does not apply (LLAMA_CPP_SRC) is skipped whole.
 #   multi-token-kernels-neon.diff  (aarch64 only) the same for ARM NEON: Q4_K/Q6_K matmuls go to
