@@ -565,7 +565,7 @@ def run_engine(args, noise: CpuNoise) -> dict:
              "prefill_server_prompt_n": [], "python_ms_per_decode_step": {}}
     t_load = time.perf_counter()
     eng = reame.Engine(args.model_path, n_ctx=args.ctx, n_slots=max(streams), n_threads=args.threads,
-                       n_batch=args.batch)
+                       n_batch=args.batch, spec=args.reame_spec)
     settings = dict(eng.ctx.settings)
     log("Reame engine: %d slots x %d ctx, %d threads, %s, %.1f s to load" % (
         max(streams), eng.n_ctx, args.threads, settings, time.perf_counter() - t_load))
@@ -638,7 +638,7 @@ def run_engine(args, noise: CpuNoise) -> dict:
             srv.close()
     out = {"config": {"prefill_tokens": args.prefill_tokens, "streams": streams, "ctx_per_slot": args.ctx,
                       "n_batch": settings["n_batch"], "slots": max(streams), "reame_settings": settings,
-                      "server_cmd": srv and srv.cmd},
+                      "reame_spec": args.reame_spec, "server_cmd": srv and srv.cmd},
            "metrics": res, "notes": notes}
     if args.variants:
         out["variants"] = run_variants(args, settings, noise)
@@ -686,9 +686,10 @@ def run_variants(args, default: dict, noise: CpuNoise) -> dict:
 
 def print_engine(e: dict, w) -> None:
     c, st, n = e["config"], e["config"]["reame_settings"], e["notes"]
-    w("Reame: %s, flash attention %s; llama-server: %s\n(client-side wall clock unless marked engine-reported; "
-      "ratio = Reame / server: Reame is faster where it is above 1 for tok/s, below 1 for time to first token)\n\n"
-      % (layout(st["kv_unified"], st["repack"]), st["flash_attn"], server_layout(c["server_cmd"]) + (
+    w("Reame: %s, flash attention %s, speculation %s; llama-server: %s\n(client-side wall clock unless marked "
+      "engine-reported; ratio = Reame / server: Reame is faster where it is above 1 for tok/s, below 1 for time to "
+      "first token)\n\n" % (layout(st["kv_unified"], st["repack"]), st["flash_attn"], c.get("reame_spec", "auto"),
+                              server_layout(c["server_cmd"]) + (
           ", sampler %s" % c["server_sampling"] if c["server_cmd"] else "")))
     print_ratio_table(w, e["metrics"], 42, "")
     w("\nReame Python time around llama_decode (the scheduler's own overhead):\n")
@@ -2659,6 +2660,7 @@ OPTIONS = [  # flag, default (False: a switch; a tuple: the choices, the first t
      "default: its full temperature-0 chain"),
     ("--server-kv", ("match", "unified", "split"), "llama-server's KV layout: match what Reame's context reports"),
     ("--server-repack", ("match", "on", "off"), "llama-server's weight repacking: match Reame's"),
+    ("--reame-spec", ("auto", "off", "on"), "engine: Reame's speculation (auto as it ships; off: its kernels alone)"),
     ("--server-log", "", "llama-server's log file (engine; default a temp file)"),
     ("--seed", 1234, "seed for the random prefill prompts"), ("--json", False, "print the JSON, not the tables"),
     ("--save-json", "", "also write the JSON to this file"),
