@@ -905,18 +905,22 @@ def run_load(args, noise: CpuNoise) -> dict:
     defaults: weight repacking on), and llama-server matched to Reame's kernels (repacking off, Reame's
     batch and KV layout). N clients released together, each its own prompt (a new story; random notes),
     --gen-tokens greedy chat tokens. Then the long-prompt row: --load-long tokens of notes sent first, and
-    4 short chats 0.5 s later: their time to first token while it prefills. Sides alternate, medians of
+    4 short chats 0.5 s later: their time to first token while it prefills. Every answer is --gen-tokens
+    long on both sides (logit_bias takes the end tokens off), so both do the same work. Sides alternate, medians of
     --repeats runs: aggregate tok/s, decode tok/s per stream (median stream), TTFT p50/p95 over all streams.
     """
     clients = sorted(set(args.http_clients))
     rng = random.Random(args.seed)
     with reame.Model(args.model_path, vocab_only=True) as vocab:
         words_per_tok = 1.0 / max(0.5, len(vocab.tokenize(load_document(random.Random(1), "x", 2000))) / 2000)
+        # every answer max_tokens long on both sides: the end tokens biased off (the sides' texts
+        # differ, and a story that ends after 12 tokens on one side leaves it fewer streams to batch)
+        no_end = {str(t): -100 for t in range(vocab.n_vocab) if vocab.is_eog(t)}
 
     def body(text: str, max_tokens: int) -> bytes:
         return json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                           "reame": {"replay": False}}).encode()
+                           "logit_bias": no_end, "reame": {"replay": False}}).encode()
 
     def bodies(mix: str, n: int, tag: str) -> list:
         if mix == "chat":
