@@ -770,6 +770,16 @@ class _Library:
                 fn.restype, fn.argtypes = None, [ctypes.c_int]
                 self._tiled_min_rows = fn
         self.tiled_rows = 8
+        # reame-kernels.c on a CPU with AMX tiles (and Linux letting this process use them):
+        # Q4_K steps of 8+ tokens go to the tiles, and every Q4_K step takes their arithmetic
+        # (the same bits at any batch; not the bits of the 512-bit kernel without AMX, which
+        # REAME_NO_AMX=1 chooses), so it is part of build_id
+        self.amx = False
+        for dll in cdlls:
+            fn = getattr(dll, "reame_amx_ok", None)
+            if fn is not None:
+                fn.restype, fn.argtypes = ctypes.c_int, []
+                self.amx = bool(fn())
         if self._tiled_min_rows is None:
             log.warning("%s lacks build_llama.sh's batch-invariance patches: greedy output may differ "
                         "between a sequence alone, batched, and speculated. Rebuild with ./build_llama.sh", path)
@@ -783,13 +793,14 @@ class _Library:
             self.tiled_rows = n
 
     def build_id(self) -> str:
-        """A hash of the loaded libraries' bytes (replay keys: section 12)."""
+        """A hash of the loaded libraries' bytes and the AMX switch (replay keys: section 12)."""
         if self._build_id is None:
             h = hashlib.sha256()
             for p in self._files:
                 with open(p, "rb") as f:
                     for block in iter(lambda: f.read(1 << 20), b""):
                         h.update(block)
+            h.update(b"amx" if self.amx else b"")
             self._build_id = h.hexdigest()[:32]
         return self._build_id
 

@@ -19,6 +19,12 @@
 //                                      nr rows at once (row r at vx + r*bx; s[r + c*bs]),
 //                                      n a multiple of 64, any nc. As the _512 kernels: a
 //                                      column's result does not depend on nc.
+//   reame_mm_q4_K_amx                  Q4_K with Intel AMX tiles (Linux), nr rows and nc tokens
+//                                      at once; worth it from 8 tokens (REAME_AMX_MIN). Where
+//                                      reame_amx_ok() (the CPU has AMX-INT8 and the kernel lets
+//                                      this process use the tiles), reame_vec_dot_q4_K_q8_K_512
+//                                      takes the same arithmetic (see "canonical" below), so a
+//                                      token's bits are the same through either, alone or batched.
 // patches/test_kernels.c checks these claims on random blocks (test_reame.py runs it).
 
 // the kernels defined below (ggml-cpu.c, which calls them, declares them too)
@@ -28,6 +34,9 @@ void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void
 void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_mm_q8_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 void reame_mm_q5_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q4_K_q8_K_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+int reame_amx_ok(void);
+void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 
 #if defined(__AVX2__) || defined(__AVX__)
 // reame: a Q4_K block's 8 scales (bytes 0-7) and 8 mins (bytes 8-15), as ggml decodes them
@@ -439,12 +448,449 @@ static inline __attribute__((always_inline)) void reame_q6_K_512_cols(
     case 3: fn(__VA_ARGS__, 3); break;  case 4: fn(__VA_ARGS__, 4); break; \
     case 5: fn(__VA_ARGS__, 5); break;  case 6: fn(__VA_ARGS__, 6); break; \
     case 7: fn(__VA_ARGS__, 7); break;  default: fn(__VA_ARGS__, 8); break; } } while (0)
-void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
-    for (int c0 = 0; c0 < nc; c0 += REAME_COLS) {
-        REAME_COLS_DISPATCH(nc - c0, reame_q4_K_512_cols, n / QK_K, (const block_q4_K *) vx,
-                            (const block_q8_K *) ((const char *) vy + c0*by), by, s + c0*bs, bs);
+// reame: the canonical Q4_K arithmetic, shared by the AMX kernel and, where AMX is used, by
+// reame_vec_dot_q4_K_q8_K_512. Per (weight block, token): S = sum over the 8 chunks of
+// scale * (chunk . q8) and M = sum of min * (the chunk's q8 sum), both exact integers, then
+// t = S * dx - (M * dminx) (one fused rounding after M * dminx's) and acc[i % 4] += t * d
+// (fused), four accumulators by block index mod 4, added as (acc0 + acc1) + (acc2 + acc3) at
+// the end. Every step is the same whatever computes the integers, so AMX tiles (integer sums
+// over 64 values per row and token) and the 512-bit kernel (reame_dot4's 16 lanes, summed per
+// block) agree bit for bit. The 512-bit kernel sums four (block, token) pairs at once, so
+// the shuffles of the four reductions are shared: four blocks of one token (decode's one
+// token), or one block of four tokens.
+// [S_a, M_a, S_c, M_c, S_b, M_b, S_d, M_d] of four pairs, from reame_dot4's lanes (d*) and the
+// mins' 8 lanes (p*)
+static inline __attribute__((always_inline)) __m256i reame_q4_K_sums4(
+        __m512i da, __m512i db, __m512i dc, __m512i dd, __m256i pa, __m256i pb, __m256i pc, __m256i pd) {
+    const __m512i zab = _mm512_add_epi32(_mm512_shuffle_i64x2(da, db, 0x44), _mm512_shuffle_i64x2(da, db, 0xEE));
+    const __m512i zcd = _mm512_add_epi32(_mm512_shuffle_i64x2(dc, dd, 0x44), _mm512_shuffle_i64x2(dc, dd, 0xEE));
+    const __m512i mab = _mm512_inserti64x4(_mm512_castsi256_si512(pa), pb, 1);
+    const __m512i mcd = _mm512_inserti64x4(_mm512_castsi256_si512(pc), pd, 1);
+    // S's pairs in the even lanes, M's in the odd (shifts: not the shuffle port)
+    const __m512i vab = _mm512_mask_blend_epi32(0xAAAA, _mm512_add_epi32(zab, _mm512_srli_epi64(zab, 32)),
+                                                _mm512_add_epi32(mab, _mm512_slli_epi64(mab, 32)));
+    const __m512i vcd = _mm512_mask_blend_epi32(0xAAAA, _mm512_add_epi32(zcd, _mm512_srli_epi64(zcd, 32)),
+                                                _mm512_add_epi32(mcd, _mm512_slli_epi64(mcd, 32)));
+    const __m512i w = _mm512_add_epi32(_mm512_unpacklo_epi64(vab, vcd), _mm512_unpackhi_epi64(vab, vcd));
+    const __m512i w2 = _mm512_add_epi32(w, _mm512_shuffle_i64x2(w, w, _MM_PERM_CDAB));
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi64(_mm512_set_epi64(0, 0, 0, 0, 5, 4, 1, 0), w2));
+}
+// t = S * dx - M * dminx in lanes 0, 2, 4, 6 (x: [dx, dminx] of each pair's block)
+// [S_a, M_a, S_b, M_b] of two pairs (a group of two, or one: a == b)
+static inline __attribute__((always_inline)) __m128i reame_q4_K_sums2(__m512i da, __m512i db, __m256i pa, __m256i pb) {
+    const __m512i z = _mm512_add_epi32(_mm512_shuffle_i64x2(da, db, 0x44), _mm512_shuffle_i64x2(da, db, 0xEE));
+    const __m512i m = _mm512_inserti64x4(_mm512_castsi256_si512(pa), pb, 1);
+    const __m512i v = _mm512_mask_blend_epi32(0xAAAA, _mm512_add_epi32(z, _mm512_srli_epi64(z, 32)),
+                                              _mm512_add_epi32(m, _mm512_slli_epi64(m, 32)));
+    const __m512i v2 = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));
+    const __m512i v3 = _mm512_add_epi32(v2, _mm512_shuffle_i64x2(v2, v2, _MM_PERM_CDAB));
+    return _mm512_castsi512_si128(_mm512_permutexvar_epi32(_mm512_set_epi32(0,0,0,0, 0,0,0,0, 0,0,0,0, 9,8,1,0), v3));
+}
+// t = S * dx - M * dminx in lanes 0, 2, 4, 6 (x: [dx, dminx] of each pair's block)
+static inline __attribute__((always_inline)) __m256 reame_q4_K_t4(__m256i g, __m256 x) {
+    const __m256 f = _mm256_cvtepi32_ps(g);
+    return _mm256_fmsub_ps(f, x, _mm256_movehdup_ps(_mm256_mul_ps(f, x)));
+}
+// the same for two pairs, their t moved to lanes 0 and 4 (where sums4's a and b are)
+static inline __attribute__((always_inline)) __m256 reame_q4_K_t2(__m128i g, __m128 x) {
+    const __m128 f = _mm_cvtepi32_ps(g);
+    const __m128 t = _mm_fmsub_ps(f, x, _mm_movehdup_ps(_mm_mul_ps(f, x)));
+    return _mm256_permutexvar_ps(_mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), _mm256_castps128_ps256(t));
+}
+// the integer sums of one (block, token) pair
+#define REAME_Q4_DOT(u, y) reame_dot4((u).w, (u).sc, (y)->qs)
+#define REAME_Q4_MIN(u, y) _mm256_madd_epi16((u).mins2, _mm256_loadu_si256((const __m256i *) (y)->bsums))
+// a Q4_K block's weight side, unpacked once for the tokens
+typedef struct { __m512i w[4], sc[2]; __m256i mins2; } reame_q4w;
+static inline __attribute__((always_inline)) void reame_q4_K_unpack(const block_q4_K * x, reame_q4w * u) {
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    __m128i mins;
+    const __m512i scales = _mm512_castsi256_si512(reame_q4_K_scales_mins(x, &mins));
+    u->mins2 = _mm256_shuffle_epi8(MM256_SET_M128I(mins, mins), _mm256_loadu_si256((const __m256i *) reame_q4_K_min_dup));
+    u->sc[0] = _mm512_permutexvar_epi16(_mm512_loadu_si512((const __m512i *) reame_q4_K_sc_idx), scales);
+    u->sc[1] = _mm512_permutexvar_epi16(_mm512_loadu_si512((const __m512i *) (reame_q4_K_sc_idx + 32)), scales);
+    for (int j = 0; j < 4; ++j) {
+        const __m512i q4bits = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (x->qs + 32*j)));
+        u->w[j] = _mm512_and_si512(_mm512_srlv_epi16(q4bits, shift), m4);
     }
 }
+static inline int reame_q4_K_dm(const block_q4_K * x) {  // d and dmin, two halves
+    uint32_t h;
+    memcpy(&h, &x->d, 4);
+    return (int) h;
+}
+// one (row, block) pair of one token: its integer sums
+#define REAME_Q4_PAIR(xb, yb, d, p) do { reame_q4w u_; reame_q4_K_unpack((xb), &u_); \
+    d = REAME_Q4_DOT(u_, (yb)); p = REAME_Q4_MIN(u_, (yb)); } while (0)
+// one token's four blocks i..i+3 of a row into acc (lanes 0, 4, 2, 6: classes 0..3); id: the
+// fourth block, or i again when only three are left (its lane left alone)
+static inline __attribute__((always_inline)) __m256 reame_q4_K_row4(const block_q4_K * x, const block_q8_K * y,
+                                                                   int i, int id, const float * dy, __m256 acc) {
+    __m512i da, db, dc, dd;
+    __m256i pa, pb, pc, pd;
+    REAME_PREFETCH_BLOCK(x + i); REAME_PREFETCH_BLOCK(x + i + 1); REAME_PREFETCH_BLOCK(x + i + 2); REAME_PREFETCH_BLOCK(x + i + 3);
+    REAME_Q4_PAIR(x + i, y + i, da, pa);
+    REAME_Q4_PAIR(x + i + 1, y + i + 1, db, pb);
+    REAME_Q4_PAIR(x + i + 2, y + i + 2, dc, pc);
+    REAME_Q4_PAIR(x + id, y + id, dd, pd);
+    const __m256 xd = _mm256_cvtph_ps(_mm_set_epi32(reame_q4_K_dm(x + id), reame_q4_K_dm(x + i + 1),
+                                                    reame_q4_K_dm(x + i + 2), reame_q4_K_dm(x + i)));
+    const __m256 t = reame_q4_K_t4(reame_q4_K_sums4(da, db, dc, dd, pa, pb, pc, pd), xd);
+    return _mm256_mask3_fmadd_ps(t, _mm256_loadu_ps(dy), acc, id != i ? 0x55 : 0x15);
+}
+// (class 0 + class 1) + (class 2 + class 3): lanes (0 + 4) + (2 + 6)
+static inline float reame_q4_K_acc_sum(__m256 acc) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehl_ps(h, h)));
+}
+// one token against nr rows (row r at vx + r*bx, its result at s[r]): four blocks of a row at
+// a time (reame_q4_K_row4); the last one to three blocks of two rows together: two blocks
+// i, i+1 of rows r, r+1 in lanes 0, 4, 2, 6 (r+1's moved to 0, 4), a last odd block of both
+// as a pair (moved to its class's lane); a last odd row as two. dy: the token's d as the
+// lanes take it, laid out once per call.
+static void reame_q4_K_512c_rows(int nb, int nr, float * s, const char * vx, size_t bx, const block_q8_K * y) {
+    float dy[64 * 8];
+    const int ng = (nb + 3) / 4, main = nb & ~3;
+    float * dyp = ng <= 64 ? dy : malloc(sizeof(float) * 8 * ng);
+    if (!dyp) {  // (no memory for a row of over 65536 values: one row at a time)
+        for (int r = 0; r < nr; ++r) reame_vec_dot_q4_K_q8_K_512(nb * QK_K, 1, s + r, 1, vx + (size_t) r * bx, y, 0);
+        return;
+    }
+    for (int g = 0; g < ng; ++g) {
+        const int i = 4 * g, left = nb - i;
+        float * d = dyp + 8 * g;
+        for (int l = 0; l < 8; ++l) d[l] = 0.0f;
+        d[0] = y[i].d;
+        if (left > 1) d[4] = y[i + 1].d;
+        if (left > 2) d[2] = y[i + 2].d;
+        if (left > 3) d[6] = y[i + 3].d;
+    }
+    const int odd = (nb - main) & 1, io = nb - 1, lo = odd && io > main ? 2 : 0;  // a last odd block, its lane
+    for (int r = 0; r < nr; r += 2) {
+        const block_q4_K * x0 = (const block_q4_K *) (vx + (size_t) r * bx);
+        const block_q4_K * x1 = r + 1 < nr ? (const block_q4_K *) (vx + (size_t) (r + 1) * bx) : x0;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (int j = 0; j < main; j += 4) {
+            acc0 = reame_q4_K_row4(x0, y, j, j + 3, dyp + 2 * j, acc0);
+            if (r + 1 < nr) acc1 = reame_q4_K_row4(x1, y, j, j + 3, dyp + 2 * j, acc1);
+        }
+        const __m256 d = _mm256_loadu_ps(dyp + 2 * main);
+        if (nb - main >= 2) {  // blocks main, main + 1 (classes 0, 1) of both rows
+            const int i = main;
+            __m512i da, db, dc, dd;
+            __m256i pa, pb, pc, pd;
+            REAME_Q4_PAIR(x0 + i, y + i, da, pa);
+            REAME_Q4_PAIR(x0 + i + 1, y + i + 1, db, pb);
+            REAME_Q4_PAIR(x1 + i, y + i, dc, pc);
+            REAME_Q4_PAIR(x1 + i + 1, y + i + 1, dd, pd);
+            const __m256 xd = _mm256_cvtph_ps(_mm_set_epi32(reame_q4_K_dm(x1 + i + 1), reame_q4_K_dm(x0 + i + 1),
+                                                            reame_q4_K_dm(x1 + i), reame_q4_K_dm(x0 + i)));
+            const __m256 t = reame_q4_K_t4(reame_q4_K_sums4(da, db, dc, dd, pa, pb, pc, pd), xd);
+            acc0 = _mm256_mask3_fmadd_ps(t, d, acc0, 0x11);
+            acc1 = _mm256_mask3_fmadd_ps(_mm256_permutexvar_ps(_mm256_setr_epi32(2, 2, 2, 2, 6, 6, 6, 6), t), d, acc1, 0x11);
+        }
+        if (odd) {  // the last block (class 0 or 2) of both rows: t in lanes 0 (row r), 2 (r + 1)
+            __m512i da, db;
+            __m256i pa, pb;
+            REAME_Q4_PAIR(x0 + io, y + io, da, pa);
+            REAME_Q4_PAIR(x1 + io, y + io, db, pb);
+            const __m128 x2 = _mm_cvtph_ps(_mm_set_epi32(0, 0, reame_q4_K_dm(x1 + io), reame_q4_K_dm(x0 + io)));
+            const __m128i g = reame_q4_K_sums2(da, db, pa, pb);
+            const __m128 f = _mm_cvtepi32_ps(g);
+            const __m256 t = _mm256_castps128_ps256(_mm_fmsub_ps(f, x2, _mm_movehdup_ps(_mm_mul_ps(f, x2))));
+            const __m256i to0 = _mm256_set1_epi32(0), to2 = _mm256_set1_epi32(2);
+            acc0 = _mm256_mask3_fmadd_ps(_mm256_permutexvar_ps(to0, t), d, acc0, (__mmask8) (1 << lo));
+            acc1 = _mm256_mask3_fmadd_ps(_mm256_permutexvar_ps(to2, t), d, acc1, (__mmask8) (1 << lo));
+        }
+        s[r] = reame_q4_K_acc_sum(acc0);
+        if (r + 1 < nr) s[r + 1] = reame_q4_K_acc_sum(acc1);
+    }
+    if (dyp != dy) free(dyp);
+}
+// nc (1..REAME_COLS) tokens against one weight row: blocks in pairs (i, i+1: classes k, k+1,
+// k = i % 4 = 0 or 2), tokens in pairs (t, u): the four sums together, t's in lanes 0 (block
+// i) and 4 (i+1), u's in 2 and 6 of acc[pair][k / 2]; a last token alone: lanes 0 and 4 of
+// acc[pair][k / 2]; a last block alone (nb odd): lanes 0 (t) and 2 (u), or 0
+static inline __attribute__((always_inline)) void reame_q4_K_512c_cols(
+        int nb, const block_q4_K * x, const block_q8_K * y0, size_t by, float * s, size_t bs, const int nc) {
+    enum { NP = (REAME_COLS + 1) / 2 };
+    const int np = (nc + 1) / 2;
+    __m256 acc[NP][2];
+    for (int p = 0; p < np; ++p) acc[p][0] = acc[p][1] = _mm256_setzero_ps();
+    const block_q8_K * y[NP * 2];
+    for (int c = 0; c < np * 2; ++c) y[c] = (const block_q8_K *) ((const char *) y0 + (c < nc ? c : c - 1)*by);
+    int i = 0;
+    for (; i + 1 < nb; i += 2) {
+        const int h = (i >> 1) & 1;  // (classes 0, 1 or 2, 3)
+        REAME_PREFETCH_BLOCK(x + i);
+        REAME_PREFETCH_BLOCK(x + i + 1);
+        reame_q4w ua, ub;
+        reame_q4_K_unpack(x + i, &ua);
+        reame_q4_K_unpack(x + i + 1, &ub);
+        const int dma = reame_q4_K_dm(x + i), dmb = reame_q4_K_dm(x + i + 1);
+        const __m256 x4 = _mm256_cvtph_ps(_mm_set_epi32(dmb, dmb, dma, dma));
+        const __m128 x2 = _mm_cvtph_ps(_mm_set_epi32(0, 0, dmb, dma));
+        for (int p = 0; p < np; ++p) {
+            const block_q8_K * yt = y[2*p] + i, * yu = y[2*p+1] + i;
+            if (2*p + 1 < nc) {
+                const __m256 dy = _mm256_setr_ps(yt[0].d, 0.0f, yu[0].d, 0.0f, yt[1].d, 0.0f, yu[1].d, 0.0f);
+                const __m256 t = reame_q4_K_t4(reame_q4_K_sums4(REAME_Q4_DOT(ua, yt), REAME_Q4_DOT(ub, yt + 1),
+                                                                REAME_Q4_DOT(ua, yu), REAME_Q4_DOT(ub, yu + 1),
+                                                                REAME_Q4_MIN(ua, yt), REAME_Q4_MIN(ub, yt + 1),
+                                                                REAME_Q4_MIN(ua, yu), REAME_Q4_MIN(ub, yu + 1)), x4);
+                acc[p][h] = _mm256_fmadd_ps(t, dy, acc[p][h]);
+            } else {
+                const __m256 dy = _mm256_setr_ps(yt[0].d, 0.0f, 0.0f, 0.0f, yt[1].d, 0.0f, 0.0f, 0.0f);
+                const __m256 t = reame_q4_K_t2(reame_q4_K_sums2(REAME_Q4_DOT(ua, yt), REAME_Q4_DOT(ub, yt + 1),
+                                                                REAME_Q4_MIN(ua, yt), REAME_Q4_MIN(ub, yt + 1)), x2);
+                acc[p][h] = _mm256_mask3_fmadd_ps(t, dy, acc[p][h], 0x11);
+            }
+        }
+    }
+    if (i < nb) {  // the last block, alone (class 0 or 2: lanes 0 and 2 of acc[pair][k / 2])
+        const int h = (i >> 1) & 1;
+        reame_q4w ua;
+        reame_q4_K_unpack(x + i, &ua);
+        const __m128 x2 = _mm_cvtph_ps(_mm_set1_epi32(reame_q4_K_dm(x + i)));
+        for (int p = 0; p < np; ++p) {
+            const block_q8_K * yt = y[2*p] + i, * yu = 2*p + 1 < nc ? y[2*p+1] + i : yt;
+            const __m128i g = reame_q4_K_sums2(REAME_Q4_DOT(ua, yt), REAME_Q4_DOT(ua, yu), REAME_Q4_MIN(ua, yt), REAME_Q4_MIN(ua, yu));
+            const __m128 f = _mm_cvtepi32_ps(g);
+            const __m128 t = _mm_fmsub_ps(f, x2, _mm_movehdup_ps(_mm_mul_ps(f, x2)));
+            const __m256 dy = _mm256_setr_ps(yt->d, 0.0f, yu->d, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f);
+            acc[p][h] = _mm256_mask3_fmadd_ps(_mm256_castps128_ps256(t), dy, acc[p][h], 2*p + 1 < nc ? 0x05 : 0x01);
+        }
+    }
+    for (int p = 0; p < np; ++p) {
+        // per token: (class 0 + class 1) + (class 2 + class 3)
+        float r0[8], r1[8];
+        _mm256_storeu_ps(r0, acc[p][0]);
+        _mm256_storeu_ps(r1, acc[p][1]);
+        s[(2*p)*bs] = (r0[0] + r0[4]) + (r1[0] + r1[4]);
+        if (2*p + 1 < nc) s[(2*p + 1)*bs] = (r0[2] + r0[6]) + (r1[2] + r1[6]);
+    }
+}
+void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
+    const int canonical = reame_amx_ok();  // (the AMX kernel's arithmetic where it runs)
+    if (canonical && nc == 1) {
+        reame_q4_K_512c_rows(n / QK_K, 1, s, (const char *) vx, 0, (const block_q8_K *) vy);
+        return;
+    }
+    for (int c0 = 0; c0 < nc; c0 += REAME_COLS) {
+        if (canonical) {
+            REAME_COLS_DISPATCH(nc - c0, reame_q4_K_512c_cols, n / QK_K, (const block_q4_K *) vx,
+                                (const block_q8_K *) ((const char *) vy + c0*by), by, s + c0*bs, bs);
+        } else {
+            REAME_COLS_DISPATCH(nc - c0, reame_q4_K_512_cols, n / QK_K, (const block_q4_K *) vx,
+                                (const block_q8_K *) ((const char *) vy + c0*by), by, s + c0*bs, bs);
+        }
+    }
+}
+
+// nr rows (row r at vx + r*bx, its results at s[r + c*bs]) by nc tokens: one token over a
+// row range takes the rows kernel (the token's side laid out once)
+void reame_mm_q4_K_q8_K_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
+    if (nc == 1 && reame_amx_ok()) {
+        reame_q4_K_512c_rows(n / QK_K, nr, s, (const char *) vx, bx, (const block_q8_K *) vy);
+        return;
+    }
+    for (int r = 0; r < nr; ++r) reame_vec_dot_q4_K_q8_K_512(n, nc, s + r, bs, (const char *) vx + (size_t) r * bx, vy, by);
+}
+
+#if defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11)
+// reame: Q4_K with Intel AMX tiles (Sapphire Rapids and later). A tile multiply (tdpbusd)
+// sums 16 weight rows x 64 values x 16 tokens of u8 x s8 products into int32 at once, where
+// vpdpbusd takes 64 products. The block's 6-bit scales are folded into the weights, split
+// in two so each product fits a byte: scale = 8 hi + lo (hi, lo < 8, 15 x 7 <= 255), so
+// S = (weights x lo) . q8 + 8 (weights x hi) . q8, exactly. Per 16-row tile and block: the
+// scaled weights are laid out (16 rows x 64 bytes per 64 values, lo and hi), the tokens
+// were laid out once per call (4-byte groups, 16 tokens a tile, up to 32 tokens a pass),
+// 8 or 16 tile multiplies, and the float steps of the canonical arithmetic above on 16
+// tokens per register, one block behind the tiles. On the 2-core Sapphire Rapids guest
+// (n = 8960, 512 rows, patches/time_kernels.c): 1.0 ns per block-token at 32 tokens, 1.5 at
+// 16, 2.8 at 8 (the 512-bit kernel: 3.0-3.4 from 4 tokens on).
+#include <cpuid.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+static int reame_amx_state;  // 0: not asked yet, 1: usable, -1: not
+int reame_amx_ok(void) {
+    int st = __atomic_load_n(&reame_amx_state, __ATOMIC_ACQUIRE);
+    if (!st) {  // (two threads asking at once get the same answer)
+        unsigned a, b, c, d;
+        const char * off = getenv("REAME_NO_AMX");
+        const int ok = !(off && *off && strcmp(off, "0") != 0) &&
+                       __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) &&
+                       syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+        st = ok ? 1 : -1;
+        __atomic_store_n(&reame_amx_state, st, __ATOMIC_RELEASE);
+    }
+    return st > 0;
+}
+typedef struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } reame_tilecfg;
+static _Thread_local uint8_t * reame_amx_buf;  // a thread's scratch (ggml's threads live on)
+static _Thread_local size_t reame_amx_cap;
+// the float steps of one block for a 16-row tile: C holds its integer sums (lo and hi tiles
+// per 16 tokens), D the tokens' d, P their chunk sums in pairs, mp the rows' mins in pairs
+static inline __attribute__((always_inline)) void reame_q4_K_amx_float(
+        const int32_t * C, const float * D, const int32_t * P, const float * dxs, const float * dms,
+        const int32_t (*mp)[4], int rows, int nt, float * acc) {
+    for (int T = 0; T < nt; ++T) {
+        const __m512 dv = _mm512_loadu_ps(D + 16 * T);
+        const __m512i p0 = _mm512_loadu_si512(P + 0 * 32 + 16 * T);
+        const __m512i p1 = _mm512_loadu_si512(P + 1 * 32 + 16 * T);
+        const __m512i p2 = _mm512_loadu_si512(P + 2 * 32 + 16 * T);
+        const __m512i p3 = _mm512_loadu_si512(P + 3 * 32 + 16 * T);
+        const int32_t * cl = C + 512 * T, * ch = cl + 256;
+        for (int r = 0; r < rows; ++r) {
+            const __m512i isum = _mm512_add_epi32(_mm512_load_si512(cl + 16 * r),
+                                                  _mm512_slli_epi32(_mm512_load_si512(ch + 16 * r), 3));
+            __m512i ms = _mm512_madd_epi16(_mm512_set1_epi32(mp[r][0]), p0);
+            ms = _mm512_add_epi32(ms, _mm512_madd_epi16(_mm512_set1_epi32(mp[r][1]), p1));
+            ms = _mm512_add_epi32(ms, _mm512_madd_epi16(_mm512_set1_epi32(mp[r][2]), p2));
+            ms = _mm512_add_epi32(ms, _mm512_madd_epi16(_mm512_set1_epi32(mp[r][3]), p3));
+            const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(dxs[r]),
+                                             _mm512_mul_ps(_mm512_cvtepi32_ps(ms), _mm512_set1_ps(dms[r])));
+            float * a = acc + r * 32 + 16 * T;
+            _mm512_store_ps(a, _mm512_fmadd_ps(t, dv, _mm512_load_ps(a)));
+        }
+    }
+}
+// which scale word each 16-bit lane of a step's lo (even index) and hi (odd) multiplier takes:
+// words 0-7 the scales' low 3 bits, 8-15 their high 3 bits; step st holds chunks 2st, 2st+1
+#define REAME_R16(v) v,v,v,v,v,v,v,v,v,v,v,v,v,v,v,v
+static const int16_t reame_q4_K_amx_idx[8][32] = {
+    {REAME_R16(0), REAME_R16(1)}, {REAME_R16(8), REAME_R16(9)}, {REAME_R16(2), REAME_R16(3)}, {REAME_R16(10), REAME_R16(11)},
+    {REAME_R16(4), REAME_R16(5)}, {REAME_R16(12), REAME_R16(13)}, {REAME_R16(6), REAME_R16(7)}, {REAME_R16(14), REAME_R16(15)} };
+#undef REAME_R16
+__attribute__((target("amx-tile,amx-int8")))
+void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
+    const int nb = n / QK_K;
+    if (!reame_amx_ok()) {  // (tiles used before Linux granted them: SIGILL)
+        for (int r = 0; r < nr; ++r) reame_vec_dot_q4_K_q8_K_512(n, nc, s + r, bs, (const char *) vx + r * bx, vy, by);
+        return;
+    }
+    // per pass of up to 32 tokens: B tiles [nb][4 steps][2 tiles][16 groups of 4 values][16 tokens x 4],
+    // D [nb][32] (the tokens' d), P [nb][4][32] (their 8 chunk sums, in int16 pairs)
+    const size_t b_sz = (size_t) nb * 8192, d_sz = (size_t) nb * 32 * 4, p_sz = (size_t) nb * 4 * 32 * 4;
+    const size_t need = b_sz + d_sz + p_sz + 2 * 4096 + 2 * 8192 + 4 * 2048;
+    if (reame_amx_cap < need) {
+        free(reame_amx_buf);
+        reame_amx_buf = aligned_alloc(64, (need + 63) & ~(size_t) 63);
+        reame_amx_cap = reame_amx_buf ? need : 0;
+        if (!reame_amx_buf) {  // (no memory: the 512-bit kernel, same bits)
+            for (int r = 0; r < nr; ++r) reame_vec_dot_q4_K_q8_K_512(n, nc, s + r, bs, (const char *) vx + r * bx, vy, by);
+            return;
+        }
+    }
+    uint8_t * B = reame_amx_buf;
+    float * D = (float *) (B + b_sz);
+    int32_t * P = (int32_t *) ((uint8_t *) D + d_sz);
+    int32_t * Cb = (int32_t *) ((uint8_t *) P + p_sz);  // 2 x 4 tiles of 16 x 16 int32 (a block's, the one before's)
+    uint8_t * Ab = (uint8_t *) Cb + 2 * 4096;            // 2 x [4 steps][lo, hi][16 rows][64]
+    float * acc = (float *) (Ab + 2 * 8192);             // [block index mod 4][16 rows][32 tokens]
+    reame_tilecfg cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+    _tile_loadconfig(&cfg);
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    __m512i idx[8];
+    for (int j = 0; j < 8; ++j) idx[j] = _mm512_loadu_si512((const __m512i *) reame_q4_K_amx_idx[j]);
+    for (int c0 = 0; c0 < nc; c0 += 32) {
+        const int ng = nc - c0 < 32 ? nc - c0 : 32, nt = ng > 16 ? 2 : 1;
+        if (ng % 16) {  // a tile's tokens past ng: zero (their results are not written)
+            for (int i = 0; i < nb; ++i)
+                for (int st = 0; st < 4; ++st) memset(B + (size_t) i * 8192 + st * 2048 + (nt - 1) * 1024, 0, 1024);
+            memset(D, 0, d_sz);
+            memset(P, 0, p_sz);
+        }
+        for (int c = 0; c < ng; ++c) {
+            const block_q8_K * y = (const block_q8_K *) ((const char *) vy + (size_t) (c0 + c) * by);
+            for (int i = 0; i < nb; ++i) {
+                const uint32_t * q = (const uint32_t *) y[i].qs;
+                uint32_t * bi = (uint32_t *) (B + (size_t) i * 8192 + (c >> 4) * 1024) + (c & 15);
+                for (int st = 0; st < 4; ++st)
+                    for (int g = 0; g < 16; ++g) bi[st * 512 + g * 16] = q[16 * st + g];
+                D[i * 32 + c] = y[i].d;
+                for (int p = 0; p < 4; ++p) {  // (|a chunk's sum| <= 4096: int16)
+                    const int16_t b0 = y[i].bsums[4*p] + y[i].bsums[4*p+1], b1 = y[i].bsums[4*p+2] + y[i].bsums[4*p+3];
+                    P[(i * 4 + p) * 32 + c] = (int32_t) (uint16_t) b0 | ((int32_t) b1 << 16);
+                }
+            }
+        }
+        for (int r0 = 0; r0 < nr; r0 += 16) {
+            const int rows = nr - r0 < 16 ? nr - r0 : 16;
+            if (rows < 16) memset(Ab, 0, 2 * 8192);
+            memset(acc, 0, 4 * 16 * 32 * sizeof(float));
+            float dxs[2][16], dms[2][16];
+            int32_t mp[2][16][4];
+            for (int i = 0; i <= nb; ++i) {
+                const int h = i & 1;
+                if (i < nb) {
+                    uint8_t * A = Ab + h * 8192;
+                    for (int r = 0; r < rows; ++r) {
+                        const block_q4_K * x = (const block_q4_K *) ((const char *) vx + (size_t) (r0 + r) * bx) + i;
+                        // (the next 16-row tile's block i into L2: a tile's rows are 16 streams; a row of a
+                        // few blocks is done before a prefetch within it would land)
+                        for (int o = 0; o < (int) sizeof(*x); o += 64) _mm_prefetch((const char *) x + 16 * bx + o, _MM_HINT_T1);
+                        dxs[h][r] = GGML_CPU_FP16_TO_FP32(x->d);
+                        dms[h][r] = GGML_CPU_FP16_TO_FP32(x->dmin);
+                        uint32_t utmp[4];
+                        reame_q4_K_scales(x->scales, utmp);
+                        const uint8_t * mnb = (const uint8_t *) utmp + 8;
+                        for (int p = 0; p < 4; ++p) mp[h][r][p] = (int32_t) mnb[2*p] | ((int32_t) mnb[2*p+1] << 16);
+                        const __m128i sc8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) utmp));
+                        const __m512i lh = _mm512_castsi256_si512(MM256_SET_M128I(_mm_srli_epi16(sc8, 3), _mm_and_si128(sc8, _mm_set1_epi16(7))));
+                        for (int st = 0; st < 4; ++st) {  // (a byte times a word < 8 stays in its byte)
+                            const __m512i q4bits = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (x->qs + 32*st)));
+                            const __m512i wv = _mm512_and_si512(_mm512_srlv_epi16(q4bits, shift), m4);
+                            _mm512_store_si512((__m512i *) (A + st * 2048 + r * 64), _mm512_mullo_epi16(wv, _mm512_permutexvar_epi16(idx[2*st], lh)));
+                            _mm512_store_si512((__m512i *) (A + st * 2048 + 1024 + r * 64), _mm512_mullo_epi16(wv, _mm512_permutexvar_epi16(idx[2*st+1], lh)));
+                        }
+                    }
+                    const uint8_t * bi = B + (size_t) i * 8192;
+                    int32_t * C = Cb + h * 1024;
+                    _tile_zero(0); _tile_zero(1); _tile_zero(4); _tile_zero(5);
+                    for (int st = 0; st < 4; ++st) {
+                        _tile_loadd(2, A + st * 2048, 64);
+                        _tile_loadd(3, A + st * 2048 + 1024, 64);
+                        _tile_loadd(6, bi + st * 2048, 64);
+                        _tile_dpbusd(0, 2, 6);
+                        _tile_dpbusd(1, 3, 6);
+                        if (nt > 1) {
+                            _tile_loadd(7, bi + st * 2048 + 1024, 64);
+                            _tile_dpbusd(4, 2, 7);
+                            _tile_dpbusd(5, 3, 7);
+                        }
+                    }
+                    _tile_stored(0, C, 64);
+                    _tile_stored(1, C + 256, 64);
+                    if (nt > 1) { _tile_stored(4, C + 512, 64); _tile_stored(5, C + 768, 64); }
+                }
+                if (i > 0) {  // the block before's float steps, while this one's tiles run
+                    const int g = h ^ 1;
+                    reame_q4_K_amx_float(Cb + g * 1024, D + (i - 1) * 32, P + (i - 1) * 128, dxs[g], dms[g],
+                                         (const int32_t (*)[4]) mp[g], rows, nt, acc + ((i - 1) & 3) * 512);
+                }
+            }
+            for (int r = 0; r < rows; ++r)
+                for (int c = 0; c < ng; ++c) {
+                    const float * a = acc + r * 32 + c;
+                    s[(size_t) (c0 + c) * bs + r0 + r] = (a[0] + a[512]) + (a[1024] + a[1536]);
+                }
+        }
+    }
+    _tile_release();
+}
+#else
+int reame_amx_ok(void) { return 0; }
+void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
+    for (int r = 0; r < nr; ++r) reame_vec_dot_q4_K_q8_K_512(n, nc, s + r, bs, (const char *) vx + r * bx, vy, by);
+}
+#endif // AMX
 void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {
     for (int c0 = 0; c0 < nc; c0 += REAME_COLS) {
         REAME_COLS_DISPATCH(nc - c0, reame_q6_K_512_cols, n / QK_K, (const block_q6_K *) vx,

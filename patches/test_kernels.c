@@ -22,7 +22,10 @@
 //      the magnitudes of the terms the kernels add (scale part and min part apart, before
 //      they cancel): 16x the float rounding the kernels' nb + ~8 rounding steps can add.
 //      ggml's one-row kernel is held to the same bound.
-// With AVX-512 it tests the Q8_0/Q5_0 kernels the same way (test_q0: 1 and 3).
+// With AVX-512 it tests the Q8_0/Q5_0 kernels the same way (test_q0: 1 and 3), and the Q4_K
+// row-range kernels (and where reame_amx_ok(), the AMX tiles'): every result, for 1..40 tokens
+// and 5, 16 or 37 rows at once, has the bits reame_vec_dot_q4_K_q8_K_512 gives that row and
+// token alone (test_q4_K_rows).
 // Prints what it checked; exit status 0 when every check passed.
 
 #include <math.h>
@@ -48,6 +51,9 @@ void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void
 void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_mm_q8_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 void reame_mm_q5_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q4_K_q8_K_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+int reame_amx_ok(void);
+void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 #endif
 
 typedef void (*multi_fn)(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
@@ -291,6 +297,65 @@ static void test_q0(int q5) {
 }
 #endif
 
+#ifdef HAVE_512
+// The row-range Q4_K kernels, reame_mm_q4_K_q8_K_512 and (where reame_amx_ok()) the AMX tiles'
+// reame_mm_q4_K_amx, against reame_vec_dot_q4_K_q8_K_512 one row and token at a time (which,
+// where AMX is usable, takes the AMX kernel's arithmetic): 37 weight rows of each kind, 40
+// tokens, every k = 1..40 and 37, 16 or 5 rows a call (pairs of rows and a last odd one;
+// tiles of 16 rows, 16 tokens, passes of 32 tokens, and their remainders).
+#define Q4_ROWS 37
+typedef void (*rows_fn)(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+static void test_q4_K_rows(void) {
+    const int amx = reame_amx_ok();
+    const char * names[2] = {"reame_mm_q4_K_q8_K_512", "reame_mm_q4_K_amx"};
+    const rows_fn fns[2] = {reame_mm_q4_K_q8_K_512, reame_mm_q4_K_amx};
+    static const int nrs[] = {Q4_ROWS, 16, 5};
+    long n_same[2] = {0, 0};
+    for (size_t inb = 0; inb < sizeof(NBS) / sizeof(NBS[0]); ++inb) {
+        const int nb = NBS[inb], n = nb * QK_K;
+        const size_t row_size = nb * sizeof(block_q8_K), xs = nb * sizeof(block_q4_K), bs = BS * Q4_ROWS;
+        block_q8_K * acts = malloc(NTOK * row_size);
+        char * w = malloc(Q4_ROWS * xs);
+        float * one = malloc(NTOK * Q4_ROWS * sizeof(float)), * out = malloc(NTOK * bs * sizeof(float));
+        for (int c = 0; c < NTOK; ++c) make_acts(c % 5 == 4 ? 2 : c % 2, nb, (block_q8_K *) ((char *) acts + c * row_size));
+        for (int r = 0; r < Q4_ROWS; ++r) make_weights(0, r % 3, nb, w + r * xs);
+        for (int r = 0; r < Q4_ROWS; ++r)
+            for (int c = 0; c < NTOK; ++c)
+                reame_vec_dot_q4_K_q8_K_512(n, 1, &one[c * Q4_ROWS + r], 1, w + r * xs, (const char *) acts + c * row_size, row_size);
+        for (int f = 0; f < 1 + amx; ++f) {
+            for (size_t inr = 0; inr < sizeof(nrs) / sizeof(nrs[0]); ++inr) {
+                const int nr = nrs[inr], r0 = Q4_ROWS - nr;  // the last nr rows
+                for (int k = 1; k <= NTOK; ++k) {
+                    const int o = NTOK - k;  // the last k tokens
+                    for (size_t j = 0; j < NTOK * bs; ++j) out[j] = NAN;
+                    fns[f](n, nr, k, out, bs, w + r0 * xs, xs, (const char *) acts + o * row_size, row_size);
+                    for (size_t j = 0; j < NTOK * bs; ++j) {
+                        const int c = (int) (j / bs), r = (int) (j % bs);
+                        if (r < nr && c < k) {
+                            const float want = one[(o + c) * Q4_ROWS + r0 + r];
+                            if (bits(out[j]) == bits(want)) n_same[f]++;
+                            else fail("rows at once = one row and token alone", names[f], nb, r0 + r, k, o + c, out[j], want);
+                        } else if (!isnan(out[j])) {
+                            fail("wrote outside its rows and k results", names[f], nb, r, k, c, out[j], NAN);
+                        }
+                    }
+                }
+            }
+        }
+        free(acts); free(w); free(one); free(out);
+    }
+    for (int f = 0; f < 2; ++f) {
+        if (f && !amx) {
+            printf("  %-28s not run: this CPU has no AMX-INT8 tiles, or Linux does not let this process use them "
+                   "(reame_amx_ok() = 0: the 512-bit kernels take every Q4_K matmul)\n", names[f]);
+            continue;
+        }
+        printf("  %-28s %6ld results (k = 1..%d tokens, %d, 16 and 5 rows a call) bit-equal to "
+               "reame_vec_dot_q4_K_q8_K_512 one token and row at a time\n", names[f], n_same[f], NTOK, Q4_ROWS);
+    }
+}
+#endif
+
 int main(int argc, char ** argv) {
     if (argc > 1) rng_state = strtoull(argv[1], NULL, 0);
     ggml_cpu_init();  // fp16 tables, for builds without F16C
@@ -406,6 +471,7 @@ int main(int argc, char ** argv) {
 #ifdef HAVE_512
     test_q0(0);
     test_q0(1);
+    test_q4_K_rows();
 #endif
     if (n_fail) {
         printf("test_kernels: FAILED (%d failed checks)\n", n_fail);

@@ -1,6 +1,7 @@
 // time_kernels.c -- times reame-kernels.c's AVX-512 kernels: nanoseconds per (weight block,
 // token) for k = 1..32 tokens a call, the weights in L2 (256 rows of n values; more rows
-// put them in memory), best of 20 passes. Type 0 Q4_K, 1 Q6_K (256-value blocks), 2 Q8_0,
+// put them in memory), best of 20 passes. Type 0 Q4_K (beside it, where reame_amx_ok(), the
+// AMX tiles' kernel), 1 Q6_K (256-value blocks), 2 Q8_0,
 // 3 Q5_0 (32-value blocks; beside them ggml's one-row kernel, token by token). A
 // measurement, not a test (test_kernels.c checks the bits); it is how a candidate kernel
 // is judged before it goes into the build. Built like
@@ -31,6 +32,9 @@ void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void
 void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_mm_q8_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 void reame_mm_q5_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q4_K_q8_K_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+int reame_amx_ok(void);
+void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 
 static double now(void) {
     struct timespec t;
@@ -68,16 +72,21 @@ int main(int argc, char ** argv) {
     static const int ks[] = {1, 2, 4, 8, 16, 32};
     for (int ki = 0; ki < 6; ++ki) {
         const int k = ks[ki];
-        double best = 1e30, best_ggml = 1e30;
+        double best = 1e30, best_ggml = 1e30, best_amx = 1e30;
         for (int rep = 0; rep < 20; ++rep) {
             double t0 = now();
             if (type == 2) reame_mm_q8_0_q8_0_512(n, rows, k, out, rows, w, rs, y, by);
             else if (type == 3) reame_mm_q5_0_q8_0_512(n, rows, k, out, rows, w, rs, y, by);
-            else for (int r = 0; r < rows; ++r) {
-                (type ? reame_vec_dot_q6_K_q8_K_512 : reame_vec_dot_q4_K_q8_K_512)(n, k, out + r, rows, w + r * rs, y, by);
-            }
+            else if (type == 0) reame_mm_q4_K_q8_K_512(n, rows, k, out, rows, w, rs, y, by);
+            else for (int r = 0; r < rows; ++r) reame_vec_dot_q6_K_q8_K_512(n, k, out + r, rows, w + r * rs, y, by);
             double t = now() - t0;
             best = t < best ? t : best;
+            if (type == 0 && reame_amx_ok()) {  // the AMX tiles (ggml-cpu.c takes them from 8 tokens)
+                t0 = now();
+                reame_mm_q4_K_amx(n, rows, k, out, rows, w, rs, y, by);
+                t = now() - t0;
+                best_amx = t < best_amx ? t : best_amx;
+            }
             if (!q0) continue;
             t0 = now();
             for (int c = 0; c < k; ++c) for (int r = 0; r < rows; ++r) {
@@ -88,6 +97,7 @@ int main(int argc, char ** argv) {
         }
         printf("%s n=%d k=%2d: %.2f ns per block-token", names[type], n, k, best * 1e9 / ((double) rows * nb * k));
         if (q0) printf(" (ggml's one-row kernel: %.2f)", best_ggml * 1e9 / ((double) rows * nb * k));
+        if (best_amx < 1e30) printf(" (AMX tiles: %.2f)", best_amx * 1e9 / ((double) rows * nb * k));
         printf("\n");
     }
     free(f); free(out); free(w); free(y);
