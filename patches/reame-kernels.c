@@ -455,9 +455,9 @@ static inline __attribute__((always_inline)) void reame_q6_K_512_cols(
 // (fused), four accumulators by block index mod 4, added as (acc0 + acc1) + (acc2 + acc3) at
 // the end. Every step is the same whatever computes the integers, so AMX tiles (integer sums
 // over 64 values per row and token) and the 512-bit kernel (reame_dot4's 16 lanes, summed per
-// block) agree bit for bit. The 512-bit kernel sums four (block, token) pairs at once, so
-// the shuffles of the four reductions are shared: four blocks of one token (decode's one
-// token), or one block of four tokens.
+// block) agree bit for bit. The 512-bit kernels sum four (block, token) pairs at once, so
+// the shuffles of the four reductions are shared: four blocks of a row and one token, two
+// blocks of two rows (the rows' last blocks), or two blocks and two tokens.
 // [S_a, M_a, S_c, M_c, S_b, M_b, S_d, M_d] of four pairs, from reame_dot4's lanes (d*) and the
 // mins' 8 lanes (p*)
 static inline __attribute__((always_inline)) __m256i reame_q4_K_sums4(
@@ -523,21 +523,20 @@ static inline int reame_q4_K_dm(const block_q4_K * x) {  // d and dmin, two halv
 // one (row, block) pair of one token: its integer sums
 #define REAME_Q4_PAIR(xb, yb, d, p) do { reame_q4w u_; reame_q4_K_unpack((xb), &u_); \
     d = REAME_Q4_DOT(u_, (yb)); p = REAME_Q4_MIN(u_, (yb)); } while (0)
-// one token's four blocks i..i+3 of a row into acc (lanes 0, 4, 2, 6: classes 0..3); id: the
-// fourth block, or i again when only three are left (its lane left alone)
+// one token's four blocks i..i+3 of a row into acc (lanes 0, 4, 2, 6: classes 0..3)
 static inline __attribute__((always_inline)) __m256 reame_q4_K_row4(const block_q4_K * x, const block_q8_K * y,
-                                                                   int i, int id, const float * dy, __m256 acc) {
+                                                                   int i, const float * dy, __m256 acc) {
     __m512i da, db, dc, dd;
     __m256i pa, pb, pc, pd;
     REAME_PREFETCH_BLOCK(x + i); REAME_PREFETCH_BLOCK(x + i + 1); REAME_PREFETCH_BLOCK(x + i + 2); REAME_PREFETCH_BLOCK(x + i + 3);
     REAME_Q4_PAIR(x + i, y + i, da, pa);
     REAME_Q4_PAIR(x + i + 1, y + i + 1, db, pb);
     REAME_Q4_PAIR(x + i + 2, y + i + 2, dc, pc);
-    REAME_Q4_PAIR(x + id, y + id, dd, pd);
-    const __m256 xd = _mm256_cvtph_ps(_mm_set_epi32(reame_q4_K_dm(x + id), reame_q4_K_dm(x + i + 1),
+    REAME_Q4_PAIR(x + i + 3, y + i + 3, dd, pd);
+    const __m256 xd = _mm256_cvtph_ps(_mm_set_epi32(reame_q4_K_dm(x + i + 3), reame_q4_K_dm(x + i + 1),
                                                     reame_q4_K_dm(x + i + 2), reame_q4_K_dm(x + i)));
     const __m256 t = reame_q4_K_t4(reame_q4_K_sums4(da, db, dc, dd, pa, pb, pc, pd), xd);
-    return _mm256_mask3_fmadd_ps(t, _mm256_loadu_ps(dy), acc, id != i ? 0x55 : 0x15);
+    return _mm256_mask3_fmadd_ps(t, _mm256_loadu_ps(dy), acc, 0x55);
 }
 // (class 0 + class 1) + (class 2 + class 3): lanes (0 + 4) + (2 + 6)
 static inline float reame_q4_K_acc_sum(__m256 acc) {
@@ -572,8 +571,8 @@ static void reame_q4_K_512c_rows(int nb, int nr, float * s, const char * vx, siz
         const block_q4_K * x1 = r + 1 < nr ? (const block_q4_K *) (vx + (size_t) (r + 1) * bx) : x0;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         for (int j = 0; j < main; j += 4) {
-            acc0 = reame_q4_K_row4(x0, y, j, j + 3, dyp + 2 * j, acc0);
-            if (r + 1 < nr) acc1 = reame_q4_K_row4(x1, y, j, j + 3, dyp + 2 * j, acc1);
+            acc0 = reame_q4_K_row4(x0, y, j, dyp + 2 * j, acc0);
+            if (r + 1 < nr) acc1 = reame_q4_K_row4(x1, y, j, dyp + 2 * j, acc1);
         }
         const __m256 d = _mm256_loadu_ps(dyp + 2 * main);
         if (nb - main >= 2) {  // blocks main, main + 1 (classes 0, 1) of both rows
@@ -708,8 +707,9 @@ void reame_mm_q4_K_q8_K_512(int n, int nr, int nc, float * s, size_t bs, const v
 // were laid out once per call (4-byte groups, 16 tokens a tile, up to 32 tokens a pass),
 // 8 or 16 tile multiplies, and the float steps of the canonical arithmetic above on 16
 // tokens per register, one block behind the tiles. On the 2-core Sapphire Rapids guest
-// (n = 8960, 512 rows, patches/time_kernels.c): 1.0 ns per block-token at 32 tokens, 1.5 at
-// 16, 2.8 at 8 (the 512-bit kernel: 3.0-3.4 from 4 tokens on).
+// (n = 8960, 512 rows, patches/time_kernels.c): 1.1 ns per block-token at 32 tokens, 1.5 at
+// 16, 2.9 at 8, against 4.2-4.3 for the 512-bit kernel; 21 at one token (the weights' layout
+// per block is the cost: it pays from 8 tokens, REAME_AMX_MIN in ggml-cpu.c).
 #include <cpuid.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
