@@ -475,7 +475,6 @@ static inline __attribute__((always_inline)) __m256i reame_q4_K_sums4(
     const __m512i w2 = _mm512_add_epi32(w, _mm512_shuffle_i64x2(w, w, _MM_PERM_CDAB));
     return _mm512_castsi512_si256(_mm512_permutexvar_epi64(_mm512_set_epi64(0, 0, 0, 0, 5, 4, 1, 0), w2));
 }
-// t = S * dx - M * dminx in lanes 0, 2, 4, 6 (x: [dx, dminx] of each pair's block)
 // [S_a, M_a, S_b, M_b] of two pairs (a group of two, or one: a == b)
 static inline __attribute__((always_inline)) __m128i reame_q4_K_sums2(__m512i da, __m512i db, __m256i pa, __m256i pb) {
     const __m512i z = _mm512_add_epi32(_mm512_shuffle_i64x2(da, db, 0x44), _mm512_shuffle_i64x2(da, db, 0xEE));
@@ -491,12 +490,12 @@ static inline __attribute__((always_inline)) __m256 reame_q4_K_t4(__m256i g, __m
     const __m256 f = _mm256_cvtepi32_ps(g);
     return _mm256_fmsub_ps(f, x, _mm256_movehdup_ps(_mm256_mul_ps(f, x)));
 }
-// the same for two pairs, their t moved to lanes 0 and 4 (where sums4's a and b are)
+// the same for two pairs, in lanes 0 and 2 of the low half
 static inline __attribute__((always_inline)) __m256 reame_q4_K_t2(__m128i g, __m128 x) {
     const __m128 f = _mm_cvtepi32_ps(g);
-    const __m128 t = _mm_fmsub_ps(f, x, _mm_movehdup_ps(_mm_mul_ps(f, x)));
-    return _mm256_permutexvar_ps(_mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), _mm256_castps128_ps256(t));
+    return _mm256_castps128_ps256(_mm_fmsub_ps(f, x, _mm_movehdup_ps(_mm_mul_ps(f, x))));
 }
+static const int32_t reame_lanes_04[8] = {0, 0, 0, 0, 2, 2, 2, 2};  // lanes 0, 2 -> 0, 4 (where sums4's a and b are)
 // the integer sums of one (block, token) pair
 #define REAME_Q4_DOT(u, y) reame_dot4((u).w, (u).sc, (y)->qs)
 #define REAME_Q4_MIN(u, y) _mm256_madd_epi16((u).mins2, _mm256_loadu_si256((const __m256i *) (y)->bsums))
@@ -543,38 +542,35 @@ static inline float reame_q4_K_acc_sum(__m256 acc) {
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehl_ps(h, h)));
 }
+// the token's d for blocks i..i+3 as reame_q4_K_row4's lanes take them (0 past the row)
+static inline const float * reame_q4_K_dy4(const block_q8_K * y, int nb, int i, float * d) {
+    static const int lane[4] = {0, 4, 2, 6};
+    for (int l = 0; l < 8; ++l) d[l] = 0.0f;
+    for (int k = 0; k < 4 && i + k < nb; ++k) d[lane[k]] = y[i + k].d;
+    return d;
+}
 // one token against nr rows (row r at vx + r*bx, its result at s[r]): four blocks of a row at
 // a time (reame_q4_K_row4); the last one to three blocks of two rows together: two blocks
 // i, i+1 of rows r, r+1 in lanes 0, 4, 2, 6 (r+1's moved to 0, 4), a last odd block of both
-// as a pair (moved to its class's lane); a last odd row as two. dy: the token's d as the
-// lanes take it, laid out once per call.
+// as a pair (moved to its class's lane); a last odd row as two. The token's d as the lanes
+// take it: laid out once per call for rows of up to 256 blocks, else per group as it comes.
+#define REAME_DY_GROUPS 64
 static void reame_q4_K_512c_rows(int nb, int nr, float * s, const char * vx, size_t bx, const block_q8_K * y) {
-    float dy[64 * 8];
-    const int ng = (nb + 3) / 4, main = nb & ~3;
-    float * dyp = ng <= 64 ? dy : malloc(sizeof(float) * 8 * ng);
-    if (!dyp) {  // (no memory for a row of over 65536 values: one row at a time)
-        for (int r = 0; r < nr; ++r) reame_vec_dot_q4_K_q8_K_512(nb * QK_K, 1, s + r, 1, vx + (size_t) r * bx, y, 0);
-        return;
-    }
-    for (int g = 0; g < ng; ++g) {
-        const int i = 4 * g, left = nb - i;
-        float * d = dyp + 8 * g;
-        for (int l = 0; l < 8; ++l) d[l] = 0.0f;
-        d[0] = y[i].d;
-        if (left > 1) d[4] = y[i + 1].d;
-        if (left > 2) d[2] = y[i + 2].d;
-        if (left > 3) d[6] = y[i + 3].d;
-    }
+    float dy[REAME_DY_GROUPS * 8], tmp[8];
+    const int ng = (nb + 3) / 4, main = nb & ~3, pre = ng <= REAME_DY_GROUPS;
+    for (int g = 0; pre && g < ng; ++g) reame_q4_K_dy4(y, nb, 4 * g, dy + 8 * g);
+#define REAME_DY(i) (pre ? dy + 2 * (i) : reame_q4_K_dy4(y, nb, (i), tmp))
     const int odd = (nb - main) & 1, io = nb - 1, lo = odd && io > main ? 2 : 0;  // a last odd block, its lane
     for (int r = 0; r < nr; r += 2) {
         const block_q4_K * x0 = (const block_q4_K *) (vx + (size_t) r * bx);
         const block_q4_K * x1 = r + 1 < nr ? (const block_q4_K *) (vx + (size_t) (r + 1) * bx) : x0;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         for (int j = 0; j < main; j += 4) {
-            acc0 = reame_q4_K_row4(x0, y, j, dyp + 2 * j, acc0);
-            if (r + 1 < nr) acc1 = reame_q4_K_row4(x1, y, j, dyp + 2 * j, acc1);
+            const float * dj = REAME_DY(j);
+            acc0 = reame_q4_K_row4(x0, y, j, dj, acc0);
+            if (r + 1 < nr) acc1 = reame_q4_K_row4(x1, y, j, dj, acc1);
         }
-        const __m256 d = _mm256_loadu_ps(dyp + 2 * main);
+        const __m256 d = main < nb ? _mm256_loadu_ps(REAME_DY(main)) : _mm256_setzero_ps();
         if (nb - main >= 2) {  // blocks main, main + 1 (classes 0, 1) of both rows
             const int i = main;
             __m512i da, db, dc, dd;
@@ -587,7 +583,7 @@ static void reame_q4_K_512c_rows(int nb, int nr, float * s, const char * vx, siz
                                                             reame_q4_K_dm(x1 + i), reame_q4_K_dm(x0 + i)));
             const __m256 t = reame_q4_K_t4(reame_q4_K_sums4(da, db, dc, dd, pa, pb, pc, pd), xd);
             acc0 = _mm256_mask3_fmadd_ps(t, d, acc0, 0x11);
-            acc1 = _mm256_mask3_fmadd_ps(_mm256_permutexvar_ps(_mm256_setr_epi32(2, 2, 2, 2, 6, 6, 6, 6), t), d, acc1, 0x11);
+            acc1 = _mm256_mask3_fmadd_ps(_mm256_permutexvar_ps(_mm256_setr_epi32(2, 2, 2, 2, 6, 6, 6, 6), t), d, acc1, 0x11);  // (r+1's)
         }
         if (odd) {  // the last block (class 0 or 2) of both rows: t in lanes 0 (row r), 2 (r + 1)
             __m512i da, db;
@@ -595,9 +591,7 @@ static void reame_q4_K_512c_rows(int nb, int nr, float * s, const char * vx, siz
             REAME_Q4_PAIR(x0 + io, y + io, da, pa);
             REAME_Q4_PAIR(x1 + io, y + io, db, pb);
             const __m128 x2 = _mm_cvtph_ps(_mm_set_epi32(0, 0, reame_q4_K_dm(x1 + io), reame_q4_K_dm(x0 + io)));
-            const __m128i g = reame_q4_K_sums2(da, db, pa, pb);
-            const __m128 f = _mm_cvtepi32_ps(g);
-            const __m256 t = _mm256_castps128_ps256(_mm_fmsub_ps(f, x2, _mm_movehdup_ps(_mm_mul_ps(f, x2))));
+            const __m256 t = reame_q4_K_t2(reame_q4_K_sums2(da, db, pa, pb), x2);
             const __m256i to0 = _mm256_set1_epi32(0), to2 = _mm256_set1_epi32(2);
             acc0 = _mm256_mask3_fmadd_ps(_mm256_permutexvar_ps(to0, t), d, acc0, (__mmask8) (1 << lo));
             acc1 = _mm256_mask3_fmadd_ps(_mm256_permutexvar_ps(to2, t), d, acc1, (__mmask8) (1 << lo));
@@ -605,7 +599,7 @@ static void reame_q4_K_512c_rows(int nb, int nr, float * s, const char * vx, siz
         s[r] = reame_q4_K_acc_sum(acc0);
         if (r + 1 < nr) s[r + 1] = reame_q4_K_acc_sum(acc1);
     }
-    if (dyp != dy) free(dyp);
+#undef REAME_DY
 }
 // nc (1..REAME_COLS) tokens against one weight row: blocks in pairs (i, i+1: classes k, k+1,
 // k = i % 4 = 0 or 2), tokens in pairs (t, u): the four sums together, t's in lanes 0 (block
@@ -643,7 +637,8 @@ static inline __attribute__((always_inline)) void reame_q4_K_512c_cols(
                 const __m256 dy = _mm256_setr_ps(yt[0].d, 0.0f, 0.0f, 0.0f, yt[1].d, 0.0f, 0.0f, 0.0f);
                 const __m256 t = reame_q4_K_t2(reame_q4_K_sums2(REAME_Q4_DOT(ua, yt), REAME_Q4_DOT(ub, yt + 1),
                                                                 REAME_Q4_MIN(ua, yt), REAME_Q4_MIN(ub, yt + 1)), x2);
-                acc[p][h] = _mm256_mask3_fmadd_ps(t, dy, acc[p][h], 0x11);
+                acc[p][h] = _mm256_mask3_fmadd_ps(_mm256_permutexvar_ps(_mm256_loadu_si256((const __m256i *) reame_lanes_04), t),
+                                                  dy, acc[p][h], 0x11);
             }
         }
     }
@@ -654,11 +649,10 @@ static inline __attribute__((always_inline)) void reame_q4_K_512c_cols(
         const __m128 x2 = _mm_cvtph_ps(_mm_set1_epi32(reame_q4_K_dm(x + i)));
         for (int p = 0; p < np; ++p) {
             const block_q8_K * yt = y[2*p] + i, * yu = 2*p + 1 < nc ? y[2*p+1] + i : yt;
-            const __m128i g = reame_q4_K_sums2(REAME_Q4_DOT(ua, yt), REAME_Q4_DOT(ua, yu), REAME_Q4_MIN(ua, yt), REAME_Q4_MIN(ua, yu));
-            const __m128 f = _mm_cvtepi32_ps(g);
-            const __m128 t = _mm_fmsub_ps(f, x2, _mm_movehdup_ps(_mm_mul_ps(f, x2)));
+            const __m256 t = reame_q4_K_t2(reame_q4_K_sums2(REAME_Q4_DOT(ua, yt), REAME_Q4_DOT(ua, yu),
+                                                            REAME_Q4_MIN(ua, yt), REAME_Q4_MIN(ua, yu)), x2);
             const __m256 dy = _mm256_setr_ps(yt->d, 0.0f, yu->d, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f);
-            acc[p][h] = _mm256_mask3_fmadd_ps(_mm256_castps128_ps256(t), dy, acc[p][h], 2*p + 1 < nc ? 0x05 : 0x01);
+            acc[p][h] = _mm256_mask3_fmadd_ps(t, dy, acc[p][h], 2*p + 1 < nc ? 0x05 : 0x01);
         }
     }
     for (int p = 0; p < np; ++p) {
@@ -768,7 +762,7 @@ __attribute__((target("amx-tile,amx-int8")))
 void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
     const int nb = n / QK_K;
     if (!reame_amx_ok()) {  // (tiles used before Linux granted them: SIGILL)
-        for (int r = 0; r < nr; ++r) reame_vec_dot_q4_K_q8_K_512(n, nc, s + r, bs, (const char *) vx + r * bx, vy, by);
+        reame_mm_q4_K_q8_K_512(n, nr, nc, s, bs, vx, bx, vy, by);
         return;
     }
     // per pass of up to 32 tokens: B tiles [nb][4 steps][2 tiles][16 groups of 4 values][16 tokens x 4],
@@ -780,7 +774,7 @@ void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void *
         reame_amx_buf = aligned_alloc(64, (need + 63) & ~(size_t) 63);
         reame_amx_cap = reame_amx_buf ? need : 0;
         if (!reame_amx_buf) {  // (no memory: the 512-bit kernel, same bits)
-            for (int r = 0; r < nr; ++r) reame_vec_dot_q4_K_q8_K_512(n, nc, s + r, bs, (const char *) vx + r * bx, vy, by);
+            reame_mm_q4_K_q8_K_512(n, nr, nc, s, bs, vx, bx, vy, by);
             return;
         }
     }
@@ -888,7 +882,7 @@ void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void *
 #else
 int reame_amx_ok(void) { return 0; }
 void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
-    for (int r = 0; r < nr; ++r) reame_vec_dot_q4_K_q8_K_512(n, nc, s + r, bs, (const char *) vx + r * bx, vy, by);
+    reame_mm_q4_K_q8_K_512(n, nr, nc, s, bs, vx, bx, vy, by);
 }
 #endif // AMX
 void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {

@@ -311,8 +311,10 @@ static void test_q4_K_rows(void) {
     const rows_fn fns[2] = {reame_mm_q4_K_q8_K_512, reame_mm_q4_K_amx};
     static const int nrs[] = {Q4_ROWS, 16, 5};
     long n_same[2] = {0, 0};
-    for (size_t inb = 0; inb < sizeof(NBS) / sizeof(NBS[0]); ++inb) {
-        const int nb = NBS[inb], n = nb * QK_K;
+    // NBS, and 261 blocks: past the 256 whose token side the one-token kernel lays out once
+    static const int nbs[] = {1, 2, 3, 6, 11, 35, 261};
+    for (size_t inb = 0; inb < sizeof(nbs) / sizeof(nbs[0]); ++inb) {
+        const int nb = nbs[inb], n = nb * QK_K;
         const size_t row_size = nb * sizeof(block_q8_K), xs = nb * sizeof(block_q4_K), bs = BS * Q4_ROWS;
         block_q8_K * acts = malloc(NTOK * row_size);
         char * w = malloc(Q4_ROWS * xs);
