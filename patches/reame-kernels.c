@@ -25,6 +25,12 @@
 //                                      this process use the tiles), reame_vec_dot_q4_K_q8_K_512
 //                                      takes the same arithmetic (see "canonical" below), so a
 //                                      token's bits are the same through either, alone or batched.
+//                                      ggml-cpu.c also gives it Q4_K prompt chunks (in place of
+//                                      ggml's tiled kernel).
+//   reame_mm_{q8,q5}_0_amx             Q8_0/Q5_0 prompt chunks with AMX tiles (ggml-cpu.c: in place
+//                                      of llamafile's sgemm; never decode steps), nr rows and nc
+//                                      tokens; a token's bits do not depend on nr or nc (their
+//                                      arithmetic: reame_q0_canon, which runs where the tiles cannot).
 // patches/test_kernels.c checks these claims on random blocks (test_reame.py runs it).
 
 // the kernels defined below (ggml-cpu.c, which calls them, declares them too)
@@ -37,6 +43,8 @@ void reame_mm_q5_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const v
 void reame_mm_q4_K_q8_K_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 int reame_amx_ok(void);
 void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q8_0_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q5_0_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 
 #if defined(__AVX2__) || defined(__AVX__)
 // reame: a Q4_K block's 8 scales (bytes 0-7) and 8 mins (bytes 8-15), as ggml decodes them
@@ -691,6 +699,39 @@ void reame_mm_q4_K_q8_K_512(int n, int nr, int nc, float * s, size_t bs, const v
     for (int r = 0; r < nr; ++r) reame_vec_dot_q4_K_q8_K_512(n, nc, s + r, bs, (const char *) vx + (size_t) r * bx, vy, by);
 }
 
+// reame: Q8_0/Q5_0 prompt chunks (the batches reame_set_tiled_min_rows lets the tiled
+// kernels take; never decode steps) on AMX tiles, reame_mm_{q8,q5}_0_amx. Their arithmetic,
+// per (row, token), the same whatever the number of rows or tokens in the call: S_i, the
+// exact integer sum of block i (32 weights times 32 token values), then
+//   acc = fma((float) S_i * dx_i, dy_i, acc)   for i = 0, 1, ..., nb - 1 in order, from 0
+// (dx_i: the weight row's scale of block i, dy_i: the token's).
+// reame_q0_canon is that arithmetic in plain C: the kernel's answer where the tiles cannot
+// run (its scratch not allocated, no AMX), so a prompt chunk's bits never depend on which.
+static inline int reame_q0_weight(const void * vx, int q5, int i, int j) {
+    if (!q5) return ((const block_q8_0 *) vx)[i].qs[j];
+    const block_q5_0 * x = (const block_q5_0 *) vx + i;
+    uint32_t qh;
+    memcpy(&qh, x->qh, 4);
+    const int nib = j < 16 ? x->qs[j] & 0xF : x->qs[j - 16] >> 4;
+    return (nib | (int) ((qh >> j) & 1) << 4) - 16;
+}
+static void reame_q0_canon(int q5, int n, int nr, int nc, float * s, size_t bs, const char * vx, size_t bx,
+                           const char * vy, size_t by) {
+    const int nb = n / QK8_0;
+    for (int r = 0; r < nr; ++r)
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_0 * y = (const block_q8_0 *) (vy + (size_t) c * by);
+            float acc = 0.0f;
+            for (int i = 0; i < nb; ++i) {
+                int32_t S = 0;
+                for (int j = 0; j < QK8_0; ++j) S += reame_q0_weight(vx + (size_t) r * bx, q5, i, j) * y[i].qs[j];
+                const float dx = GGML_CPU_FP16_TO_FP32(q5 ? ((const block_q5_0 *) (vx + (size_t) r * bx))[i].d
+                                                          : ((const block_q8_0 *) (vx + (size_t) r * bx))[i].d);
+                acc = fmaf((float) S * dx, GGML_CPU_FP16_TO_FP32(y[i].d), acc);
+            }
+            s[(size_t) c * bs + r] = acc;
+        }
+}
 #if defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11)
 // reame: Q4_K with Intel AMX tiles (Sapphire Rapids and later). A tile multiply (tdpbusd)
 // sums 16 weight rows x 64 values x 16 tokens of u8 x s8 products into int32 at once, where
@@ -879,10 +920,175 @@ void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void *
     }
     _tile_release();
 }
+// the float steps of one block for 16 tokens and a 16-row tile (C: its integer sums, a
+// token's 16 rows a line; dx: the rows' scales; dy: the tokens')
+static inline __attribute__((always_inline)) void reame_q0_amx_float(
+        const int32_t * C, const float * dx, const float * dy, __m512 acc[16]) {
+    const __m512 d = _mm512_load_ps(dx);
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t)  // (unrolled: the accumulators stay in registers)
+        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(C + 16 * t)), d),
+                                 _mm512_set1_ps(dy[t]), acc[t]);
+}
+// a weight block as 32 signed bytes, and its scale
+static inline __attribute__((always_inline)) __m256i reame_q0_bytes(const char * xr, int q5, int i, float * dx) {
+    if (q5) {
+        const block_q5_0 * x = (const block_q5_0 *) xr + i;
+        const __m128i qs = _mm_loadu_si128((const __m128i *) x->qs);
+        const __m256i nib = _mm256_and_si256(MM256_SET_M128I(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0xF));
+        uint32_t qh;
+        memcpy(&qh, x->qh, 4);
+        const __m512i v = _mm512_sub_epi8(_mm512_castsi256_si512(nib), _mm512_set1_epi8(16));
+        *dx = GGML_CPU_FP16_TO_FP32(x->d);
+        return _mm512_castsi512_si256(_mm512_mask_add_epi8(v, (__mmask64) qh, v, _mm512_set1_epi8(16)));
+    }
+    const block_q8_0 * x = (const block_q8_0 *) xr + i;
+    *dx = GGML_CPU_FP16_TO_FP32(x->d);
+    return _mm256_loadu_si256((const __m256i *) x->qs);
+}
+// One tile multiply per (16 tokens, 16 rows, block): a tile's K is one block (32 values), so
+// its sums are the block's own. The tokens' tile is read where they lie (a q8_0 block's 32
+// values, row stride by); the weights of 16 rows are unpacked once for all the tokens into
+// the tiles' 4-byte-group layout (W: [nb][8 groups][16 rows x 4], a 16 x 8 transpose in
+// registers), while the tiles of the row tile before run, the next 16 rows are prefetched.
+// Two tile sets in turn (blocks i and i + 1): the next block's multiply is issued before this
+// one's sums are stored, and its float steps (16 accumulators of 16 rows in registers) run
+// meanwhile.
+__attribute__((target("amx-tile,amx-int8")))
+static void reame_q0_amx(int q5, int n, int nr, int nc, float * s, size_t bs, const char * vx, size_t bx,
+                         const char * vy, size_t by) {
+    const int nb = n / QK8_0, nt = (nc + 15) / 16, tl = nc % 16;
+    // W [nb][8][16][4]; DX [nb][16]; DY [token tiles][nb][16]; Y: a last partial token tile [nb][16][32]
+    const size_t w_sz = (size_t) nb * 512, dx_sz = (size_t) nb * 64, dy_sz = (size_t) nt * nb * 64,
+                 y_sz = (size_t) nb * 512, need = w_sz + dx_sz + dy_sz + y_sz + 2 * 1024;
+    if (!reame_amx_ok()) {
+        reame_q0_canon(q5, n, nr, nc, s, bs, vx, bx, vy, by);
+        return;
+    }
+    if (reame_amx_cap < need) {
+        free(reame_amx_buf);
+        reame_amx_buf = aligned_alloc(64, (need + 63) & ~(size_t) 63);
+        reame_amx_cap = reame_amx_buf ? need : 0;
+        if (!reame_amx_buf) {  // (no memory: the same arithmetic in plain C)
+            reame_q0_canon(q5, n, nr, nc, s, bs, vx, bx, vy, by);
+            return;
+        }
+    }
+    uint8_t * W = reame_amx_buf, * Y = W + w_sz + dx_sz + dy_sz;
+    float * DX = (float *) (W + w_sz), * DY = (float *) ((uint8_t *) DX + dx_sz);
+    int32_t * Cb = (int32_t *) (Y + y_sz);
+    reame_tilecfg cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t += 4) {
+        cfg.rows[t] = 16; cfg.colsb[t] = 32;         // 0, 4 (A): 16 tokens x one block
+        cfg.rows[t + 1] = 8; cfg.colsb[t + 1] = 64;  // 1, 5 (B): one block (8 groups of 4) x 16 rows
+    }
+    cfg.rows[2] = cfg.rows[3] = 16; cfg.colsb[2] = cfg.colsb[3] = 64;  // 2, 3 (C): 16 tokens x 16 rows, int32
+    _tile_loadconfig(&cfg);
+    if (tl) memset(DY + (size_t) (nt - 1) * nb * 16, 0, (size_t) nb * 64);
+    for (int c = 0; c < nc; ++c) {
+        const block_q8_0 * y = (const block_q8_0 *) (vy + (size_t) c * by);
+        float * dt = DY + (size_t) (c >> 4) * nb * 16 + (c & 15);
+        for (int i = 0; i < nb; ++i) dt[i * 16] = GGML_CPU_FP16_TO_FP32(y[i].d);
+    }
+    if (tl) {  // the last tile's tokens, padded with zeros (a tile load reads 16)
+        memset(Y, 0, y_sz);
+        for (int c = 0; c < tl; ++c) {
+            const block_q8_0 * y = (const block_q8_0 *) (vy + (size_t) (nc - tl + c) * by);
+            for (int i = 0; i < nb; ++i) memcpy(Y + (size_t) i * 512 + c * 32, y[i].qs, 32);
+        }
+    }
+    const __m512i lo4 = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi4 = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    const int steps = nt * nb;  // block steps a row tile takes (the next tile's prefetch is spread over them)
+    for (int r0 = 0; r0 < nr; r0 += 16) {
+        const int rows = nr - r0 < 16 ? nr - r0 : 16;
+        for (int i = 0; i < nb; ++i) {
+            __m512i z[8], u[8];
+            for (int k = 0; k < 8; ++k) {  // rows k and k + 8, in halves
+                float d0 = 0.0f, d1 = 0.0f;
+                const __m256i w0 = k < rows ? reame_q0_bytes(vx + (size_t) (r0 + k) * bx, q5, i, &d0) : _mm256_setzero_si256();
+                const __m256i w1 = k + 8 < rows ? reame_q0_bytes(vx + (size_t) (r0 + k + 8) * bx, q5, i, &d1) : _mm256_setzero_si256();
+                DX[i * 16 + k] = d0;
+                DX[i * 16 + k + 8] = d1;
+                z[k] = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+            }
+            for (int k = 0; k < 8; k += 2) {  // dwords: [r0 r1 r0 r1] / [r2 r3 r2 r3]... within 128-bit lanes
+                u[k] = _mm512_unpacklo_epi32(z[k], z[k + 1]);
+                u[k + 1] = _mm512_unpackhi_epi32(z[k], z[k + 1]);
+            }
+            for (int h = 0; h < 8; h += 4) {  // a lane: 4 rows' dword j (lanes 0, 2) or j + 4 (1, 3)
+                z[h + 0] = _mm512_unpacklo_epi64(u[h + 0], u[h + 2]);
+                z[h + 1] = _mm512_unpackhi_epi64(u[h + 0], u[h + 2]);
+                z[h + 2] = _mm512_unpacklo_epi64(u[h + 1], u[h + 3]);
+                z[h + 3] = _mm512_unpackhi_epi64(u[h + 1], u[h + 3]);
+            }
+            uint8_t * wi = W + (size_t) i * 512;
+            for (int j = 0; j < 4; ++j) {  // group j: lanes 0 of rows 0-3 and 4-7, lanes 2 of rows 8-11, 12-15
+                _mm512_store_si512((__m512i *) (wi + j * 64), _mm512_permutex2var_epi64(z[j], lo4, z[j + 4]));
+                _mm512_store_si512((__m512i *) (wi + (j + 4) * 64), _mm512_permutex2var_epi64(z[j], hi4, z[j + 4]));
+            }
+        }
+        // the next 16 rows' weights into L2, a few lines a block step
+        const char * pf = vx + (size_t) (r0 + 16) * bx, * pf_end = vx + (size_t) (nr < r0 + 32 ? nr : r0 + 32) * bx;
+        const int per = pf < pf_end ? (int) ((pf_end - pf) / 64 / steps) + 1 : 0;
+        for (int T = 0; T < nt; ++T) {
+            const int tk = nc - 16 * T < 16 ? nc - 16 * T : 16;
+            const char * ya = tk < 16 ? (const char *) Y : vy + (size_t) (16 * T) * by + offsetof(block_q8_0, qs);
+            const size_t ys = tk < 16 ? 512 : sizeof(block_q8_0), yst = tk < 16 ? 32 : by;  // a block's step, a token's
+            const float * dt = DY + (size_t) T * nb * 16;
+            __m512 acc[16];
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+            _tile_loadd(0, ya, yst);
+            _tile_loadd(1, W, 64);
+            _tile_zero(2);
+            _tile_dpbssd(2, 0, 1);
+            for (int i = 0; i < nb; i += 2) {
+                for (int k = 0; k < 2 * per && pf < pf_end; ++k, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+                if (i + 1 < nb) {
+                    _tile_loadd(4, ya + (i + 1) * ys, yst);
+                    _tile_loadd(5, W + (size_t) (i + 1) * 512, 64);
+                    _tile_zero(3);
+                    _tile_dpbssd(3, 4, 5);
+                }
+                _tile_stored(2, Cb, 64);
+                reame_q0_amx_float(Cb, DX + i * 16, dt + i * 16, acc);
+                if (i + 1 < nb) {
+                    if (i + 2 < nb) {
+                        _tile_loadd(0, ya + (i + 2) * ys, yst);
+                        _tile_loadd(1, W + (size_t) (i + 2) * 512, 64);
+                        _tile_zero(2);
+                        _tile_dpbssd(2, 0, 1);
+                    }
+                    _tile_stored(3, Cb + 256, 64);
+                    reame_q0_amx_float(Cb + 256, DX + (i + 1) * 16, dt + (i + 1) * 16, acc);
+                }
+            }
+            const __mmask16 m = (__mmask16) ((1u << rows) - 1);
+#pragma GCC unroll 16
+            for (int t = 0; t < 16; ++t)
+                if (t < tk) _mm512_mask_storeu_ps(s + (size_t) (16 * T + t) * bs + r0, m, acc[t]);
+        }
+    }
+    _tile_release();
+}
+void reame_mm_q8_0_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
+    reame_q0_amx(0, n, nr, nc, s, bs, vx, bx, vy, by);
+}
+void reame_mm_q5_0_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
+    reame_q0_amx(1, n, nr, nc, s, bs, vx, bx, vy, by);
+}
 #else
 int reame_amx_ok(void) { return 0; }
 void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
     reame_mm_q4_K_q8_K_512(n, nr, nc, s, bs, vx, bx, vy, by);
+}
+void reame_mm_q8_0_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
+    reame_q0_canon(0, n, nr, nc, s, bs, vx, bx, vy, by);
+}
+void reame_mm_q5_0_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
+    reame_q0_canon(1, n, nr, nc, s, bs, vx, bx, vy, by);
 }
 #endif // AMX
 void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by) {

@@ -25,7 +25,10 @@
 // With AVX-512 it tests the Q8_0/Q5_0 kernels the same way (test_q0: 1 and 3), and the Q4_K
 // row-range kernels (and where reame_amx_ok(), the AMX tiles'): every result, for 1..40 tokens
 // and 5, 16 or 37 rows at once, has the bits reame_vec_dot_q4_K_q8_K_512 gives that row and
-// token alone (test_q4_K_rows).
+// token alone (test_q4_K_rows); and the Q8_0/Q5_0 prompt kernels (AMX tiles, or their plain-C
+// arithmetic where there are none): every result, for 1..40 and 120..140 tokens and 5, 16 or
+// 37 rows at once, has the bits of their arithmetic computed here one row and token at a time,
+// within the accuracy bound (test_q0_amx).
 // Prints what it checked; exit status 0 when every check passed.
 
 #include <math.h>
@@ -54,6 +57,8 @@ void reame_mm_q5_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const v
 void reame_mm_q4_K_q8_K_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 int reame_amx_ok(void);
 void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q8_0_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q5_0_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 #endif
 
 typedef void (*multi_fn)(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
@@ -298,6 +303,107 @@ static void test_q0(int q5) {
 #endif
 
 #ifdef HAVE_512
+// The prompt-chunk kernels reame_mm_{q8,q5}_0_amx (AMX tiles where reame_amx_ok(), else the
+// same arithmetic in plain C) against this file's own statement of their arithmetic: per
+// (row, token), S_i = the exact integer sum of block i, acc = fma((float) S_i * dx_i, dy_i, acc)
+// for i = 0 .. nb - 1. 37 rows, 140 tokens (passes of 128, tiles of 16 and their
+// remainders), 37, 16 or 5 rows and k = 1..40 or 120..140 tokens a call; and accuracy.
+#define Q0A_ROWS 37
+#define Q0A_TOK 140
+static int q0_int(const char * row, int q5, int i, int j) {  // weight j of block i, as an integer
+    if (!q5) return ((const block_q8_0 *) row)[i].qs[j];
+    const block_q5_0 * x = (const block_q5_0 *) row + i;
+    const int lo = x->qs[j % 16], nib = j < 16 ? lo & 15 : lo >> 4;
+    return nib + 16 * ((x->qh[j / 8] >> (j % 8)) & 1) - 16;
+}
+static void test_q0_amx(int q5) {
+    static const int nbs[] = {1, 2, 3, 28, 152};
+    static const int nrs[] = {Q0A_ROWS, 16, 5};
+    const char * name = q5 ? "reame_mm_q5_0_amx" : "reame_mm_q8_0_amx";
+    const size_t xs = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0);
+    struct kernel K = {name, q5, NULL, Q0A_TOK, 0, 0, 0, 0, 0.0};
+    for (size_t inb = 0; inb < sizeof(nbs) / sizeof(nbs[0]); ++inb) {
+        const int nb = nbs[inb], n = nb * 32;
+        const size_t by = nb * sizeof(block_q8_0), bs = BS * Q0A_ROWS;
+        block_q8_0 * acts = malloc(Q0A_TOK * by);
+        char * w = malloc(Q0A_ROWS * nb * xs);
+        float * f = malloc(n * sizeof(float)), * wf = malloc(n * sizeof(float));
+        float * want = malloc(Q0A_TOK * Q0A_ROWS * sizeof(float)), * out = malloc(Q0A_TOK * bs * sizeof(float));
+        for (int c = 0; c < Q0A_TOK; ++c) {
+            block_q8_0 * y = (block_q8_0 *) ((char *) acts + c * by);
+            if (c % 3 == 0) {
+                const double scale = exp2(-4.0 + 8.0 * unif());
+                for (int j = 0; j < n; ++j) f[j] = (float) (scale * gauss());
+                quantize_row_q8_0(f, y, n);
+            } else {
+                for (int i = 0; i < nb; ++i) {
+                    const int8_t v = (rnd() & 1) ? 127 : -127;
+                    for (int j = 0; j < 32; ++j) y[i].qs[j] = c % 3 == 1 ? (int8_t) (rnd() % 255 - 127) : v;
+                    y[i].d = ggml_fp32_to_fp16(rnd_scale() * 64.0f);
+                }
+            }
+        }
+        for (int r = 0; r < Q0A_ROWS; ++r) {
+            char * row = w + r * nb * xs;
+            if (r % 3 == 0) {
+                const double scale = exp2(-6.0 + 6.0 * unif());
+                for (int j = 0; j < n; ++j) f[j] = (float) (scale * gauss() * ((rnd() % 64) ? 1.0 : 8.0));
+                if (q5) quantize_row_q5_0_ref(f, (block_q5_0 *) row, n); else quantize_row_q8_0_ref(f, (block_q8_0 *) row, n);
+            } else {
+                for (size_t j = 0; j < nb * xs; ++j) row[j] = (char) (r % 3 == 1 ? rnd() : (j % 2 ? 0x80 : 0x7F));
+                for (int i = 0; i < nb; ++i) {
+                    const ggml_half d = ggml_fp32_to_fp16(rnd_scale());
+                    memcpy(row + i * xs, &d, sizeof(d));
+                }
+            }
+            if (q5) dequantize_row_q5_0((const block_q5_0 *) row, wf, n); else dequantize_row_q8_0((const block_q8_0 *) row, wf, n);
+            for (int c = 0; c < Q0A_TOK; ++c) {
+                const block_q8_0 * y = (const block_q8_0 *) ((const char *) acts + c * by);
+                float acc = 0.0f;
+                double e = 0.0, m = 0.0;
+                for (int i = 0; i < nb; ++i) {
+                    int32_t S = 0;
+                    for (int j = 0; j < 32; ++j) S += q0_int(row, q5, i, j) * y[i].qs[j];
+                    ggml_half dh;
+                    memcpy(&dh, row + i * xs, sizeof(dh));
+                    acc = fmaf((float) S * ggml_fp16_to_fp32(dh), ggml_fp16_to_fp32(y[i].d), acc);
+                }
+                for (int j = 0; j < n; ++j) {
+                    const double a = (double) ggml_fp16_to_fp32(y[j / 32].d) * y[j / 32].qs[j % 32];
+                    e += (double) wf[j] * a;
+                    m += fabs((double) wf[j] * a);
+                }
+                want[c * Q0A_ROWS + r] = acc;
+                K.n_acc += check_acc(&K, name, nb, r, c, acc, e, m);
+            }
+        }
+        for (size_t inr = 0; inr < sizeof(nrs) / sizeof(nrs[0]); ++inr) {
+            const int nr = nrs[inr], r0 = Q0A_ROWS - nr;  // the last nr rows
+            for (int k = 1; k <= Q0A_TOK; k = k == 40 ? 120 : k + 1) {
+                const int o = Q0A_TOK - k;  // the last k tokens
+                for (size_t j = 0; j < Q0A_TOK * bs; ++j) out[j] = NAN;
+                (q5 ? reame_mm_q5_0_amx : reame_mm_q8_0_amx)(n, nr, k, out, bs, w + r0 * nb * xs, nb * xs,
+                                                             (const char *) acts + o * by, by);
+                for (size_t j = 0; j < Q0A_TOK * bs; ++j) {
+                    const int c = (int) (j / bs), r = (int) (j % bs);
+                    if (r < nr && c < k) {
+                        const float wv = want[(o + c) * Q0A_ROWS + r0 + r];
+                        if (bits(out[j]) == bits(wv)) K.n_batched++;
+                        else fail("prompt kernel = its arithmetic, one row and token alone", name, nb, r0 + r, k, o + c, out[j], wv);
+                    } else if (!isnan(out[j])) {
+                        fail("wrote outside its rows and k results", name, nb, r, k, c, out[j], NAN);
+                    }
+                }
+            }
+        }
+        free(acts); free(w); free(f); free(wf); free(want); free(out);
+    }
+    printf("  %-28s %6ld results (k = 1..40 and 120..%d tokens, %d, 16 and 5 rows a call; %s) bit-equal to "
+           "their arithmetic computed one row and token at a time, %ld of it within the accuracy bound "
+           "(worst error %.3f of the float rounding bound)\n", name, K.n_batched, Q0A_TOK, Q0A_ROWS,
+           reame_amx_ok() ? "AMX tiles" : "no AMX here: the kernel's plain-C arithmetic", K.n_acc, K.worst);
+}
+
 // The row-range Q4_K kernels, reame_mm_q4_K_q8_K_512 and (where reame_amx_ok()) the AMX tiles'
 // reame_mm_q4_K_amx, against reame_vec_dot_q4_K_q8_K_512 one row and token at a time (which,
 // where AMX is usable, takes the AMX kernel's arithmetic): 37 weight rows of each kind, 40
@@ -473,6 +579,8 @@ int main(int argc, char ** argv) {
 #ifdef HAVE_512
     test_q0(0);
     test_q0(1);
+    test_q0_amx(0);
+    test_q0_amx(1);
     test_q4_K_rows();
 #endif
     if (n_fail) {
