@@ -209,6 +209,40 @@ static int check_acc(struct kernel * K, const char * name, int nb, int row, int 
 }
 
 #ifdef HAVE_512
+// a q8_0 token row of nb blocks: kind 0 quantized from random floats, 1 random values in
+// -127..127 (as quantize_row_q8_0 makes), 2 extremes; f: n floats of scratch
+static void make_q0_token(int kind, int nb, block_q8_0 * y, float * f) {
+    const int n = nb * 32;
+    if (kind == 0) {
+        const double scale = exp2(-4.0 + 8.0 * unif());
+        for (int j = 0; j < n; ++j) f[j] = (float) (scale * gauss());
+        quantize_row_q8_0(f, y, n);
+        return;
+    }
+    for (int i = 0; i < nb; ++i) {
+        const int8_t v = (rnd() & 1) ? 127 : -127;
+        for (int j = 0; j < 32; ++j) y[i].qs[j] = kind == 1 ? (int8_t) (rnd() % 255 - 127) : v;
+        y[i].d = ggml_fp32_to_fp16(rnd_scale() * 64.0f);
+    }
+}
+// a Q8_0 or Q5_0 weight row of nb blocks (block size xs): kind 0 quantized from random
+// floats (a few 8x outliers), 1 random bits, 2 extremes; each with a random scale
+static void make_q0_row(int q5, int kind, int nb, char * row, float * f) {
+    const int n = nb * 32;
+    const size_t xs = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0);
+    if (kind == 0) {
+        const double scale = exp2(-6.0 + 6.0 * unif());
+        for (int j = 0; j < n; ++j) f[j] = (float) (scale * gauss() * ((rnd() % 64) ? 1.0 : 8.0));
+        if (q5) quantize_row_q5_0_ref(f, (block_q5_0 *) row, n); else quantize_row_q8_0_ref(f, (block_q8_0 *) row, n);
+        return;
+    }
+    for (size_t j = 0; j < nb * xs; ++j) row[j] = (char) (kind == 1 ? rnd() : (j % 2 ? 0x80 : 0x7F));
+    for (int i = 0; i < nb; ++i) {
+        const ggml_half d = ggml_fp32_to_fp16(rnd_scale());
+        memcpy(row + i * xs, &d, sizeof(d));
+    }
+}
+
 // The Q8_0/Q5_0 kernels (reame_mm_*_0_q8_0_512: nr rows at once) on 3 rows of nb blocks
 // (n = 32 nb; 0.5B: 28 and 152) against 40 q8_0 tokens: kind 0 quantized from random floats,
 // 1 random bits (q8_0 tokens: random values in -127..127, as quantize_row_q8_0 makes), 2
@@ -226,37 +260,10 @@ static void test_q0(int q5) {
         char * w = malloc(Q0_ROWS * nb * xs);
         float * f = malloc(n * sizeof(float)), * wf = malloc(n * sizeof(float));
         float * one = malloc(NTOK * Q0_ROWS * sizeof(float)), * out = malloc(NTOK * BS * Q0_ROWS * sizeof(float));
-        for (int c = 0; c < NTOK; ++c) {
-            block_q8_0 * y = (block_q8_0 *) ((char *) acts + c * by);
-            const int kind = c % 5 == 4 ? 2 : c % 2;
-            if (kind == 0) {
-                const double scale = exp2(-4.0 + 8.0 * unif());
-                for (int j = 0; j < n; ++j) f[j] = (float) (scale * gauss());
-                quantize_row_q8_0(f, y, n);
-            } else {
-                for (int i = 0; i < nb; ++i) {
-                    const int8_t v = (rnd() & 1) ? 127 : -127;
-                    for (int j = 0; j < 32; ++j) y[i].qs[j] = kind == 1 ? (int8_t) (rnd() % 255 - 127) : v;
-                    y[i].d = ggml_fp32_to_fp16(rnd_scale() * 64.0f);
-                }
-            }
-        }
+        for (int c = 0; c < NTOK; ++c) make_q0_token(c % 5 == 4 ? 2 : c % 2, nb, (block_q8_0 *) ((char *) acts + c * by), f);
         for (int rep = 0; rep < 12; ++rep) {
             const int kind = rep % 3;
-            for (int r = 0; r < Q0_ROWS; ++r) {
-                char * row = w + r * nb * xs;
-                if (kind == 0) {
-                    const double scale = exp2(-6.0 + 6.0 * unif());
-                    for (int j = 0; j < n; ++j) f[j] = (float) (scale * gauss() * ((rnd() % 64) ? 1.0 : 8.0));
-                    if (q5) quantize_row_q5_0_ref(f, (block_q5_0 *) row, n); else quantize_row_q8_0_ref(f, (block_q8_0 *) row, n);
-                } else {
-                    for (size_t j = 0; j < nb * xs; ++j) row[j] = (char) (kind == 1 ? rnd() : (j % 2 ? 0x80 : 0x7F));
-                    for (int i = 0; i < nb; ++i) {
-                        const ggml_half d = ggml_fp32_to_fp16(rnd_scale());
-                        memcpy(row + i * xs, &d, sizeof(d));
-                    }
-                }
-            }
+            for (int r = 0; r < Q0_ROWS; ++r) make_q0_row(q5, kind, nb, w + r * nb * xs, f);
             for (int r = 0; r < Q0_ROWS; ++r) {  // one row, one token at a time; accuracy
                 const char * row = w + r * nb * xs;
                 if (q5) dequantize_row_q5_0((const block_q5_0 *) row, wf, n); else dequantize_row_q8_0((const block_q8_0 *) row, wf, n);
@@ -329,33 +336,10 @@ static void test_q0_amx(int q5) {
         char * w = malloc(Q0A_ROWS * nb * xs);
         float * f = malloc(n * sizeof(float)), * wf = malloc(n * sizeof(float));
         float * want = malloc(Q0A_TOK * Q0A_ROWS * sizeof(float)), * out = malloc(Q0A_TOK * bs * sizeof(float));
-        for (int c = 0; c < Q0A_TOK; ++c) {
-            block_q8_0 * y = (block_q8_0 *) ((char *) acts + c * by);
-            if (c % 3 == 0) {
-                const double scale = exp2(-4.0 + 8.0 * unif());
-                for (int j = 0; j < n; ++j) f[j] = (float) (scale * gauss());
-                quantize_row_q8_0(f, y, n);
-            } else {
-                for (int i = 0; i < nb; ++i) {
-                    const int8_t v = (rnd() & 1) ? 127 : -127;
-                    for (int j = 0; j < 32; ++j) y[i].qs[j] = c % 3 == 1 ? (int8_t) (rnd() % 255 - 127) : v;
-                    y[i].d = ggml_fp32_to_fp16(rnd_scale() * 64.0f);
-                }
-            }
-        }
+        for (int c = 0; c < Q0A_TOK; ++c) make_q0_token(c % 3, nb, (block_q8_0 *) ((char *) acts + c * by), f);
         for (int r = 0; r < Q0A_ROWS; ++r) {
             char * row = w + r * nb * xs;
-            if (r % 3 == 0) {
-                const double scale = exp2(-6.0 + 6.0 * unif());
-                for (int j = 0; j < n; ++j) f[j] = (float) (scale * gauss() * ((rnd() % 64) ? 1.0 : 8.0));
-                if (q5) quantize_row_q5_0_ref(f, (block_q5_0 *) row, n); else quantize_row_q8_0_ref(f, (block_q8_0 *) row, n);
-            } else {
-                for (size_t j = 0; j < nb * xs; ++j) row[j] = (char) (r % 3 == 1 ? rnd() : (j % 2 ? 0x80 : 0x7F));
-                for (int i = 0; i < nb; ++i) {
-                    const ggml_half d = ggml_fp32_to_fp16(rnd_scale());
-                    memcpy(row + i * xs, &d, sizeof(d));
-                }
-            }
+            make_q0_row(q5, r % 3, nb, row, f);
             if (q5) dequantize_row_q5_0((const block_q5_0 *) row, wf, n); else dequantize_row_q8_0((const block_q8_0 *) row, wf, n);
             for (int c = 0; c < Q0A_TOK; ++c) {
                 const block_q8_0 * y = (const block_q8_0 *) ((const char *) acts + c * by);
