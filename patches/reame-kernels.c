@@ -26,7 +26,8 @@
 //                                      takes the same arithmetic (see "canonical" below), so a
 //                                      token's bits are the same through either, alone or batched.
 //                                      ggml-cpu.c also gives it Q4_K prompt chunks (in place of
-//                                      ggml's tiled kernel).
+//                                      ggml's tiled kernel): past 32 tokens it lays out a 16-row
+//                                      tile's weights once for all its passes of 32.
 //   reame_mm_{q8,q5}_0_amx             Q8_0/Q5_0 prompt chunks with AMX tiles (ggml-cpu.c: in place
 //                                      of llamafile's sgemm; never decode steps), nr rows and nc
 //                                      tokens; a token's bits do not depend on nr or nc (their
@@ -806,10 +807,14 @@ void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void *
         reame_mm_q4_K_q8_K_512(n, nr, nc, s, bs, vx, bx, vy, by);
         return;
     }
-    // per pass of up to 32 tokens: B tiles [nb][4 steps][2 tiles][16 groups of 4 values][16 tokens x 4],
-    // D [nb][32] (the tokens' d), P [nb][4][32] (their 8 chunk sums, in int16 pairs)
-    const size_t b_sz = (size_t) nb * 8192, d_sz = (size_t) nb * 32 * 4, p_sz = (size_t) nb * 4 * 32 * 4;
-    const size_t need = b_sz + d_sz + p_sz + 2 * 4096 + 2 * 8192 + 4 * 2048;
+    // per pass of up to 32 tokens (np passes, all laid out first): B tiles [nb][4 steps][2 tiles][16 groups
+    // of 4 values][16 tokens x 4], D [nb][32] (the tokens' d), P [nb][4][32] (their 8 chunk sums, in int16
+    // pairs). With several passes (prompt chunks), a 16-row tile's weights are laid out once for all of
+    // them (A: [nb] blocks, X: their scales); with one, two blocks' worth in turn (Ab, xs), in L1.
+    const int np = (nc + 31) / 32;
+    const size_t b_sz = (size_t) np * nb * 8192, d_sz = (size_t) np * nb * 32 * 4, p_sz = (size_t) np * nb * 4 * 32 * 4;
+    const size_t a_sz = np > 1 ? (size_t) nb * 8192 : 0, x_sz = np > 1 ? (size_t) nb * 384 : 0;
+    const size_t need = b_sz + d_sz + p_sz + 2 * 4096 + 2 * 8192 + 4 * 2048 + a_sz + x_sz;
     if (reame_amx_cap < need) {
         free(reame_amx_buf);
         reame_amx_buf = aligned_alloc(64, (need + 63) & ~(size_t) 63);
@@ -825,6 +830,11 @@ void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void *
     int32_t * Cb = (int32_t *) ((uint8_t *) P + p_sz);  // 2 x 4 tiles of 16 x 16 int32 (a block's, the one before's)
     uint8_t * Ab = (uint8_t *) Cb + 2 * 4096;            // 2 x [4 steps][lo, hi][16 rows][64]
     float * acc = (float *) (Ab + 2 * 8192);             // [block index mod 4][16 rows][32 tokens]
+    uint8_t * Ac = (uint8_t *) acc + 4 * 2048;           // (np > 1) [nb][4 steps][lo, hi][16 rows][64]
+    float * Xf = (float *) (Ac + a_sz);                  // (np > 1) [nb]: the rows' dx[16], dmin[16]
+    int32_t * Xm = (int32_t *) (Xf + (size_t) nb * 32 * (np > 1));  // (np > 1) [nb]: their mins in pairs [16][4]
+    float xsf[2][32];                                    // (np == 1) the same, two blocks in turn
+    int32_t xsm[2][64];
     reame_tilecfg cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
@@ -834,49 +844,60 @@ void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void *
     const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     __m512i idx[8];
     for (int j = 0; j < 8; ++j) idx[j] = _mm512_loadu_si512((const __m512i *) reame_q4_K_amx_idx[j]);
-    for (int c0 = 0; c0 < nc; c0 += 32) {
-        const int ng = nc - c0 < 32 ? nc - c0 : 32, nt = ng > 16 ? 2 : 1;
+    {
+        const int ng = nc - (np - 1) * 32, nt = ng > 16 ? 2 : 1;  // the last pass
+        uint8_t * Bl = B + (size_t) (np - 1) * nb * 8192;
         if (ng % 16) {  // a tile's tokens past ng: zero (their results are not written)
             for (int i = 0; i < nb; ++i)
-                for (int st = 0; st < 4; ++st) memset(B + (size_t) i * 8192 + st * 2048 + (nt - 1) * 1024, 0, 1024);
-            memset(D, 0, d_sz);
-            memset(P, 0, p_sz);
+                for (int st = 0; st < 4; ++st) memset(Bl + (size_t) i * 8192 + st * 2048 + (nt - 1) * 1024, 0, 1024);
+            memset(D + (size_t) (np - 1) * nb * 32, 0, (size_t) nb * 32 * 4);
+            memset(P + (size_t) (np - 1) * nb * 128, 0, (size_t) nb * 128 * 4);
         }
-        for (int c = 0; c < ng; ++c) {
-            const block_q8_K * y = (const block_q8_K *) ((const char *) vy + (size_t) (c0 + c) * by);
-            for (int i = 0; i < nb; ++i) {
-                const uint32_t * q = (const uint32_t *) y[i].qs;
-                uint32_t * bi = (uint32_t *) (B + (size_t) i * 8192 + (c >> 4) * 1024) + (c & 15);
-                for (int st = 0; st < 4; ++st)
-                    for (int g = 0; g < 16; ++g) bi[st * 512 + g * 16] = q[16 * st + g];
-                D[i * 32 + c] = y[i].d;
-                for (int p = 0; p < 4; ++p) {  // (|a chunk's sum| <= 4096: int16)
-                    const int16_t b0 = y[i].bsums[4*p] + y[i].bsums[4*p+1], b1 = y[i].bsums[4*p+2] + y[i].bsums[4*p+3];
-                    P[(i * 4 + p) * 32 + c] = (int32_t) (uint16_t) b0 | ((int32_t) b1 << 16);
-                }
+    }
+    for (int cc = 0; cc < nc; ++cc) {
+        const block_q8_K * y = (const block_q8_K *) ((const char *) vy + (size_t) cc * by);
+        const int c = cc & 31;
+        uint8_t * Bp = B + (size_t) (cc >> 5) * nb * 8192;
+        float * Dp = D + (size_t) (cc >> 5) * nb * 32;
+        int32_t * Pp = P + (size_t) (cc >> 5) * nb * 128;
+        for (int i = 0; i < nb; ++i) {
+            const uint32_t * q = (const uint32_t *) y[i].qs;
+            uint32_t * bi = (uint32_t *) (Bp + (size_t) i * 8192 + (c >> 4) * 1024) + (c & 15);
+            for (int st = 0; st < 4; ++st)
+                for (int g = 0; g < 16; ++g) bi[st * 512 + g * 16] = q[16 * st + g];
+            Dp[i * 32 + c] = y[i].d;
+            for (int p = 0; p < 4; ++p) {  // (|a chunk's sum| <= 4096: int16)
+                const int16_t b0 = y[i].bsums[4*p] + y[i].bsums[4*p+1], b1 = y[i].bsums[4*p+2] + y[i].bsums[4*p+3];
+                Pp[(i * 4 + p) * 32 + c] = (int32_t) (uint16_t) b0 | ((int32_t) b1 << 16);
             }
         }
-        for (int r0 = 0; r0 < nr; r0 += 16) {
-            const int rows = nr - r0 < 16 ? nr - r0 : 16;
-            if (rows < 16) memset(Ab, 0, 2 * 8192);
+    }
+    for (int r0 = 0; r0 < nr; r0 += 16) {
+        const int rows = nr - r0 < 16 ? nr - r0 : 16;
+        if (rows < 16) { memset(Ab, 0, 2 * 8192); memset(Ac, 0, a_sz); }
+        for (int pass = 0; pass < np; ++pass) {
+            const int c0 = pass * 32, ng = nc - c0 < 32 ? nc - c0 : 32, nt = ng > 16 ? 2 : 1;
+            const uint8_t * Bp = B + (size_t) pass * nb * 8192;
+            const float * Dp = D + (size_t) pass * nb * 32;
+            const int32_t * Pp = P + (size_t) pass * nb * 128;
             memset(acc, 0, 4 * 16 * 32 * sizeof(float));
-            float dxs[2][16], dms[2][16];
-            int32_t mp[2][16][4];
             for (int i = 0; i <= nb; ++i) {
                 const int h = i & 1;
                 if (i < nb) {
-                    uint8_t * A = Ab + h * 8192;
-                    for (int r = 0; r < rows; ++r) {
+                    uint8_t * A = np > 1 ? Ac + (size_t) i * 8192 : Ab + h * 8192;
+                    float * dxs = np > 1 ? Xf + (size_t) i * 32 : xsf[h], * dms = dxs + 16;
+                    int32_t (*mp)[4] = (int32_t (*)[4]) (np > 1 ? Xm + (size_t) i * 64 : xsm[h]);
+                    for (int r = 0; r < rows && pass == 0; ++r) {
                         const block_q4_K * x = (const block_q4_K *) ((const char *) vx + (size_t) (r0 + r) * bx) + i;
                         // (the next 16-row tile's block i into L2: a tile's rows are 16 streams; a row of a
                         // few blocks is done before a prefetch within it would land)
                         for (int o = 0; o < (int) sizeof(*x); o += 64) _mm_prefetch((const char *) x + 16 * bx + o, _MM_HINT_T1);
-                        dxs[h][r] = GGML_CPU_FP16_TO_FP32(x->d);
-                        dms[h][r] = GGML_CPU_FP16_TO_FP32(x->dmin);
+                        dxs[r] = GGML_CPU_FP16_TO_FP32(x->d);
+                        dms[r] = GGML_CPU_FP16_TO_FP32(x->dmin);
                         uint32_t utmp[4];
                         reame_q4_K_scales(x->scales, utmp);
                         const uint8_t * mnb = (const uint8_t *) utmp + 8;
-                        for (int p = 0; p < 4; ++p) mp[h][r][p] = (int32_t) mnb[2*p] | ((int32_t) mnb[2*p+1] << 16);
+                        for (int p = 0; p < 4; ++p) mp[r][p] = (int32_t) mnb[2*p] | ((int32_t) mnb[2*p+1] << 16);
                         const __m128i sc8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *) utmp));
                         const __m512i lh = _mm512_castsi256_si512(MM256_SET_M128I(_mm_srli_epi16(sc8, 3), _mm_and_si128(sc8, _mm_set1_epi16(7))));
                         for (int st = 0; st < 4; ++st) {  // (a byte times a word < 8 stays in its byte)
@@ -886,7 +907,7 @@ void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void *
                             _mm512_store_si512((__m512i *) (A + st * 2048 + 1024 + r * 64), _mm512_mullo_epi16(wv, _mm512_permutexvar_epi16(idx[2*st+1], lh)));
                         }
                     }
-                    const uint8_t * bi = B + (size_t) i * 8192;
+                    const uint8_t * bi = Bp + (size_t) i * 8192;
                     int32_t * C = Cb + h * 1024;
                     _tile_zero(0); _tile_zero(1); _tile_zero(4); _tile_zero(5);
                     for (int st = 0; st < 4; ++st) {
@@ -907,8 +928,10 @@ void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void *
                 }
                 if (i > 0) {  // the block before's float steps, while this one's tiles run
                     const int g = h ^ 1;
-                    reame_q4_K_amx_float(Cb + g * 1024, D + (i - 1) * 32, P + (i - 1) * 128, dxs[g], dms[g],
-                                         (const int32_t (*)[4]) mp[g], rows, nt, acc + ((i - 1) & 3) * 512);
+                    const float * xg = np > 1 ? Xf + (size_t) (i - 1) * 32 : xsf[g];
+                    int32_t * mg = np > 1 ? Xm + (size_t) (i - 1) * 64 : xsm[g];
+                    reame_q4_K_amx_float(Cb + g * 1024, Dp + (i - 1) * 32, Pp + (i - 1) * 128, xg, xg + 16,
+                                         (const int32_t (*)[4]) mg, rows, nt, acc + ((i - 1) & 3) * 512);
                 }
             }
             for (int r = 0; r < rows; ++r)
