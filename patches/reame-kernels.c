@@ -767,6 +767,15 @@ int reame_amx_ok(void) {
 typedef struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } reame_tilecfg;
 static _Thread_local uint8_t * reame_amx_buf;  // a thread's scratch (ggml's threads live on)
 static _Thread_local size_t reame_amx_cap;
+// the thread's scratch, at least need bytes (64-aligned), or NULL: no memory
+static uint8_t * reame_amx_scratch(size_t need) {
+    if (reame_amx_cap < need) {
+        free(reame_amx_buf);
+        reame_amx_buf = aligned_alloc(64, (need + 63) & ~(size_t) 63);
+        reame_amx_cap = reame_amx_buf ? need : 0;
+    }
+    return reame_amx_buf;
+}
 // the float steps of one block for a 16-row tile: C holds its integer sums (lo and hi tiles
 // per 16 tokens), D the tokens' d, P their chunk sums in pairs, mp the rows' mins in pairs
 static inline __attribute__((always_inline)) void reame_q4_K_amx_float(
@@ -815,16 +824,11 @@ void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void *
     const size_t b_sz = (size_t) np * nb * 8192, d_sz = (size_t) np * nb * 32 * 4, p_sz = (size_t) np * nb * 4 * 32 * 4;
     const size_t a_sz = np > 1 ? (size_t) nb * 8192 : 0, x_sz = np > 1 ? (size_t) nb * 384 : 0;
     const size_t need = b_sz + d_sz + p_sz + 2 * 4096 + 2 * 8192 + 4 * 2048 + a_sz + x_sz;
-    if (reame_amx_cap < need) {
-        free(reame_amx_buf);
-        reame_amx_buf = aligned_alloc(64, (need + 63) & ~(size_t) 63);
-        reame_amx_cap = reame_amx_buf ? need : 0;
-        if (!reame_amx_buf) {  // (no memory: the 512-bit kernel, same bits)
-            reame_mm_q4_K_q8_K_512(n, nr, nc, s, bs, vx, bx, vy, by);
-            return;
-        }
+    uint8_t * B = reame_amx_scratch(need);
+    if (!B) {  // (no memory: the 512-bit kernel, same bits)
+        reame_mm_q4_K_q8_K_512(n, nr, nc, s, bs, vx, bx, vy, by);
+        return;
     }
-    uint8_t * B = reame_amx_buf;
     float * D = (float *) (B + b_sz);
     int32_t * P = (int32_t *) ((uint8_t *) D + d_sz);
     int32_t * Cb = (int32_t *) ((uint8_t *) P + p_sz);  // 2 x 4 tiles of 16 x 16 int32 (a block's, the one before's)
@@ -988,16 +992,12 @@ static void reame_q0_amx(int q5, int n, int nr, int nc, float * s, size_t bs, co
         reame_q0_canon(q5, n, nr, nc, s, bs, vx, bx, vy, by);
         return;
     }
-    if (reame_amx_cap < need) {
-        free(reame_amx_buf);
-        reame_amx_buf = aligned_alloc(64, (need + 63) & ~(size_t) 63);
-        reame_amx_cap = reame_amx_buf ? need : 0;
-        if (!reame_amx_buf) {  // (no memory: the same arithmetic in plain C)
-            reame_q0_canon(q5, n, nr, nc, s, bs, vx, bx, vy, by);
-            return;
-        }
+    uint8_t * W = reame_amx_scratch(need);
+    if (!W) {  // (no memory: the same arithmetic in plain C)
+        reame_q0_canon(q5, n, nr, nc, s, bs, vx, bx, vy, by);
+        return;
     }
-    uint8_t * W = reame_amx_buf, * Y = W + w_sz + dx_sz + dy_sz;
+    uint8_t * Y = W + w_sz + dx_sz + dy_sz;
     float * DX = (float *) (W + w_sz), * DY = (float *) ((uint8_t *) DX + dx_sz);
     int32_t * Cb = (int32_t *) (Y + y_sz);
     reame_tilecfg cfg;
