@@ -771,10 +771,11 @@ class _Library:
                 self._tiled_min_rows = fn
         self.tiled_rows = 8
         # reame-kernels.c on a CPU with AMX tiles (and Linux letting this process use them):
-        # Q4_K steps of 8+ tokens go to the tiles, and every Q4_K step takes their arithmetic
-        # (the same bits at any batch; not the bits of the 512-bit kernel without AMX, which
-        # REAME_NO_AMX=1 chooses), and Q8_0/Q5_0 and Q4_K prompt chunks go to them in place of
-        # llamafile's sgemm and ggml's tiled kernel (other bits), so it is part of build_id
+        # Q4_K and Q8_0/Q5_0 steps of 8+ tokens go to the tiles, and every Q4_K step takes
+        # their arithmetic (the same bits at any batch; not the bits of the 512-bit Q4_K kernel
+        # without AMX, which REAME_NO_AMX=1 chooses; Q8_0/Q5_0 have one arithmetic either way),
+        # and Q8_0/Q5_0 and Q4_K prompt chunks go to them in place of llamafile's sgemm and
+        # ggml's tiled kernel (other bits), so it is part of build_id
         self.amx = False
         for dll in cdlls:
             fn = getattr(dll, "reame_amx_ok", None)

@@ -18,7 +18,8 @@
 //   reame_mm_{q8,q5}_0_q8_0_512        AVX-512 F+BW, Q8_0/Q5_0 weights against q8_0 tokens,
 //                                      nr rows at once (row r at vx + r*bx; s[r + c*bs]),
 //                                      n a multiple of 64, any nc. As the _512 kernels: a
-//                                      column's result does not depend on nc.
+//                                      column's result does not depend on nc. Their arithmetic
+//                                      is reame_q0_canon's, the AMX tiles' too.
 //   reame_mm_q4_K_amx                  Q4_K with Intel AMX tiles (Linux), nr rows and nc tokens
 //                                      at once; worth it from 8 tokens (REAME_AMX_MIN). Where
 //                                      reame_amx_ok() (the CPU has AMX-INT8 and the kernel lets
@@ -28,10 +29,12 @@
 //                                      ggml-cpu.c also gives it Q4_K prompt chunks (in place of
 //                                      ggml's tiled kernel): past 32 tokens it lays out a 16-row
 //                                      tile's weights once for all its passes of 32.
-//   reame_mm_{q8,q5}_0_amx             Q8_0/Q5_0 prompt chunks with AMX tiles (ggml-cpu.c: in place
-//                                      of llamafile's sgemm; never decode steps), nr rows and nc
-//                                      tokens; a token's bits do not depend on nr or nc (their
-//                                      arithmetic: reame_q0_canon, which runs where the tiles cannot).
+//   reame_mm_{q8,q5}_0_amx             Q8_0/Q5_0 with AMX tiles, nr rows and nc tokens: decode
+//                                      steps of 8+ tokens (REAME_AMX_MIN) and prompt chunks
+//                                      (ggml-cpu.c: in place of llamafile's sgemm). The same
+//                                      arithmetic as the 512-bit kernel (reame_q0_canon, which
+//                                      runs where the tiles cannot), so a token's bits do not
+//                                      depend on nr, nc, or which of them ran.
 // patches/test_kernels.c checks these claims on random blocks (test_reame.py runs it).
 
 // the kernels defined below (ggml-cpu.c, which calls them, declares them too)
@@ -700,14 +703,17 @@ void reame_mm_q4_K_q8_K_512(int n, int nr, int nc, float * s, size_t bs, const v
     for (int r = 0; r < nr; ++r) reame_vec_dot_q4_K_q8_K_512(n, nc, s + r, bs, (const char *) vx + (size_t) r * bx, vy, by);
 }
 
-// reame: Q8_0/Q5_0 prompt chunks (the batches reame_set_tiled_min_rows lets the tiled
-// kernels take; never decode steps) on AMX tiles, reame_mm_{q8,q5}_0_amx. Their arithmetic,
-// per (row, token), the same whatever the number of rows or tokens in the call: S_i, the
-// exact integer sum of block i (32 weights times 32 token values), then
-//   acc = fma((float) S_i * dx_i, dy_i, acc)   for i = 0, 1, ..., nb - 1 in order, from 0
-// (dx_i: the weight row's scale of block i, dy_i: the token's).
-// reame_q0_canon is that arithmetic in plain C: the kernel's answer where the tiles cannot
-// run (its scratch not allocated, no AMX), so a prompt chunk's bits never depend on which.
+// reame: the arithmetic of every Q8_0/Q5_0 kernel here, per (row, token), the same whatever
+// the number of rows or tokens in the call and whichever kernel runs it: S_i, the exact
+// integer sum of block i (32 weights times 32 token values), then four accumulators by
+// block index,
+//   a_e = fma((float) S_i * dx_i, dy_i, a_e)   e = (i / 4) mod 4, for i = 0, 1, ..., nb - 1
+// in order, each from 0 (dx_i: the weight row's scale of block i, dy_i: the token's), and
+// the result (a_0 + a_2) + (a_1 + a_3). The 512-bit kernel gets 16 block sums a register
+// (four blocks per accumulator, on 128-bit quarters); the AMX tiles get one block for
+// 16 rows x 16 tokens (and take the blocks accumulator by accumulator). reame_q0_canon is
+// that arithmetic in plain C: the tiles' answer where they cannot run (their scratch not
+// allocated, no AMX), so a token's bits never depend on which.
 static inline int reame_q0_weight(const void * vx, int q5, int i, int j) {
     if (!q5) return ((const block_q8_0 *) vx)[i].qs[j];
     const block_q5_0 * x = (const block_q5_0 *) vx + i;
@@ -722,15 +728,15 @@ static void reame_q0_canon(int q5, int n, int nr, int nc, float * s, size_t bs, 
     for (int r = 0; r < nr; ++r)
         for (int c = 0; c < nc; ++c) {
             const block_q8_0 * y = (const block_q8_0 *) (vy + (size_t) c * by);
-            float acc = 0.0f;
+            float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             for (int i = 0; i < nb; ++i) {
                 int32_t S = 0;
                 for (int j = 0; j < QK8_0; ++j) S += reame_q0_weight(vx + (size_t) r * bx, q5, i, j) * y[i].qs[j];
                 const float dx = GGML_CPU_FP16_TO_FP32(q5 ? ((const block_q5_0 *) (vx + (size_t) r * bx))[i].d
                                                           : ((const block_q8_0 *) (vx + (size_t) r * bx))[i].d);
-                acc = fmaf((float) S * dx, GGML_CPU_FP16_TO_FP32(y[i].d), acc);
+                a[i >> 2 & 3] = fmaf((float) S * dx, GGML_CPU_FP16_TO_FP32(y[i].d), a[i >> 2 & 3]);
             }
-            s[(size_t) c * bs + r] = acc;
+            s[(size_t) c * bs + r] = (a[0] + a[2]) + (a[1] + a[3]);
         }
 }
 #if defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11)
@@ -957,6 +963,14 @@ static inline __attribute__((always_inline)) void reame_q0_amx_float(
         acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(C + 16 * t)), d),
                                  _mm512_set1_ps(dy[t]), acc[t]);
 }
+// an accumulator's end: its 16 tokens' sums to A, and the registers back to 0
+static inline __attribute__((always_inline)) void reame_q0_amx_flush(__m512 acc[16], float * A) {
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+        _mm512_store_ps(A + 16 * t, acc[t]);
+        acc[t] = _mm512_setzero_ps();
+    }
+}
 // a weight block as 32 signed bytes, and its scale
 static inline __attribute__((always_inline)) __m256i reame_q0_bytes(const char * xr, int q5, int i, float * dx) {
     if (q5) {
@@ -978,16 +992,24 @@ static inline __attribute__((always_inline)) __m256i reame_q0_bytes(const char *
 // values, row stride by); the weights of 16 rows are unpacked once for all the tokens into
 // the tiles' 4-byte-group layout (W: [nb][8 groups][16 rows x 4], a 16 x 8 transpose in
 // registers), while the tiles of the row tile before run, the next 16 rows are prefetched.
-// Two tile sets in turn (blocks i and i + 1): the next block's multiply is issued before this
-// one's sums are stored, and its float steps (16 accumulators of 16 rows in registers) run
-// meanwhile.
+// The blocks go accumulator by accumulator (reame_q0_canon's a_e: blocks 0-3, 16-19, ...,
+// then 4-7, 20-23, ...), 16 accumulators of 16 rows in registers, stored at an a_e's end.
+// Two tile sets in turn: the next block's multiply is issued before this one's sums are
+// stored, and its float steps run meanwhile.
 __attribute__((target("amx-tile,amx-int8")))
 static void reame_q0_amx(int q5, int n, int nr, int nc, float * s, size_t bs, const char * vx, size_t bx,
                          const char * vy, size_t by) {
     const int nb = n / QK8_0, nt = (nc + 15) / 16, tl = nc % 16;
+    int ord[nb], last[nb];  // the blocks in accumulator order; whether the last of its accumulator
+    for (int e = 0, o = 0; e < 4; ++e)
+        for (int i = 4 * e; i < nb; i += 16)
+            for (int q = i; q < i + 4 && q < nb; ++q, ++o) {
+                ord[o] = q;
+                last[o] = q + 1 == nb || (q == i + 3 && i + 16 >= nb);
+            }
     // W [nb][8][16][4]; DX [nb][16]; DY [token tiles][nb][16]; Y: a last partial token tile [nb][16][32]
     const size_t w_sz = (size_t) nb * 512, dx_sz = (size_t) nb * 64, dy_sz = (size_t) nt * nb * 64,
-                 y_sz = (size_t) nb * 512, need = w_sz + dx_sz + dy_sz + y_sz + 2 * 1024;
+                 y_sz = (size_t) nb * 512, need = w_sz + dx_sz + dy_sz + y_sz + 2 * 1024 + 4 * 1024;
     if (!reame_amx_ok()) {
         reame_q0_canon(q5, n, nr, nc, s, bs, vx, bx, vy, by);
         return;
@@ -1000,6 +1022,9 @@ static void reame_q0_amx(int q5, int n, int nr, int nc, float * s, size_t bs, co
     uint8_t * Y = W + w_sz + dx_sz + dy_sz;
     float * DX = (float *) (W + w_sz), * DY = (float *) ((uint8_t *) DX + dx_sz);
     int32_t * Cb = (int32_t *) (Y + y_sz);
+    float * A = (float *) (Cb + 512);  // [4 accumulators][16 tokens][16 rows]
+    for (int e = 0; e < 4; ++e)
+        if (4 * e >= nb) memset(A + e * 256, 0, 1024);  // (an accumulator no block reaches)
     reame_tilecfg cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
@@ -1063,35 +1088,40 @@ static void reame_q0_amx(int q5, int n, int nr, int nc, float * s, size_t bs, co
             __m512 acc[16];
 #pragma GCC unroll 16
             for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-            _tile_loadd(0, ya, yst);
-            _tile_loadd(1, W, 64);
+            _tile_loadd(0, ya + ord[0] * ys, yst);
+            _tile_loadd(1, W + (size_t) ord[0] * 512, 64);
             _tile_zero(2);
             _tile_dpbssd(2, 0, 1);
-            for (int i = 0; i < nb; i += 2) {
+            for (int o = 0; o < nb; o += 2) {
                 for (int k = 0; k < 2 * per && pf < pf_end; ++k, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
-                if (i + 1 < nb) {
-                    _tile_loadd(4, ya + (i + 1) * ys, yst);
-                    _tile_loadd(5, W + (size_t) (i + 1) * 512, 64);
+                if (o + 1 < nb) {
+                    _tile_loadd(4, ya + ord[o + 1] * ys, yst);
+                    _tile_loadd(5, W + (size_t) ord[o + 1] * 512, 64);
                     _tile_zero(3);
                     _tile_dpbssd(3, 4, 5);
                 }
                 _tile_stored(2, Cb, 64);
-                reame_q0_amx_float(Cb, DX + i * 16, dt + i * 16, acc);
-                if (i + 1 < nb) {
-                    if (i + 2 < nb) {
-                        _tile_loadd(0, ya + (i + 2) * ys, yst);
-                        _tile_loadd(1, W + (size_t) (i + 2) * 512, 64);
+                reame_q0_amx_float(Cb, DX + ord[o] * 16, dt + ord[o] * 16, acc);
+                if (last[o]) reame_q0_amx_flush(acc, A + (ord[o] >> 2 & 3) * 256);
+                if (o + 1 < nb) {
+                    if (o + 2 < nb) {
+                        _tile_loadd(0, ya + ord[o + 2] * ys, yst);
+                        _tile_loadd(1, W + (size_t) ord[o + 2] * 512, 64);
                         _tile_zero(2);
                         _tile_dpbssd(2, 0, 1);
                     }
                     _tile_stored(3, Cb + 256, 64);
-                    reame_q0_amx_float(Cb + 256, DX + (i + 1) * 16, dt + (i + 1) * 16, acc);
+                    reame_q0_amx_float(Cb + 256, DX + ord[o + 1] * 16, dt + ord[o + 1] * 16, acc);
+                    if (last[o + 1]) reame_q0_amx_flush(acc, A + (ord[o + 1] >> 2 & 3) * 256);
                 }
             }
             const __mmask16 m = (__mmask16) ((1u << rows) - 1);
-#pragma GCC unroll 16
-            for (int t = 0; t < 16; ++t)
-                if (t < tk) _mm512_mask_storeu_ps(s + (size_t) (16 * T + t) * bs + r0, m, acc[t]);
+            for (int t = 0; t < tk; ++t) {  // (a_0 + a_2) + (a_1 + a_3)
+                const float * a = A + 16 * t;
+                _mm512_mask_storeu_ps(s + (size_t) (16 * T + t) * bs + r0, m,
+                                      _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(a), _mm512_load_ps(a + 512)),
+                                                    _mm512_add_ps(_mm512_load_ps(a + 256), _mm512_load_ps(a + 768))));
+            }
         }
     }
     _tile_release();
@@ -1121,20 +1151,17 @@ void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void
     }
 }
 // reame: Q8_0 and Q5_0 weights (against q8_0 tokens) in 512-bit registers, one token or
-// many. A register holds two 32-value blocks; the weight side (5-bit unpacking, absolute
-// values, signs, the blocks' scales) is done once for up to REAME_COLS tokens, and a token
-// costs a load, a sign flip (ggml's abs/sign trick: |w| . (y * sign w)), one vpdpbusd and
-// three float steps per two blocks. The row kernels take a range of rows, so the token
-// scales are converted once a call (dy below). The float steps are the same whatever the
-// number of tokens, so a token gets the same bits alone or batched (not ggml's one-row
-// kernel's bits: its lanes are summed in another order).
-static inline __m512 reame_halves_ps(float lo, float hi) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(lo)), _mm256_set1_ps(hi), 1);
-}
-// a pair of weight blocks: |w| as bytes, the mask of negative weights, 8 x dx per half
-static inline __attribute__((always_inline)) void reame_q0_pair(
-        const void * vx, int i, const int q5, __m512i * ax, __mmask64 * neg, __m512 * dx) {
-    if (q5) {
+// many, with the arithmetic of reame_q0_canon (four accumulators by block index, see there),
+// so a token gets the same bits alone, batched, or through the AMX tiles. A register holds
+// two 32-value blocks as unsigned bytes (w + 128: an xor for Q8_0); vpdpbusd against the
+// token's signed bytes gives 16 dword sums, and 8 such registers (16 blocks) fold into one of
+// 16 block sums (reame_q0_sums16: 14 shuffles and 7 adds), less 128 x the token's block sums
+// (computed once a call) = the exact S_i. Then per 16 blocks: one conversion, one multiply
+// by the rows' 16 scales (a gather, once for all the tokens) and four fused steps on 128-bit
+// quarters, one per block-index accumulator. The weight side (unpacking, scales) is done once
+// for up to REAME_COLS tokens.
+static inline __attribute__((always_inline)) __m512i reame_q0_pair(const void * vx, int i, const int q5) {
+    if (q5) {  // two blocks as w + 128 = nib + 16 h + 112
         const block_q5_0 * x = (const block_q5_0 *) vx + i;
         // value j < 16: low nibble of qs[j]; j >= 16: high nibble of qs[j - 16]
         const __m256i q01 = MM256_SET_M128I(_mm_loadu_si128((const __m128i *) x[1].qs), _mm_loadu_si128((const __m128i *) x[0].qs));
@@ -1143,63 +1170,114 @@ static inline __attribute__((always_inline)) void reame_q0_pair(
         uint32_t h0, h1;
         memcpy(&h0, x[0].qh, 4);
         memcpy(&h1, x[1].qh, 4);
-        const __mmask64 hb = (__mmask64) h0 | ((__mmask64) h1 << 32);  // 5th bit set: w = nib >= 0
-        *ax = _mm512_mask_mov_epi8(_mm512_sub_epi8(_mm512_set1_epi8(16), nib), hb, nib);
-        *neg = ~hb;
-        *dx = reame_halves_ps(GGML_CPU_FP16_TO_FP32(x[0].d), GGML_CPU_FP16_TO_FP32(x[1].d));
-    } else {
-        const block_q8_0 * x = (const block_q8_0 *) vx + i;
-        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) x[0].qs)),
-                                             _mm256_loadu_si256((const __m256i *) x[1].qs), 1);
-        *ax = _mm512_abs_epi8(w);
-        *neg = _mm512_movepi8_mask(w);
-        *dx = reame_halves_ps(GGML_CPU_FP16_TO_FP32(x[0].d), GGML_CPU_FP16_TO_FP32(x[1].d));
+        const __m512i u = _mm512_add_epi8(nib, _mm512_set1_epi8(112));
+        return _mm512_mask_add_epi8(u, (__mmask64) h0 | ((__mmask64) h1 << 32), u, _mm512_set1_epi8(16));
     }
+    const block_q8_0 * x = (const block_q8_0 *) vx + i;
+    return _mm512_xor_si512(reame_pair(_mm256_loadu_si256((const __m256i *) x[0].qs), _mm256_loadu_si256((const __m256i *) x[1].qs)),
+                            _mm512_set1_epi8((char) 0x80));
 }
-// nc (1..REAME_COLS) tokens against one weight row of nb blocks (nb even); dy[c*nb + i]:
-// token c's scale of block i as a float
-static inline __attribute__((always_inline)) void reame_q0_512_cols(
-        int nb, const void * vx, const int q5, const block_q8_0 * y0, size_t by, const float * dy,
-        float * s, size_t bs, const int nc) {
-    const size_t xb = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0);
-    __m512 acc[REAME_COLS];
-    for (int c = 0; c < nc; ++c) acc[c] = _mm512_setzero_ps();
-    for (int i = 0; i < nb; i += 2) {
-        for (int o = 0; o < (int) (2 * xb); o += 64) _mm_prefetch((const char *) vx + (i + REAME_PREFETCH) * xb + o, _MM_HINT_T0);
-        __m512i ax;
-        __mmask64 neg;
-        __m512 dx;
-        reame_q0_pair(vx, i, q5, &ax, &neg, &dx);
-        for (int c = 0; c < nc; ++c) {
-            const block_q8_0 * y = (const block_q8_0 *) ((const char *) y0 + c*by) + i;
-            const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) y[0].qs)),
-                                                 _mm256_loadu_si256((const __m256i *) y[1].qs), 1);
-            const __m512i sumi = REAME_DPBUSD512(ax, _mm512_mask_sub_epi8(q, neg, _mm512_setzero_si512(), q));
-            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sumi), dx);
-            acc[c] = _mm512_fmadd_ps(t, reame_halves_ps(dy[c*nb + i], dy[c*nb + i + 1]), acc[c]);
+// a token's blocks i and i + 1, 64 signed bytes
+static inline __m512i reame_q0_tok(const block_q8_0 * y, int i) {
+    return reame_pair(_mm256_loadu_si256((const __m256i *) y[i].qs), _mm256_loadu_si256((const __m256i *) y[i + 1].qs));
+}
+// R[j]: 16 dword sums of blocks 2j (lanes 0-7) and 2j + 1 (8-15) -> the 16 blocks' sums,
+// lane 4k + e holding block 4e + k (so 128-bit quarter k: blocks k, 4 + k, 8 + k, 12 + k)
+static inline __attribute__((always_inline)) __m512i reame_q0_sums16(const __m512i R[8]) {
+    __m512i P[4];
+    for (int m = 0; m < 4; ++m)  // quarter k of P[m]: block 4m + k, 4 sums
+        P[m] = _mm512_add_epi32(_mm512_shuffle_i32x4(R[2 * m], R[2 * m + 1], 0x88),
+                                _mm512_shuffle_i32x4(R[2 * m], R[2 * m + 1], 0xDD));
+    // quarter k: blocks k and 4 + k (Q0), 8 + k and 12 + k (Q1), 2 sums each
+    const __m512i Q0 = _mm512_add_epi32(_mm512_unpacklo_epi64(P[0], P[1]), _mm512_unpackhi_epi64(P[0], P[1]));
+    const __m512i Q1 = _mm512_add_epi32(_mm512_unpacklo_epi64(P[2], P[3]), _mm512_unpackhi_epi64(P[2], P[3]));
+    const __m512 a = _mm512_castsi512_ps(Q0), b = _mm512_castsi512_ps(Q1);
+    return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(a, b, 0x88)), _mm512_castps_si512(_mm512_shuffle_ps(a, b, 0xDD)));
+}
+// the block in lane l of reame_q0_sums16's result, and as byte offsets (blocks of xs bytes)
+static const int reame_q0_lane_block[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+static inline __m512i reame_q0_lane_offsets(size_t xs) {
+    return _mm512_mullo_epi32(_mm512_loadu_si512(reame_q0_lane_block), _mm512_set1_epi32((int) xs));
+}
+// a token's per-call tables, in reame_q0_sums16's lane order, 16 lanes a group of 16 blocks
+// (zeros past nb): dy, its block scales; sy, 128 x its block sums
+static void reame_q0_token_tables(int nb, const block_q8_0 * y, float * dy, int32_t * sy) {
+    for (int g = 0; g < (nb + 15) / 16; ++g) {
+        const int i0 = 16 * g, np = nb - i0 >= 16 ? 8 : (nb - i0) / 2;
+        __m512i R[8];
+        for (int j = 0; j < 8; ++j)
+            R[j] = j < np ? REAME_DPBUSD512(_mm512_set1_epi8(1), reame_q0_tok(y, i0 + 2 * j)) : _mm512_setzero_si512();
+        _mm512_storeu_si512(sy + 16 * g, _mm512_slli_epi32(reame_q0_sums16(R), 7));
+        for (int l = 0; l < 16; ++l) {
+            const int p = reame_q0_lane_block[l];
+            dy[16 * g + l] = i0 + p < nb ? GGML_CPU_FP16_TO_FP32(y[i0 + p].d) : 0.0f;
         }
     }
-    for (int c = 0; c < nc; ++c) s[c*bs] = _mm512_reduce_add_ps(acc[c]);
 }
-// up to 32 tokens share a pass over the rows (a row stays in L1 for their groups of 8)
+// the four accumulators (128-bit lanes e = block index / 4 mod 4) summed as reame_q0_canon does
+static inline float reame_q0_total(__m128 a) {
+    const __m128 h = _mm_add_ps(a, _mm_movehl_ps(a, a));  // a0 + a2, a1 + a3
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+// nc (1..REAME_COLS) tokens against one weight row of nb blocks (nb even); dy, sy: the
+// tokens' tables (reame_q0_token_tables), ng16 floats / ints a token
+static inline __attribute__((always_inline)) void reame_q0_512_cols(
+        int nb, const void * vx, const int q5, const block_q8_0 * y0, size_t by, const float * dy, const int32_t * sy,
+        size_t ng16, float * s, size_t bs, const int nc) {
+    const size_t xs = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0);
+    const __m512i offs = reame_q0_lane_offsets(xs);
+    __m128 acc[REAME_COLS];
+    for (int c = 0; c < nc; ++c) acc[c] = _mm_setzero_ps();
+    for (int i0 = 0; i0 < nb; i0 += 16) {
+        const int np = nb - i0 >= 16 ? 8 : (nb - i0) / 2;
+        // the lanes whose blocks are in the row (the others get S = 0, dx = 0 and dy = 0, and add
+        // +0 to an accumulator, which changes none: it is never -0, the products being far
+        // above float's smallest)
+        const __mmask16 live = _mm512_cmplt_epi32_mask(offs, _mm512_set1_epi32((int) ((nb - i0) * xs)));
+        __m512i w[8];
+        for (int j = 0; j < 8; ++j) {
+            for (int o = 0; o < (int) (2 * xs); o += 64) _mm_prefetch((const char *) vx + (i0 + 2 * j + REAME_PREFETCH) * xs + o, _MM_HINT_T0);
+            w[j] = j < np ? reame_q0_pair(vx, i0 + 2 * j, q5) : _mm512_setzero_si512();
+        }
+        const __m512i dh = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, offs, (const char *) vx + i0 * xs, 1);
+        const __m512 dx = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh));
+        for (int c = 0; c < nc; ++c) {
+            const block_q8_0 * y = (const block_q8_0 *) ((const char *) y0 + c*by);
+            __m512i R[8];
+            for (int j = 0; j < 8; ++j) R[j] = j < np ? REAME_DPBUSD512(w[j], reame_q0_tok(y, i0 + 2 * j)) : _mm512_setzero_si512();
+            const size_t g = (size_t) c * ng16 + i0;
+            const __m512i S = _mm512_sub_epi32(reame_q0_sums16(R), _mm512_loadu_si512(sy + g));
+            const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(S), dx);
+            const float * d = dy + g;
+            // quarter k: blocks 4e + k for e = 0..3, into accumulator e
+            acc[c] = _mm_fmadd_ps(_mm512_castps512_ps128(t), _mm_loadu_ps(d), acc[c]);
+            acc[c] = _mm_fmadd_ps(_mm512_extractf32x4_ps(t, 1), _mm_loadu_ps(d + 4), acc[c]);
+            acc[c] = _mm_fmadd_ps(_mm512_extractf32x4_ps(t, 2), _mm_loadu_ps(d + 8), acc[c]);
+            acc[c] = _mm_fmadd_ps(_mm512_extractf32x4_ps(t, 3), _mm_loadu_ps(d + 12), acc[c]);
+        }
+    }
+    for (int c = 0; c < nc; ++c) s[c*bs] = reame_q0_total(acc[c]);
+}
+// up to 16 tokens share a pass over the rows (a row stays in L1 for their groups of REAME_COLS)
 static void reame_q0_512_rows(int q5, int n, int nr, int nc, float * s, size_t bs, const char * vx, size_t bx,
                               const char * vy, size_t by) {
     const int nb = n / QK8_0;
-    for (int cs = 0; cs < nc; cs += 32) {
-        const int ms = nc - cs < 32 ? nc - cs : 32;
-        float dy[32 * nb];
-        for (int c = 0; c < ms; ++c) {
-            const block_q8_0 * yc = (const block_q8_0 *) (vy + (cs + c)*by);
-            for (int i = 0; i < nb; ++i) dy[c*nb + i] = GGML_CPU_FP16_TO_FP32(yc[i].d);
-        }
+    const size_t ng16 = (size_t) (nb + 15) / 16 * 16;
+    for (int cs = 0; cs < nc; cs += 16) {
+        const int ms = nc - cs < 16 ? nc - cs : 16;
+        float dy[16 * ng16];
+        int32_t sy[16 * ng16];
+        for (int c = 0; c < ms; ++c)
+            reame_q0_token_tables(nb, (const block_q8_0 *) (vy + (cs + c)*by), dy + c*ng16, sy + c*ng16);
         for (int r = 0; r < nr; ++r) {
             const char * xr = vx + r*bx;
             for (int c0 = 0; c0 < ms; c0 += REAME_COLS) {
                 const block_q8_0 * y = (const block_q8_0 *) (vy + (cs + c0)*by);
-                const float * d = dy + c0*nb;
+                const float * d = dy + c0*ng16;
+                const int32_t * sc = sy + c0*ng16;
                 float * sr = s + r + (cs + c0)*bs;
-                if (q5) REAME_COLS_DISPATCH(ms - c0, reame_q0_512_cols, nb, xr, 1, y, by, d, sr, bs);
-                else REAME_COLS_DISPATCH(ms - c0, reame_q0_512_cols, nb, xr, 0, y, by, d, sr, bs);
+                if (q5) REAME_COLS_DISPATCH(ms - c0, reame_q0_512_cols, nb, xr, 1, y, by, d, sc, ng16, sr, bs);
+                else REAME_COLS_DISPATCH(ms - c0, reame_q0_512_cols, nb, xr, 0, y, by, d, sc, ng16, sr, bs);
             }
         }
     }

@@ -243,6 +243,28 @@ static void make_q0_row(int q5, int kind, int nb, char * row, float * f) {
     }
 }
 
+static int q0_int(const char * row, int q5, int i, int j) {  // weight j of block i, as an integer
+    if (!q5) return ((const block_q8_0 *) row)[i].qs[j];
+    const block_q5_0 * x = (const block_q5_0 *) row + i;
+    const int lo = x->qs[j % 16], nib = j < 16 ? lo & 15 : lo >> 4;
+    return nib + 16 * ((x->qh[j / 8] >> (j % 8)) & 1) - 16;
+}
+// The arithmetic of every Q8_0/Q5_0 kernel (reame-kernels.c, reame_q0_canon), per (row,
+// token), stated here on its own: S_i = the exact integer sum of block i, four accumulators
+// a_e = fma((float) S_i * dx_i, dy_i, a_e) with e = (i / 4) mod 4 for i = 0 .. nb - 1 in
+// order, and the result (a_0 + a_2) + (a_1 + a_3)
+static float q0_ref(const char * row, int q5, int nb, const block_q8_0 * y) {
+    const size_t xs = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0);
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i = 0; i < nb; ++i) {
+        int32_t S = 0;
+        for (int j = 0; j < 32; ++j) S += q0_int(row, q5, i, j) * y[i].qs[j];
+        ggml_half dh;
+        memcpy(&dh, row + i * xs, sizeof(dh));
+        a[(i / 4) % 4] = fmaf((float) S * ggml_fp16_to_fp32(dh), ggml_fp16_to_fp32(y[i].d), a[(i / 4) % 4]);
+    }
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
 // The Q8_0/Q5_0 kernels (reame_mm_*_0_q8_0_512: nr rows at once) on 3 rows of nb blocks
 // (n = 32 nb; 0.5B: 28 and 152) against 40 q8_0 tokens: kind 0 quantized from random floats,
 // 1 random bits (q8_0 tokens: random values in -127..127, as quantize_row_q8_0 makes), 2
@@ -253,6 +275,7 @@ static void test_q0(int q5) {
     const char * name = q5 ? "reame_mm_q5_0_q8_0_512" : "reame_mm_q8_0_q8_0_512";
     const size_t xs = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0);
     struct kernel K = {name, q5, NULL, NTOK, 0, 0, 0, 0, 0.0};  // (q6: here Q5_0 or Q8_0)
+    long n_ref = 0;
     for (size_t inb = 0; inb < sizeof(nbs) / sizeof(nbs[0]); ++inb) {
         const int nb = nbs[inb], n = nb * 32;
         const size_t by = nb * sizeof(block_q8_0);
@@ -272,6 +295,9 @@ static void test_q0(int q5) {
                     float got;
                     (q5 ? reame_mm_q5_0_q8_0_512 : reame_mm_q8_0_q8_0_512)(n, 1, 1, &got, 1, row, nb * xs, y, by);
                     one[c * Q0_ROWS + r] = got;
+                    const float want = q0_ref(row, q5, nb, y);
+                    if (bits(got) == bits(want)) n_ref++;
+                    else fail("= the arithmetic of reame_q0_canon", name, nb, rep, 1, c, got, want);
                     double e = 0.0, m = 0.0;
                     for (int j = 0; j < n; ++j) {
                         const double a = (double) ggml_fp16_to_fp32(y[j / 32].d) * y[j / 32].qs[j % 32];
@@ -304,8 +330,8 @@ static void test_q0(int q5) {
         free(acts); free(w); free(f); free(wf); free(one); free(out);
     }
     printf("  %-28s %6ld batched results (k = 1..%d tokens, %d rows) bit-equal to one token and row at a time, "
-           "%ld within the accuracy bound (worst error %.3f of the float rounding bound)\n",
-           name, K.n_batched, NTOK, Q0_ROWS, K.n_acc, K.worst);
+           "%ld of those bit-equal to their arithmetic computed here, %ld within the accuracy bound (worst error "
+           "%.3f of the float rounding bound)\n", name, K.n_batched, NTOK, Q0_ROWS, n_ref, K.n_acc, K.worst);
 }
 #endif
 
@@ -317,12 +343,6 @@ static void test_q0(int q5) {
 // remainders), 37, 16 or 5 rows and k = 1..40 or 120..140 tokens a call; and accuracy.
 #define Q0A_ROWS 37
 #define Q0A_TOK 140
-static int q0_int(const char * row, int q5, int i, int j) {  // weight j of block i, as an integer
-    if (!q5) return ((const block_q8_0 *) row)[i].qs[j];
-    const block_q5_0 * x = (const block_q5_0 *) row + i;
-    const int lo = x->qs[j % 16], nib = j < 16 ? lo & 15 : lo >> 4;
-    return nib + 16 * ((x->qh[j / 8] >> (j % 8)) & 1) - 16;
-}
 static void test_q0_amx(int q5) {
     static const int nbs[] = {1, 2, 3, 28, 152};
     static const int nrs[] = {Q0A_ROWS, 16, 5};
@@ -343,15 +363,8 @@ static void test_q0_amx(int q5) {
             if (q5) dequantize_row_q5_0((const block_q5_0 *) row, wf, n); else dequantize_row_q8_0((const block_q8_0 *) row, wf, n);
             for (int c = 0; c < Q0A_TOK; ++c) {
                 const block_q8_0 * y = (const block_q8_0 *) ((const char *) acts + c * by);
-                float acc = 0.0f;
+                const float acc = q0_ref(row, q5, nb, y);
                 double e = 0.0, m = 0.0;
-                for (int i = 0; i < nb; ++i) {
-                    int32_t S = 0;
-                    for (int j = 0; j < 32; ++j) S += q0_int(row, q5, i, j) * y[i].qs[j];
-                    ggml_half dh;
-                    memcpy(&dh, row + i * xs, sizeof(dh));
-                    acc = fmaf((float) S * ggml_fp16_to_fp32(dh), ggml_fp16_to_fp32(y[i].d), acc);
-                }
                 for (int j = 0; j < n; ++j) {
                     const double a = (double) ggml_fp16_to_fp32(y[j / 32].d) * y[j / 32].qs[j % 32];
                     e += (double) wf[j] * a;

@@ -20,8 +20,12 @@
 // With the AMX tiles (n = 8960, 512 rows): 21, 11, 5.5, 2.9, 1.5 and 1.1 ns at 1, 2, 4, 8,
 // 16 and 32 tokens, against 6.3, 4.3, 3.6, 4.2, 4.3 and 4.3 for the 512-bit kernel beside it
 // (which, where AMX is, takes the tiles' arithmetic).
-// Q5_0 (n = 896, 256 rows): 1.4 ns per block-token for one token against ggml's 1.7, 0.61
-// from 8 tokens on against 1.4; Q8_0: 1.3 against 1.35, and 0.6 against 1.0.
+// Q5_0 (n = 896, 256 rows): 1.41 ns per block-token for one token against ggml's 1.82, 0.66
+// from 16 tokens on; AMX tiles 3.7 at one token, 0.87 at 4, 0.42 at 8, 0.22 at 16 and 0.17
+// at 32. Q8_0: 1.19 against 1.59, 0.63 from 8 tokens; tiles 0.32 at 8, 0.13 at 32. (The
+// 512-bit kernel with 16 block sums a register and four accumulators, the tiles' arithmetic,
+// against its predecessor's per-lane float steps: Q5_0 1.76 -> 1.41 at one token and 0.73 ->
+// 0.66 from 8; Q8_0 1.55 -> 1.19 and 0.71 -> 0.63.)
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -38,6 +42,8 @@ void reame_mm_q5_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const v
 void reame_mm_q4_K_q8_K_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 int reame_amx_ok(void);
 void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q8_0_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q5_0_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 
 static double now(void) {
     struct timespec t;
@@ -84,9 +90,9 @@ int main(int argc, char ** argv) {
             else for (int r = 0; r < rows; ++r) reame_vec_dot_q6_K_q8_K_512(n, k, out + r, rows, w + r * rs, y, by);
             double t = now() - t0;
             best = t < best ? t : best;
-            if (type == 0 && reame_amx_ok()) {  // the AMX tiles (ggml-cpu.c takes them from 8 tokens)
+            if (type != 1 && reame_amx_ok()) {  // the AMX tiles (ggml-cpu.c takes them from REAME_AMX_MIN tokens)
                 t0 = now();
-                reame_mm_q4_K_amx(n, rows, k, out, rows, w, rs, y, by);
+                (type == 0 ? reame_mm_q4_K_amx : type == 2 ? reame_mm_q8_0_amx : reame_mm_q5_0_amx)(n, rows, k, out, rows, w, rs, y, by);
                 t = now() - t0;
                 best_amx = t < best_amx ? t : best_amx;
             }
