@@ -1855,7 +1855,10 @@ class Sampler:
 
     Plain greedy (no penalties) with numpy is an argmax over the logits: the same token
     as llama.cpp's greedy sampler (the first maximum), 20x cheaper than building its
-    candidate array over the whole vocabulary (~1 ms for 262k tokens here).
+    candidate array over the whole vocabulary (~1 ms for 262k tokens here). Greedy with a
+    logit_bias too: the biases added in place in float32, in the chain's order (its
+    logit_bias sampler's adds), the argmax, the logits put back (sampling was 8% of a
+    16-chat server's time through the chain).
 
     A grammar is never part of the chain: llama.cpp's grammar sampler aborts the
     process (GGML_ABORT, or a C++ exception through ctypes) when it must accept a token
@@ -1872,6 +1875,12 @@ class Sampler:
                      or params.logit_bias)  # (each changes the logits: no argmax shortcut)
         self._greedy = _np is not None and params.temperature <= 0 and not penalties
         self._argmax = self._greedy
+        self._bias = None  # (token ids, float32 biases): greedy with only a logit_bias
+        if (_np is not None and params.temperature <= 0 and params.logit_bias and params.repeat_penalty == 1.0
+                and not params.presence_penalty and not params.frequency_penalty):
+            self._argmax = True
+            self._bias = (_np.array([t for t, _ in params.logit_bias], dtype=_np.intp),
+                          _np.array([b for _, b in params.logit_bias], dtype=_np.float32))
         self._penalties = self._grammar = None
         self._model = model
         self._lazy, self._triggers, self._said = bool(params.lazy_grammar), params.triggers, []  # (_watch)
@@ -1920,7 +1929,14 @@ class Sampler:
         if self._grammar is None:
             if self._argmax:
                 logits = _np.ctypeslib.as_array(self._logits_ith(ctx.ptr, idx), shape=(self._n_vocab,))
-                tok = int(logits.argmax())
+                if self._bias is None:
+                    tok = int(logits.argmax())
+                else:
+                    ids, bias = self._bias
+                    saved = logits[ids]
+                    _np.add.at(logits, ids, bias)  # (one add per entry, in order, as the chain's)
+                    tok = int(logits.argmax())
+                    logits[ids] = saved
             else:
                 tok = self._sample(self._ptr, ctx.ptr, idx)
             if self._lazy:

@@ -4472,6 +4472,46 @@ def test_server_embeddings_with_openai_client(server, gemma):
     assert _http(server, "POST", "/v1/embeddings", {"input": "x"}, key=None)[0] == 401
 
 
+def test_greedy_logit_bias_is_the_chains_token(qwen_model):
+    """Greedy with a logit_bias takes numpy's path (the biases added in place, the argmax,
+    the logits put back): on real logits, near-ties made and broken by biases, repeated
+    entries, the token is the one llama.cpp's chain (logit_bias, then greedy) picks, and
+    the logits are left as they were."""
+    import numpy as np
+    ctx = reame.Context(qwen_model, n_ctx=256, n_seq_max=1)
+    try:
+        toks = qwen_model.tokenize("The capital of France is Paris. The capital of Italy is", add_special=True)
+        batch = reame.Batch(len(toks))
+        for i, t in enumerate(toks):
+            batch.add(t, i, 0, True)
+        ctx.decode(batch)
+        rng = random.Random(7)
+        checked = 0
+        for row in range(len(toks)):
+            logits = np.ctypeslib.as_array(reame.lib().llama_get_logits_ith(ctx.ptr, row), shape=(qwen_model.n_vocab,))
+            before = logits.copy()
+            order = np.argsort(-logits)
+            top, second = int(order[0]), int(order[1])
+            gap = float(logits[top] - logits[second])
+            for bias in (((top, -100.0),), ((second, gap),), ((second, gap + 1e-3), (top, 0.0)),
+                         ((second, gap / 2), (second, gap / 2)), ((top, -gap), (second, 0.0), (top, 0.0)),
+                         tuple((rng.randrange(qwen_model.n_vocab), rng.uniform(-100, 100)) for _ in range(8))):
+                p = reame.SamplingParams(temperature=0.0, logit_bias=bias)
+                fast, chain = reame.Sampler(qwen_model, p), reame.Sampler(qwen_model, p)
+                assert fast._bias is not None
+                chain._argmax, chain._bias = False, None  # (llama.cpp's chain: logit_bias, greedy)
+                try:
+                    assert fast.sample(ctx, row) == chain.sample(ctx, row), (row, bias)
+                finally:
+                    fast.close()
+                    chain.close()
+                assert np.array_equal(logits, before)
+                checked += 1
+        assert checked == 6 * len(toks)
+    finally:
+        ctx.close()
+
+
 def test_server_api_gaps_real_clients_hit(qwen):
     """What the openai client sends and expects: tool_choice=None (JSON null) is "absent";
     a tool whose parameters hold $defs/$ref (every nested pydantic model) is called with
