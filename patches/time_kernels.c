@@ -25,7 +25,10 @@
 // at 32. Q8_0: 1.19 against 1.59, 0.63 from 8 tokens; tiles 0.32 at 8, 0.13 at 32. (The
 // 512-bit kernel with 16 block sums a register and four accumulators, the tiles' arithmetic,
 // against its predecessor's per-lane float steps: Q5_0 1.76 -> 1.41 at one token and 0.73 ->
-// 0.66 from 8; Q8_0 1.55 -> 1.19 and 0.71 -> 0.63.)
+// 0.66 from 8; Q8_0 1.55 -> 1.19 and 0.71 -> 0.63.) Tiles of 8 token rows for steps of up to
+// 8 tokens took 8 tokens to 0.35 (Q5_0) and 0.23 (Q8_0) here, and 4 tokens below the 512-bit
+// kernel, but the model did not move (llama-bench -p 8: 182-184 against 185 tok/s; -p 4 with
+// the tiles: 0.94x-0.96x), so they are not in the build and ggml-cpu.c gives the tiles 8+.
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
