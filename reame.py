@@ -1871,13 +1871,12 @@ class Sampler:
         L = lib()
         self._L = L
         self._n_vocab = model.n_vocab
-        penalties = (params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
-                     or params.logit_bias)  # (each changes the logits: no argmax shortcut)
+        reshape = params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+        penalties = reshape or params.logit_bias  # (each changes the logits: no plain argmax)
         self._greedy = _np is not None and params.temperature <= 0 and not penalties
         self._argmax = self._greedy
         self._bias = None  # (token ids, float32 biases): greedy with only a logit_bias
-        if (_np is not None and params.temperature <= 0 and params.logit_bias and params.repeat_penalty == 1.0
-                and not params.presence_penalty and not params.frequency_penalty):
+        if _np is not None and params.temperature <= 0 and params.logit_bias and not reshape:
             self._argmax = True
             self._bias = (_np.array([t for t, _ in params.logit_bias], dtype=_np.intp),
                           _np.array([b for _, b in params.logit_bias], dtype=_np.float32))
@@ -1907,7 +1906,7 @@ class Sampler:
                 bias[2 * i] = tok
                 bias[2 * i + 1] = struct.unpack("<i", struct.pack("<f", b))[0]  # (a float's bits)
             add(L.llama_sampler_init_logit_bias(model.n_vocab, len(p.logit_bias), bias))
-        if penalties and (p.repeat_penalty != 1.0 or p.presence_penalty or p.frequency_penalty):
+        if reshape:
             self._penalties = L.llama_sampler_init_penalties(model.n_vocab, p.penalty_last_n, p.repeat_penalty,
                                                              p.frequency_penalty, p.presence_penalty)
             add(self._penalties)

@@ -714,6 +714,7 @@ void reame_mm_q4_K_q8_K_512(int n, int nr, int nc, float * s, size_t bs, const v
 // 16 rows x 16 tokens (and take the blocks accumulator by accumulator). reame_q0_canon is
 // that arithmetic in plain C: the tiles' answer where they cannot run (their scratch not
 // allocated, no AMX), so a token's bits never depend on which.
+static inline int reame_q0_acc(int i) { return i >> 2 & 3; }  // block i's accumulator, e
 static inline int reame_q0_weight(const void * vx, int q5, int i, int j) {
     if (!q5) return ((const block_q8_0 *) vx)[i].qs[j];
     const block_q5_0 * x = (const block_q5_0 *) vx + i;
@@ -734,7 +735,7 @@ static void reame_q0_canon(int q5, int n, int nr, int nc, float * s, size_t bs, 
                 for (int j = 0; j < QK8_0; ++j) S += reame_q0_weight(vx + (size_t) r * bx, q5, i, j) * y[i].qs[j];
                 const float dx = GGML_CPU_FP16_TO_FP32(q5 ? ((const block_q5_0 *) (vx + (size_t) r * bx))[i].d
                                                           : ((const block_q8_0 *) (vx + (size_t) r * bx))[i].d);
-                a[i >> 2 & 3] = fmaf((float) S * dx, GGML_CPU_FP16_TO_FP32(y[i].d), a[i >> 2 & 3]);
+                a[reame_q0_acc(i)] = fmaf((float) S * dx, GGML_CPU_FP16_TO_FP32(y[i].d), a[reame_q0_acc(i)]);
             }
             s[(size_t) c * bs + r] = (a[0] + a[2]) + (a[1] + a[3]);
         }
@@ -1000,13 +1001,6 @@ __attribute__((target("amx-tile,amx-int8")))
 static void reame_q0_amx(int q5, int n, int nr, int nc, float * s, size_t bs, const char * vx, size_t bx,
                          const char * vy, size_t by) {
     const int nb = n / QK8_0, nt = (nc + 15) / 16, tl = nc % 16;
-    int ord[nb], last[nb];  // the blocks in accumulator order; whether the last of its accumulator
-    for (int e = 0, o = 0; e < 4; ++e)
-        for (int i = 4 * e; i < nb; i += 16)
-            for (int q = i; q < i + 4 && q < nb; ++q, ++o) {
-                ord[o] = q;
-                last[o] = q + 1 == nb || (q == i + 3 && i + 16 >= nb);
-            }
     // W [nb][8][16][4]; DX [nb][16]; DY [token tiles][nb][16]; Y: a last partial token tile [nb][16][32]
     const size_t w_sz = (size_t) nb * 512, dx_sz = (size_t) nb * 64, dy_sz = (size_t) nt * nb * 64,
                  y_sz = (size_t) nb * 512, need = w_sz + dx_sz + dy_sz + y_sz + 2 * 1024 + 4 * 1024;
@@ -1022,6 +1016,11 @@ static void reame_q0_amx(int q5, int n, int nr, int nc, float * s, size_t bs, co
     uint8_t * Y = W + w_sz + dx_sz + dy_sz;
     float * DX = (float *) (W + w_sz), * DY = (float *) ((uint8_t *) DX + dx_sz);
     int32_t * Cb = (int32_t *) (Y + y_sz);
+    int ord[nb], last[nb];  // the blocks in accumulator order; whether the next is another's
+    for (int e = 0, o = 0; e < 4; ++e)
+        for (int i = 0; i < nb; ++i)
+            if (reame_q0_acc(i) == e) ord[o++] = i;
+    for (int o = 0; o < nb; ++o) last[o] = o + 1 == nb || reame_q0_acc(ord[o + 1]) != reame_q0_acc(ord[o]);
     float * A = (float *) (Cb + 512);  // [4 accumulators][16 tokens][16 rows]
     for (int e = 0; e < 4; ++e)
         if (4 * e >= nb) memset(A + e * 256, 0, 1024);  // (an accumulator no block reaches)
@@ -1102,7 +1101,7 @@ static void reame_q0_amx(int q5, int n, int nr, int nc, float * s, size_t bs, co
                 }
                 _tile_stored(2, Cb, 64);
                 reame_q0_amx_float(Cb, DX + ord[o] * 16, dt + ord[o] * 16, acc);
-                if (last[o]) reame_q0_amx_flush(acc, A + (ord[o] >> 2 & 3) * 256);
+                if (last[o]) reame_q0_amx_flush(acc, A + reame_q0_acc(ord[o]) * 256);
                 if (o + 1 < nb) {
                     if (o + 2 < nb) {
                         _tile_loadd(0, ya + ord[o + 2] * ys, yst);
@@ -1112,7 +1111,7 @@ static void reame_q0_amx(int q5, int n, int nr, int nc, float * s, size_t bs, co
                     }
                     _tile_stored(3, Cb + 256, 64);
                     reame_q0_amx_float(Cb + 256, DX + ord[o + 1] * 16, dt + ord[o + 1] * 16, acc);
-                    if (last[o + 1]) reame_q0_amx_flush(acc, A + (ord[o + 1] >> 2 & 3) * 256);
+                    if (last[o + 1]) reame_q0_amx_flush(acc, A + reame_q0_acc(ord[o + 1]) * 256);
                 }
             }
             const __mmask16 m = (__mmask16) ((1u << rows) - 1);
