@@ -90,6 +90,9 @@ import zipfile
 import zlib
 from typing import Collection, Iterator, List, NamedTuple, Optional, Sequence
 
+# numpy here does vector work (logits, sampling), never BLAS: no OpenBLAS thread pool, whose
+# spinning threads take time from ggml's on a 2-core box (the user's setting wins)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 try:  # optional: faster logits work (used by later features)
     import numpy as _np
 except ImportError:  # pragma: no cover - depends on the machine

@@ -13,6 +13,10 @@
 //   reame_vec_dot_{q4,q6}_K_q8_K_mc    AVX2 or AVX; nc <= REAME_MC_MAX (32). Each column's
 //                                      result is bit-identical to ggml_vec_dot_{q4,q6}_K_q8_K
 //                                      for that column alone.
+//   reame_mm_{q8,q5}_0_q8_0_mc         AVX2 without AVX-512: Q8_0/Q5_0 weights against q8_0 tokens,
+//                                      nr rows at once (row r at vx + r*bx; s[r + c*bs]), any
+//                                      nc. Each result is bit-identical to
+//                                      ggml_vec_dot_{q8,q5}_0_q8_0 for that row and token alone.
 //   reame_vec_dot_{q4,q6}_K_q8_K_512   AVX-512 F+BW (VNNI when there); any nc. A column's
 //                                      result does not depend on nc or on the other columns.
 //   reame_mm_{q8,q5}_0_q8_0_512        AVX-512 F+BW, Q8_0/Q5_0 weights against q8_0 tokens,
@@ -40,6 +44,8 @@
 // the kernels defined below (ggml-cpu.c, which calls them, declares them too)
 void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
+void reame_mm_q8_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q5_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_mm_q8_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
@@ -203,6 +209,83 @@ void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
     }
     for (int c = 0; c < nc; ++c) s[c*bs] = hsum_float_8(acc[c]);
 }
+#if !(defined(__AVX512F__) && defined(__AVX512BW__))
+// reame: Q8_0/Q5_0 weights against q8_0 tokens, AVX2 (with AVX-512 the _512 kernels below take
+// them): each weight block unpacked once for up to 8 tokens, each token's result computed with
+// ggml_vec_dot_q{8,5}_0_q8_0's AVX2 operations (the same unpacking, mul_sum_i8_pairs_float, one
+// fused multiply-add per block into eight lanes, hsum_float_8), so its bits are that kernel's.
+// Small models whose width K-quant blocks do not divide are mostly these types.
+static inline __attribute__((always_inline)) __m256i reame_q0_x(const void * vx, const int q5, int i, float * dx) {
+    if (q5) {
+        const block_q5_0 * x = (const block_q5_0 *) vx + i;
+        *dx = GGML_CPU_FP16_TO_FP32(x->d);
+        const __m256i hi = _mm256_andnot_si256(bytes_from_bits_32(x->qh), _mm256_set1_epi8((char) 0xF0));
+        return _mm256_or_si256(bytes_from_nibbles_32(x->qs), hi);
+    }
+    const block_q8_0 * x = (const block_q8_0 *) vx + i;
+    *dx = GGML_CPU_FP16_TO_FP32(x->d);
+    return _mm256_loadu_si256((const __m256i *) x->qs);
+}
+// one row's results for g (<= 8) tokens; dyt: the tokens' scales, dyt[8*i + c] for block i
+// (NULL: converted where used)
+static inline __attribute__((always_inline)) void reame_q0_mc_cols(const int q5, const int g, int nb, float * s,
+        size_t bs, const char * xr, const char * vy, size_t by, const float * dyt) {
+    __m256 acc[8];
+    for (int c = 0; c < g; ++c) acc[c] = _mm256_setzero_ps();
+    for (int i = 0; i < nb; ++i) {
+        float dx;
+        const __m256i qx = reame_q0_x(xr, q5, i, &dx);
+        float d[8];  // dx * dy, as ggml's kernel rounds it (one product)
+        if (dyt) {
+            _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_set1_ps(dx), _mm256_loadu_ps(dyt + 8*i)));
+        } else {
+            for (int c = 0; c < g; ++c) d[c] = dx * GGML_CPU_FP16_TO_FP32(((const block_q8_0 *) (vy + c*by))[i].d);
+        }
+        for (int c = 0; c < g; ++c) {
+            const block_q8_0 * y = (const block_q8_0 *) (vy + c*by) + i;
+            const __m256 q = mul_sum_i8_pairs_float(qx, _mm256_loadu_si256((const __m256i *) y->qs));
+            acc[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(d + c), q, acc[c]);
+        }
+    }
+    for (int c = 0; c < g; ++c) s[c*bs] = hsum_float_8(acc[c]);
+}
+#define REAME_Q0_MC_NB 1024  // scales the table holds: 32 tokens x 256 blocks (32 KiB of stack)
+static inline __attribute__((always_inline)) void reame_q0_mc(const int q5, int n, int nr, int nc, float * s, size_t bs,
+                                                              const void * vx, size_t bx, const void * vy, size_t by) {
+    const int nb = n / QK8_0, ng = (nc + 7) / 8;
+    float table[8 * REAME_Q0_MC_NB];  // group j's block i: table[8*(j*nb + i) + c]
+    const int tabled = ng * nb <= REAME_Q0_MC_NB;
+    for (int j = 0; tabled && j < ng; ++j)  // the tokens' scales, once for all rows
+        for (int i = 0; i < nb; ++i)
+            for (int c = 0; c < 8; ++c)
+                table[8*(j*nb + i) + c] = 8*j + c < nc ?
+                    GGML_CPU_FP16_TO_FP32(((const block_q8_0 *) ((const char *) vy + (8*j + c)*by))[i].d) : 0.0f;
+    for (int r = 0; r < nr; ++r) {  // a row's groups in turn: its blocks stay in L1
+        const char * xr = (const char *) vx + r*bx;
+        for (int j = 0; j < ng; ++j) {  // groups of 8 tokens: their accumulators stay in registers
+            const char * y = (const char *) vy + 8*j*by;
+            float * sc = s + r + 8*j*bs;
+            const float * dyt = tabled ? table + 8*j*nb : NULL;
+            switch (nc - 8*j < 8 ? nc - 8*j : 8) {
+                case 1: reame_q0_mc_cols(q5, 1, nb, sc, bs, xr, y, by, dyt); break;
+                case 2: reame_q0_mc_cols(q5, 2, nb, sc, bs, xr, y, by, dyt); break;
+                case 3: reame_q0_mc_cols(q5, 3, nb, sc, bs, xr, y, by, dyt); break;
+                case 4: reame_q0_mc_cols(q5, 4, nb, sc, bs, xr, y, by, dyt); break;
+                case 5: reame_q0_mc_cols(q5, 5, nb, sc, bs, xr, y, by, dyt); break;
+                case 6: reame_q0_mc_cols(q5, 6, nb, sc, bs, xr, y, by, dyt); break;
+                case 7: reame_q0_mc_cols(q5, 7, nb, sc, bs, xr, y, by, dyt); break;
+                default: reame_q0_mc_cols(q5, 8, nb, sc, bs, xr, y, by, dyt); break;
+            }
+        }
+    }
+}
+void reame_mm_q8_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
+    reame_q0_mc(0, n, nr, nc, s, bs, vx, bx, vy, by);
+}
+void reame_mm_q5_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
+    reame_q0_mc(1, n, nr, nc, s, bs, vx, bx, vy, by);
+}
+#endif
 #elif defined(__AVX__)
 // reame: the same for AVX without AVX2 (128-bit integer SSSE3/SSE4.1 lanes), mirroring
 // ggml's __AVX__ one-column kernels lane for lane and float operation for operation.

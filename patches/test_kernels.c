@@ -48,6 +48,11 @@
 void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 #endif
+#if defined(__x86_64__) && defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+#define HAVE_Q0_MC 1
+void reame_mm_q8_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q5_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+#endif
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__)
 #define HAVE_512 1
 void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
@@ -208,7 +213,7 @@ static int check_acc(struct kernel * K, const char * name, int nb, int row, int 
     return 1;
 }
 
-#ifdef HAVE_512
+#if defined(HAVE_512) || defined(HAVE_Q0_MC)
 // a q8_0 token row of nb blocks: kind 0 quantized from random floats, 1 random values in
 // -127..127 (as quantize_row_q8_0 makes), 2 extremes; f: n floats of scratch
 static void make_q0_token(int kind, int nb, block_q8_0 * y, float * f) {
@@ -243,6 +248,69 @@ static void make_q0_row(int q5, int kind, int nb, char * row, float * f) {
     }
 }
 
+#endif
+
+#ifdef HAVE_Q0_MC
+// The AVX2 Q8_0/Q5_0 kernels (reame_mm_*_0_q8_0_mc: nr rows at once) on 3 rows of nb blocks
+// (0.5B: 28 and 152; 300: past the scale table) against 40 q8_0 tokens: each result, one row
+// and token alone and 3 rows x k = 1..40 tokens at once, has the bits of ggml_vec_dot_q{8,5}_0_q8_0
+// for that row and token (checks 1 and 2 above; the accuracy is ggml's).
+#define MC_ROWS 3
+static void test_q0_mc(int q5) {
+    static const int nbs[] = {1, 2, 4, 28, 152, 300};
+    const char * name = q5 ? "reame_mm_q5_0_q8_0_mc" : "reame_mm_q8_0_q8_0_mc";
+    void (*fn)(int, int, int, float *, size_t, const void *, size_t, const void *, size_t) =
+        q5 ? reame_mm_q5_0_q8_0_mc : reame_mm_q8_0_q8_0_mc;
+    const one_fn ggml = q5 ? ggml_vec_dot_q5_0_q8_0 : ggml_vec_dot_q8_0_q8_0;
+    const size_t xs = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0), bs = BS * MC_ROWS;
+    const uint32_t SENTINEL = 0x7fc0beefu;
+    long n_ggml = 0, n_batched = 0;
+    for (size_t inb = 0; inb < sizeof(nbs) / sizeof(nbs[0]); ++inb) {
+        const int nb = nbs[inb], n = nb * 32;
+        const size_t by = nb * sizeof(block_q8_0);
+        block_q8_0 * acts = malloc(NTOK * by);
+        char * w = malloc(MC_ROWS * nb * xs);
+        float * f = malloc(n * sizeof(float)), * out = malloc(NTOK * bs * sizeof(float));
+        float want[NTOK * MC_ROWS];
+        for (int c = 0; c < NTOK; ++c) make_q0_token(c % 5 == 4 ? 2 : c % 2, nb, (block_q8_0 *) ((char *) acts + c * by), f);
+        for (int rep = 0; rep < 12; ++rep) {
+            for (int r = 0; r < MC_ROWS; ++r) make_q0_row(q5, (rep + r) % 3, nb, w + r * nb * xs, f);
+            for (int r = 0; r < MC_ROWS; ++r) {  // one row and token at a time, against ggml's one-row kernel
+                for (int c = 0; c < NTOK; ++c) {
+                    const char * y = (const char *) acts + c * by, * row = w + r * nb * xs;
+                    float got;
+                    ggml(n, &want[c * MC_ROWS + r], 0, row, xs, y, by, 1);
+                    fn(n, 1, 1, &got, 1, row, nb * xs, y, by);
+                    if (bits(got) == bits(want[c * MC_ROWS + r])) n_ggml++;
+                    else fail("bits of ggml's one-row kernel", name, nb, rep, 1, c, got, want[c * MC_ROWS + r]);
+                }
+            }
+            for (int k = 1; k <= NTOK; ++k) {  // all rows, k tokens at once, two windows of the 40
+                const int offs[2] = {0, NTOK - k};
+                for (int o_i = 0; o_i < (offs[1] > 0 ? 2 : 1); ++o_i) {
+                    const int o = offs[o_i];
+                    for (size_t j = 0; j < NTOK * bs; ++j) memcpy(&out[j], &SENTINEL, 4);
+                    fn(n, MC_ROWS, k, out, bs, w, nb * xs, (const char *) acts + o * by, by);
+                    for (size_t j = 0; j < NTOK * bs; ++j) {
+                        const int c = (int) (j / bs), r = (int) (j % bs);
+                        if (r < MC_ROWS && c < k) {
+                            if (bits(out[j]) == bits(want[(o + c) * MC_ROWS + r])) n_batched++;
+                            else fail("batched = ggml's one-row kernel", name, nb, rep, k, o + c, out[j], want[(o + c) * MC_ROWS + r]);
+                        } else if (bits(out[j]) != SENTINEL) {
+                            fail("wrote outside its rows and k results", name, nb, rep, k, c, out[j], NAN);
+                        }
+                    }
+                }
+            }
+        }
+        free(acts); free(w); free(f); free(out);
+    }
+    printf("  %-28s %6ld results (k = 1..%d tokens, %d rows a call) and %ld alone bit-equal to %s\n", name,
+           n_batched, NTOK, MC_ROWS, n_ggml, q5 ? "ggml_vec_dot_q5_0_q8_0" : "ggml_vec_dot_q8_0_q8_0");
+}
+#endif
+
+#ifdef HAVE_512
 static int q0_int(const char * row, int q5, int i, int j) {  // weight j of block i, as an integer
     if (!q5) return ((const block_q8_0 *) row)[i].qs[j];
     const block_q5_0 * x = (const block_q5_0 *) row + i;
@@ -573,6 +641,10 @@ int main(int argc, char ** argv) {
         if (K->ggml_bits) printf(", %ld bit-equal to %s", K->n_ggml, ggml_k[K->q6].name);
         printf(", %ld within the accuracy bound (worst error %.3f of the float rounding bound)\n", K->n_acc, K->worst);
     }
+#ifdef HAVE_Q0_MC
+    test_q0_mc(0);
+    test_q0_mc(1);
+#endif
 #ifdef HAVE_512
     test_q0(0);
     test_q0(1);
