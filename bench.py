@@ -42,7 +42,10 @@ import urllib.error
 import urllib.request
 from typing import Callable, NamedTuple, Optional
 
-import reame
+# as `reame.py serve` runs (reame.py sets it when it is the program): no OpenBLAS thread pool
+# beside ggml's threads in the in-process measurements
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import reame  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_SERVER = os.path.join(HERE, "_llama", "llama-server")

@@ -90,9 +90,10 @@ import zipfile
 import zlib
 from typing import Collection, Iterator, List, NamedTuple, Optional, Sequence
 
-# numpy here does vector work (logits, sampling), never BLAS: no OpenBLAS thread pool, whose
-# spinning threads take time from ggml's on a 2-core box (the user's setting wins)
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+if __name__ == "__main__":  # (a program that imports reame keeps its own BLAS threads)
+    # numpy here does vector work (logits, sampling), never BLAS: no OpenBLAS thread pool, whose
+    # spinning threads take time from ggml's on a 2-core box (the user's setting wins)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 try:  # optional: faster logits work (used by later features)
     import numpy as _np
 except ImportError:  # pragma: no cover - depends on the machine
@@ -1876,13 +1877,13 @@ class Sampler:
         self._n_vocab = model.n_vocab
         reshape = params.repeat_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
         penalties = reshape or params.logit_bias  # (each changes the logits: no plain argmax)
-        self._greedy = _np is not None and params.temperature <= 0 and not penalties
-        self._argmax = self._greedy
+        greedy = _np is not None and params.temperature <= 0
+        self._greedy = greedy and not penalties
         self._bias = None  # (token ids, float32 biases): greedy with only a logit_bias
-        if _np is not None and params.temperature <= 0 and params.logit_bias and not reshape:
-            self._argmax = True
+        if greedy and params.logit_bias and not reshape:
             self._bias = (_np.array([t for t, _ in params.logit_bias], dtype=_np.intp),
                           _np.array([b for _, b in params.logit_bias], dtype=_np.float32))
+        self._argmax = self._greedy or self._bias is not None
         self._penalties = self._grammar = None
         self._model = model
         self._lazy, self._triggers, self._said = bool(params.lazy_grammar), params.triggers, []  # (_watch)
