@@ -1806,6 +1806,7 @@ def run_step_cost(args, noise: CpuNoise) -> dict:
     stock = os.path.join(HERE, "_llama-stock", "llama-bench")
     ours = os.path.join(HERE, "_llama", "llama-bench")
     benches = {}  # name -> [rows per round]
+    last = {}  # k -> seconds of a k-token step computing only the last token's logits (llama-bench pp-k's work)
     if args.against:
         libs = [("this", os.environ.get("REAME_LIBLLAMA")), ("against", args.against)]
         for rnd in range(args.repeats):
@@ -1835,6 +1836,14 @@ def run_step_cost(args, noise: CpuNoise) -> dict:
                     ctx.decode(b, rowwise=True)
                     times["this"].setdefault(k, []).append(time.perf_counter() - t0)
                     ctx.seq_rm(0, len(toks), -1)
+                    if k in STOCK_PP and k > 1:  # the same step with only the last token's logits: pp-k's work
+                        b.clear()
+                        for j in range(k):
+                            b.add(toks[j], len(toks) + j, 0, j == k - 1)
+                        t0 = time.perf_counter()
+                        ctx.decode(b, rowwise=True)
+                        last.setdefault(k, []).append(time.perf_counter() - t0)
+                        ctx.seq_rm(0, len(toks), -1)
                 if os.access(stock, os.X_OK) and not args.no_server:  # llama-bench between Reame's rounds
                     pp = ",".join(map(str, STOCK_PP))
                     for name, binary, flags in (("stock", stock, ("-p", pp, "-n", "64")),
@@ -1845,6 +1854,8 @@ def run_step_cost(args, noise: CpuNoise) -> dict:
                     log("step cost round %d/%d done" % (rnd + 1, args.repeats))
     out = {name: {"step_s": {k: median(v) for k, v in t.items()},
                   "ratio": {k: median(v) / median(t[1]) for k, v in t.items()}} for name, t in times.items()}
+    if last:
+        out["this"]["last_logits_s"] = {k: median(v) for k, v in last.items()}
     out["controller"] = controller_choices(out["this"]["step_s"])
     if args.against:
         out.update(config={"against": args.against}, this_vs_against={
@@ -1891,12 +1902,19 @@ def print_step_cost(sc: dict, w) -> None:
     lb = sc.get("llama_bench")
     if lb and "stock" in lb:
         st, ours = lb["stock"], sc["this"]["step_s"]
+        last = {int(k): v for k, v in sc["this"].get("last_logits_s", {}).items()}
+        last[1] = ours.get(1)
         w("\nBeside stock llama.cpp (the same source, unpatched, its defaults: repacking on), %d tokens in the "
-          "context (llama-bench -d %d; ratio > 1: Reame is faster):\n  %-4s %14s %18s %7s\n" % (
-              STEP_DEPTH, STEP_DEPTH, "k", "Reame step ms", "stock pp-k ms", "ratio"))
+          "context (llama-bench -d %d; ratio > 1: Reame is faster). A decode step computes every token's logits "
+          "(k sequences, or k drafts to verify); llama-bench's pp-k computes the last token's only, so the step "
+          "with only the last token's logits is beside it, the same work:\n  %-4s %14s %14s %7s %16s %7s\n" % (
+              STEP_DEPTH, STEP_DEPTH, "k", "Reame step ms", "stock pp-k ms", "ratio", "last logits ms", "ratio"))
         for k in STOCK_PP:
             if "pp%d" % k in st and k in ours:
-                w("  %-4d %14.1f %18.1f %6.2fx\n" % (k, 1e3 * ours[k], 1e3 * st["pp%d" % k], st["pp%d" % k] / ours[k]))
+                pp = st["pp%d" % k]
+                w("  %-4d %14.1f %14.1f %6.2fx %16s %7s\n" % (
+                    k, 1e3 * ours[k], 1e3 * pp, pp / ours[k], "%.1f" % (1e3 * last[k]) if last.get(k) else "-",
+                    "%.2fx" % (pp / last[k]) if last.get(k) else "-"))
         tg = [("stock llama-bench (repacking on)", st.get("tg64"))]
         if "reame_libs" in lb:
             tg.insert(0, ("llama-bench on Reame's libraries (--repack 0: Reame's kernel)", lb["reame_libs"].get("tg64")))
