@@ -31,7 +31,7 @@ PIN_VERSION="11434.0.0"
 PIN_SHA256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 # The patches in ./patches (see apply_patches): bump PATCH_ID whenever they change, so the
 # source is unpacked and patched afresh and the build cache key changes.
-PATCH_ID="reame-p31"
+PATCH_ID="reame-p34"
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PATCH_DIR="$HERE/patches"
@@ -40,7 +40,7 @@ KERNELS_IN_TREE="ggml/src/ggml-cpu/arch/x86/reame-kernels.c"
 # aarch64 builds (native or --cross) also get the NEON multi-token kernels, in a source
 # tree of their own (keyed by ARM_PATCH_ID too), so the x86 tree and its build key are
 # untouched by them. Bump ARM_PATCH_ID whenever the ARM-only patches change.
-ARM_PATCH_ID="arm4"
+ARM_PATCH_ID="arm5"
 ARM_PATCH_DIFFS=(multi-token-kernels-neon.diff)
 ARM_KERNELS_IN_TREE="ggml/src/ggml-cpu/arch/arm/reame-kernels-neon.c"
 OUT="$HERE/_llama"

@@ -13,10 +13,15 @@
 //   reame_vec_dot_{q4,q6}_K_q8_K_mc    AVX2 or AVX; nc <= REAME_MC_MAX (32). Each column's
 //                                      result is bit-identical to ggml_vec_dot_{q4,q6}_K_q8_K
 //                                      for that column alone.
-//   reame_mm_{q8,q5}_0_q8_0_mc         AVX2 without AVX-512: Q8_0/Q5_0 weights against q8_0 tokens,
+//   reame_mm_q8_0_q8_0_mc              AVX2 without AVX-512: Q8_0 weights against q8_0 tokens,
 //                                      nr rows at once (row r at vx + r*bx; s[r + c*bs]), any
 //                                      nc. Each result is bit-identical to
-//                                      ggml_vec_dot_{q8,q5}_0_q8_0 for that row and token alone.
+//                                      ggml_vec_dot_q8_0_q8_0 for that row and token alone.
+//   reame_mm_q5_0_q8_0_avx2            AVX2 without AVX-512: Q5_0 weights against q8_0 tokens,
+//                                      nr rows, any n (a multiple of 32) and nc, one token or
+//                                      many. Its arithmetic is reame_q0_canon's (the 512-bit and
+//                                      AMX kernels' bits), so a token's result does not depend
+//                                      on nc, nr or the other tokens.
 //   reame_vec_dot_{q4,q6}_K_q8_K_512   AVX-512 F+BW (VNNI when there); any nc. A column's
 //                                      result does not depend on nc or on the other columns.
 //   reame_mm_{q8,q5}_0_q8_0_512        AVX-512 F+BW, Q8_0/Q5_0 weights against q8_0 tokens,
@@ -45,7 +50,7 @@
 void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_mm_q8_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
-void reame_mm_q5_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q5_0_q8_0_avx2(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_mm_q8_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
@@ -210,31 +215,20 @@ void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
     for (int c = 0; c < nc; ++c) s[c*bs] = hsum_float_8(acc[c]);
 }
 #if !(defined(__AVX512F__) && defined(__AVX512BW__))
-// reame: Q8_0/Q5_0 weights against q8_0 tokens, AVX2 (with AVX-512 the _512 kernels below take
-// them): each weight block unpacked once for up to 8 tokens, each token's result computed with
-// ggml_vec_dot_q{8,5}_0_q8_0's AVX2 operations (the same unpacking, mul_sum_i8_pairs_float, one
-// fused multiply-add per block into eight lanes, hsum_float_8), so its bits are that kernel's.
-// Small models whose width K-quant blocks do not divide are mostly these types.
-static inline __attribute__((always_inline)) __m256i reame_q0_x(const void * vx, const int q5, int i, float * dx) {
-    if (q5) {
-        const block_q5_0 * x = (const block_q5_0 *) vx + i;
-        *dx = GGML_CPU_FP16_TO_FP32(x->d);
-        const __m256i hi = _mm256_andnot_si256(bytes_from_bits_32(x->qh), _mm256_set1_epi8((char) 0xF0));
-        return _mm256_or_si256(bytes_from_nibbles_32(x->qs), hi);
-    }
-    const block_q8_0 * x = (const block_q8_0 *) vx + i;
-    *dx = GGML_CPU_FP16_TO_FP32(x->d);
-    return _mm256_loadu_si256((const __m256i *) x->qs);
-}
+// reame: Q8_0 weights against q8_0 tokens, AVX2 (with AVX-512 the _512 kernels below take
+// them): each weight block loaded once for up to 8 tokens, each token's result computed with
+// ggml_vec_dot_q8_0_q8_0's AVX2 operations (mul_sum_i8_pairs_float, one fused multiply-add
+// per block into eight lanes, hsum_float_8), so its bits are that kernel's.
 // one row's results for g (<= 8) tokens; dyt: the tokens' scales, dyt[8*i + c] for block i
 // (NULL: converted where used)
-static inline __attribute__((always_inline)) void reame_q0_mc_cols(const int q5, const int g, int nb, float * s,
-        size_t bs, const char * xr, const char * vy, size_t by, const float * dyt) {
+static inline __attribute__((always_inline)) void reame_q8_mc_cols(const int g, int nb, float * s, size_t bs,
+        const char * xr, const char * vy, size_t by, const float * dyt) {
     __m256 acc[8];
     for (int c = 0; c < g; ++c) acc[c] = _mm256_setzero_ps();
     for (int i = 0; i < nb; ++i) {
-        float dx;
-        const __m256i qx = reame_q0_x(xr, q5, i, &dx);
+        const block_q8_0 * x = (const block_q8_0 *) xr + i;
+        const float dx = GGML_CPU_FP16_TO_FP32(x->d);
+        const __m256i qx = _mm256_loadu_si256((const __m256i *) x->qs);
         float d[8];  // dx * dy, as ggml's kernel rounds it (one product)
         if (dyt) {
             _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_set1_ps(dx), _mm256_loadu_ps(dyt + 8*i)));
@@ -249,12 +243,11 @@ static inline __attribute__((always_inline)) void reame_q0_mc_cols(const int q5,
     }
     for (int c = 0; c < g; ++c) s[c*bs] = hsum_float_8(acc[c]);
 }
-#define REAME_Q0_MC_NB 1024  // scales the table holds: 32 tokens x 256 blocks (32 KiB of stack)
-static inline __attribute__((always_inline)) void reame_q0_mc(const int q5, int n, int nr, int nc, float * s, size_t bs,
-                                                              const void * vx, size_t bx, const void * vy, size_t by) {
+#define REAME_Q8_MC_NB 1024  // scales the table holds: 32 tokens x 256 blocks (32 KiB of stack)
+void reame_mm_q8_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
     const int nb = n / QK8_0, ng = (nc + 7) / 8;
-    float table[8 * REAME_Q0_MC_NB];  // group j's block i: table[8*(j*nb + i) + c]
-    const int tabled = ng * nb <= REAME_Q0_MC_NB;
+    float table[8 * REAME_Q8_MC_NB];  // group j's block i: table[8*(j*nb + i) + c]
+    const int tabled = ng * nb <= REAME_Q8_MC_NB;
     for (int j = 0; tabled && j < ng; ++j)  // the tokens' scales, once for all rows
         for (int i = 0; i < nb; ++i)
             for (int c = 0; c < 8; ++c)
@@ -267,23 +260,161 @@ static inline __attribute__((always_inline)) void reame_q0_mc(const int q5, int 
             float * sc = s + r + 8*j*bs;
             const float * dyt = tabled ? table + 8*j*nb : NULL;
             switch (nc - 8*j < 8 ? nc - 8*j : 8) {
-                case 1: reame_q0_mc_cols(q5, 1, nb, sc, bs, xr, y, by, dyt); break;
-                case 2: reame_q0_mc_cols(q5, 2, nb, sc, bs, xr, y, by, dyt); break;
-                case 3: reame_q0_mc_cols(q5, 3, nb, sc, bs, xr, y, by, dyt); break;
-                case 4: reame_q0_mc_cols(q5, 4, nb, sc, bs, xr, y, by, dyt); break;
-                case 5: reame_q0_mc_cols(q5, 5, nb, sc, bs, xr, y, by, dyt); break;
-                case 6: reame_q0_mc_cols(q5, 6, nb, sc, bs, xr, y, by, dyt); break;
-                case 7: reame_q0_mc_cols(q5, 7, nb, sc, bs, xr, y, by, dyt); break;
-                default: reame_q0_mc_cols(q5, 8, nb, sc, bs, xr, y, by, dyt); break;
+                case 1: reame_q8_mc_cols(1, nb, sc, bs, xr, y, by, dyt); break;
+                case 2: reame_q8_mc_cols(2, nb, sc, bs, xr, y, by, dyt); break;
+                case 3: reame_q8_mc_cols(3, nb, sc, bs, xr, y, by, dyt); break;
+                case 4: reame_q8_mc_cols(4, nb, sc, bs, xr, y, by, dyt); break;
+                case 5: reame_q8_mc_cols(5, nb, sc, bs, xr, y, by, dyt); break;
+                case 6: reame_q8_mc_cols(6, nb, sc, bs, xr, y, by, dyt); break;
+                case 7: reame_q8_mc_cols(7, nb, sc, bs, xr, y, by, dyt); break;
+                default: reame_q8_mc_cols(8, nb, sc, bs, xr, y, by, dyt); break;
             }
         }
     }
 }
-void reame_mm_q8_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
-    reame_q0_mc(0, n, nr, nc, s, bs, vx, bx, vy, by);
+// reame: Q5_0 weights against q8_0 tokens, AVX2, one token or many, with the arithmetic of
+// reame_q0_canon (the 512-bit and AMX kernels' bits): S_i, block i's exact integer sum; four
+// accumulators a_e = fma((float) S_i * dx_i, dy_i, a_e) for e = i / 4 mod 4; the result
+// (a_0 + a_2) + (a_1 + a_3). A register holds 8 rows (lane r: row r), so a lane owns one
+// (row, token) and nothing is summed across lanes: 8 rows' blocks are transposed once for all
+// the tokens (dword j of a lane: the row's values 4j .. 4j + 3, unsigned: w + 16 = nibble +
+// 16 x high bit, 0..31), and a token's 4 bytes are broadcast against each (vpmaddubsw, no sign
+// trick: 4 pair sums of at most 2 x 31 x 128 fit an int16), less 16 x the token's block sum.
+// ggml's one-row kernel takes 6-7 vector operations a block and token after unpacking; this
+// one about 4 for 8 rows, and one unpacking serves every token.
+// block i of 8 rows -> w[j] (the rows' values 4j .. 4j + 3, unsigned) and dx (their scales).
+// The rows' 16 bytes of nibbles are transposed as they are (dword j: values 4j.. in its low
+// nibbles, 16 + 4j.. in its high ones), then the high bits put in: byte j / 2 of each row's
+// qh, one bit a byte.
+static inline __attribute__((always_inline)) void reame_q5_prep8(const block_q5_0 * const xr[8], int i, __m256i w[8], __m256 * dx) {
+    __m256i q[4];
+    for (int r = 0; r < 4; ++r)  // rows r (low lane) and 4 + r (high)
+        q[r] = MM256_SET_M128I(_mm_loadu_si128((const __m128i *) xr[4 + r][i].qs), _mm_loadu_si128((const __m128i *) xr[r][i].qs));
+    const __m256i t0 = _mm256_unpacklo_epi32(q[0], q[1]), t1 = _mm256_unpackhi_epi32(q[0], q[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(q[2], q[3]), t3 = _mm256_unpackhi_epi32(q[2], q[3]);
+    const __m256i Q[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),  // dword j of rows 0..7
+                          _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+    uint32_t h[8];
+    ggml_half dh[8];
+    for (int r = 0; r < 8; ++r) {
+        memcpy(&h[r], xr[r][i].qh, 4);
+        dh[r] = xr[r][i].d;
+    }
+    const __m256i H = _mm256_loadu_si256((const __m256i *) h);
+    *dx = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) dh));
+    const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+    const __m256i lanes = _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808, 0x0C0C0C0C);
+    for (int j = 0; j < 8; ++j) {
+        const __m256i nib = j < 4 ? _mm256_and_si256(Q[j], m4) : _mm256_and_si256(_mm256_srli_epi16(Q[j - 4], 4), m4);
+        // each byte m of a lane: byte j / 2 of its row's qh, and bit (4j + m) mod 8 of that
+        const __m256i hb = _mm256_shuffle_epi8(H, _mm256_add_epi8(lanes, _mm256_set1_epi8((char) (j / 2))));
+        const __m256i bit = _mm256_set1_epi32((int) (0x08040201u << (4 * (j & 1))));
+        w[j] = _mm256_or_si256(nib, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit), b4));
+    }
 }
-void reame_mm_q5_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
-    reame_q0_mc(1, n, nr, nc, s, bs, vx, bx, vy, by);
+// 16 x the sum of a q8_0 block's 32 values
+static inline int32_t reame_q8_sum16(const block_q8_0 * y) {
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *) y->qs)),
+                                        _mm256_set1_epi16(1));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return 16 * _mm_cvtsi128_si32(s);
+}
+// g (1..4) tokens (y[t]; sy, dy: their tables, nb a token) against 8 rows' blocks b0 .. b0 +
+// bc - 1 (w, dx: reame_q5_prep8's); acc[t][e]: token t's accumulator e, 8 rows
+static inline __attribute__((always_inline)) void reame_q5_toks(const int g, int nb, int b0, int bc, const __m256i (*w)[8],
+        const __m256 * dx, const block_q8_0 * const * y, const int32_t * sy, const float * dy, __m256 (*acc)[4]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int b4 = 0; b4 < bc; b4 += 4) {  // 4 blocks a run (b0 is a multiple of 4): one accumulator
+        const int e = ((b0 + b4) >> 2) & 3, be = b4 + 4 < bc ? b4 + 4 : bc;
+        __m256 a[4];
+        for (int t = 0; t < g; ++t) a[t] = acc[t][e];
+        for (int b = b4; b < be; ++b) {
+            const int i = b0 + b;
+            __m256i p0[4], p1[4];
+            for (int j = 0; j < 4; ++j) {  // values 0..15 into p0, 16..31 into p1
+                for (int t = 0; t < g; ++t) {
+                    const int32_t * q = (const int32_t *) y[t][i].qs;
+                    const __m256i ml = _mm256_maddubs_epi16(w[b][j], _mm256_set1_epi32(q[j]));
+                    const __m256i mh = _mm256_maddubs_epi16(w[b][4 + j], _mm256_set1_epi32(q[4 + j]));
+                    p0[t] = j ? _mm256_add_epi16(p0[t], ml) : ml;
+                    p1[t] = j ? _mm256_add_epi16(p1[t], mh) : mh;
+                }
+            }
+            for (int t = 0; t < g; ++t) {
+                const __m256i S = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(p0[t], ones), _mm256_madd_epi16(p1[t], ones)),
+                                                   _mm256_set1_epi32(sy[t*nb + i]));
+                a[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(S), dx[b]), _mm256_set1_ps(dy[t*nb + i]), a[t]);
+            }
+        }
+        for (int t = 0; t < g; ++t) acc[t][e] = a[t];
+    }
+}
+#define REAME_Q5_TOK 64  // the most tokens sharing one unpacking of the rows
+#define REAME_Q5_BC 32   // blocks of 8 rows unpacked at a time (9 KiB)
+#ifndef REAME_Q5_PF_GROUPS
+#define REAME_Q5_PF_GROUPS 1
+#endif
+// up to 8 rows (xr[r]; past nrow, copies whose results are not stored) against ms tokens;
+// pf: pf_len bytes (the rows that come next) to prefetch meanwhile, or NULL. The rows' blocks
+// are read 8 rows abreast, which the hardware prefetcher does not follow as it does one row.
+static void reame_q5_rows8(int nb, const block_q5_0 * const xr[8], int nrow, int ms, const block_q8_0 * const * y,
+                           const int32_t * sy, const float * dy, float * s, size_t bs, const char * pf, size_t pf_len) {
+    const int pf_lines = pf ? (int) ((pf_len + 63) / 64) : 0, pf_per_block = (pf_lines + nb - 1) / nb;
+    __m256i w[REAME_Q5_BC][8];
+    __m256 dx[REAME_Q5_BC];
+    __m256 acc[REAME_Q5_TOK][4];
+    for (int c = 0; c < ms; ++c)
+        for (int e = 0; e < 4; ++e) acc[c][e] = _mm256_setzero_ps();
+    for (int b0 = 0; b0 < nb; b0 += REAME_Q5_BC) {
+        const int bc = nb - b0 < REAME_Q5_BC ? nb - b0 : REAME_Q5_BC;
+        for (int b = 0; b < bc; ++b) {
+            for (int l = (b0 + b) * pf_per_block; l < (b0 + b + 1) * pf_per_block && l < pf_lines; ++l)
+                _mm_prefetch(pf + 64 * (size_t) l, _MM_HINT_T0);
+            reame_q5_prep8(xr, b0 + b, w[b], &dx[b]);
+        }
+        for (int c0 = 0; c0 < ms; c0 += 4) {  // 4 tokens at a time: 4 chains of fused steps
+            switch (ms - c0 < 4 ? ms - c0 : 4) {
+                case 1: reame_q5_toks(1, nb, b0, bc, w, dx, y + c0, sy + c0*nb, dy + c0*nb, acc + c0); break;
+                case 2: reame_q5_toks(2, nb, b0, bc, w, dx, y + c0, sy + c0*nb, dy + c0*nb, acc + c0); break;
+                case 3: reame_q5_toks(3, nb, b0, bc, w, dx, y + c0, sy + c0*nb, dy + c0*nb, acc + c0); break;
+                default: reame_q5_toks(4, nb, b0, bc, w, dx, y + c0, sy + c0*nb, dy + c0*nb, acc + c0); break;
+            }
+        }
+    }
+    for (int c = 0; c < ms; ++c) {
+        float o[8];
+        _mm256_storeu_ps(o, _mm256_add_ps(_mm256_add_ps(acc[c][0], acc[c][2]), _mm256_add_ps(acc[c][1], acc[c][3])));
+        for (int r = 0; r < nrow; ++r) s[c*bs + r] = o[r];
+    }
+}
+void reame_mm_q5_0_q8_0_avx2(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
+    const int nb = n / QK8_0;
+    // tokens a pass: their tables (8 bytes a block) within 64 KiB of stack
+    const int tp = 8192 / nb < 4 ? 4 : 8192 / nb > REAME_Q5_TOK ? REAME_Q5_TOK : 8192 / nb;
+    for (int cs = 0; cs < nc; cs += tp) {
+        const int ms = nc - cs < tp ? nc - cs : tp;
+        int32_t sy[ms * nb];  // 16 x each token's block sums
+        float dy[ms * nb];    // its block scales
+        const block_q8_0 * y[REAME_Q5_TOK];
+        for (int c = 0; c < ms; ++c) {
+            y[c] = (const block_q8_0 *) ((const char *) vy + (cs + c)*by);
+            for (int i = 0; i < nb; ++i) {
+                sy[c*nb + i] = reame_q8_sum16(y[c] + i);
+                dy[c*nb + i] = GGML_CPU_FP16_TO_FP32(y[c][i].d);
+            }
+        }
+        for (int r0 = 0; r0 < nr; r0 += 8) {
+            const int nrow = nr - r0 < 8 ? nr - r0 : 8;
+            const block_q5_0 * xr[8];
+            for (int r = 0; r < 8; ++r)
+                xr[r] = (const block_q5_0 *) ((const char *) vx + (r0 + (r < nrow ? r : nrow - 1))*bx);
+            const int pf0 = r0 + 8 * REAME_Q5_PF_GROUPS, pfn = nr - pf0 < 8 ? nr - pf0 : 8;
+            reame_q5_rows8(nb, xr, nrow, ms, y, sy, dy, s + r0 + cs*bs, bs,
+                           pfn > 0 ? (const char *) vx + pf0*bx : NULL, pfn > 0 ? (size_t) pfn * bx : 0);
+        }
+    }
 }
 #endif
 #elif defined(__AVX__)

@@ -22,6 +22,8 @@
 //      the magnitudes of the terms the kernels add (scale part and min part apart, before
 //      they cancel): 16x the float rounding the kernels' nb + ~8 rounding steps can add.
 //      ggml's one-row kernel is held to the same bound.
+// With AVX2 (no AVX-512) it tests the Q8_0 kernel (2: ggml's bits; test_q8_mc) and the Q5_0
+// one (test_q0: 1, 3, and the bits of reame_q0_canon's arithmetic computed here, 1..11 rows).
 // With AVX-512 it tests the Q8_0/Q5_0 kernels the same way (test_q0: 1 and 3), and the Q4_K
 // row-range kernels (and where reame_amx_ok(), the AMX tiles'): every result, for 1..40 tokens
 // and 5, 16 or 37 rows at once, has the bits reame_vec_dot_q4_K_q8_K_512 gives that row and
@@ -51,7 +53,7 @@ void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
 #if defined(__x86_64__) && defined(__AVX2__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
 #define HAVE_Q0_MC 1
 void reame_mm_q8_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
-void reame_mm_q5_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q5_0_q8_0_avx2(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 #endif
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX2__)
 #define HAVE_512 1
@@ -250,19 +252,115 @@ static void make_q0_row(int q5, int kind, int nb, char * row, float * f) {
 
 #endif
 
+#if defined(HAVE_512) || defined(HAVE_Q0_MC)
+static int q0_int(const char * row, int q5, int i, int j) {  // weight j of block i, as an integer
+    if (!q5) return ((const block_q8_0 *) row)[i].qs[j];
+    const block_q5_0 * x = (const block_q5_0 *) row + i;
+    const int lo = x->qs[j % 16], nib = j < 16 ? lo & 15 : lo >> 4;
+    return nib + 16 * ((x->qh[j / 8] >> (j % 8)) & 1) - 16;
+}
+// The arithmetic of every Q8_0/Q5_0 kernel (reame-kernels.c, reame_q0_canon), per (row,
+// token), stated here on its own: S_i = the exact integer sum of block i, four accumulators
+// a_e = fma((float) S_i * dx_i, dy_i, a_e) with e = (i / 4) mod 4 for i = 0 .. nb - 1 in
+// order, and the result (a_0 + a_2) + (a_1 + a_3)
+static float q0_ref(const char * row, int q5, int nb, const block_q8_0 * y) {
+    const size_t xs = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0);
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int i = 0; i < nb; ++i) {
+        int32_t S = 0;
+        for (int j = 0; j < 32; ++j) S += q0_int(row, q5, i, j) * y[i].qs[j];
+        ggml_half dh;
+        memcpy(&dh, row + i * xs, sizeof(dh));
+        a[(i / 4) % 4] = fmaf((float) S * ggml_fp16_to_fp32(dh), ggml_fp16_to_fp32(y[i].d), a[(i / 4) % 4]);
+    }
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+// A Q8_0/Q5_0 kernel of reame_q0_canon's arithmetic (reame_mm_*_0_q8_0_512; AVX2:
+// reame_mm_q5_0_q8_0_avx2, any nb) on nr rows of nb blocks (n = 32 nb; 0.5B: 28 and 152; 300:
+// past the AVX2 kernel's 32-block unpacking and its 64-token passes) against 40 q8_0 tokens:
+// kind 0 quantized from random floats, 1 random bits (q8_0 tokens: random values in
+// -127..127, as quantize_row_q8_0 makes), 2 extremes. Checks 1 (k = 1..40 tokens, and nr rows
+// against one at a time) and 3 above, and that each result is that arithmetic's.
+#define Q0_ROWS 11  // the most rows a call (AVX2: past a group of 8 rows)
+typedef void (*q0_fn)(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+static void test_q0(int q5, q0_fn fn, const char * name, int nr, int any_nb) {
+    static const int even_nbs[] = {2, 4, 6, 28, 152}, any_nbs[] = {1, 3, 5, 17, 28, 33, 152, 300};
+    const int * nbs = any_nb ? any_nbs : even_nbs;
+    const size_t n_nbs = any_nb ? sizeof(any_nbs) / sizeof(any_nbs[0]) : sizeof(even_nbs) / sizeof(even_nbs[0]);
+    const size_t xs = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0);
+    struct kernel K = {name, q5, NULL, NTOK, 0, 0, 0, 0, 0.0};  // (q6: here Q5_0 or Q8_0)
+    long n_ref = 0;
+    for (size_t inb = 0; inb < n_nbs; ++inb) {
+        const int nb = nbs[inb], n = nb * 32;
+        const size_t by = nb * sizeof(block_q8_0);
+        block_q8_0 * acts = malloc(NTOK * by);
+        char * w = malloc(Q0_ROWS * nb * xs);
+        float * f = malloc(n * sizeof(float)), * wf = malloc(n * sizeof(float));
+        float * one = malloc(NTOK * Q0_ROWS * sizeof(float)), * out = malloc(NTOK * BS * Q0_ROWS * sizeof(float));
+        for (int c = 0; c < NTOK; ++c) make_q0_token(c % 5 == 4 ? 2 : c % 2, nb, (block_q8_0 *) ((char *) acts + c * by), f);
+        for (int rep = 0; rep < 12; ++rep) {
+            const int kind = rep % 3;
+            for (int r = 0; r < nr; ++r) make_q0_row(q5, (kind + r) % 3, nb, w + r * nb * xs, f);
+            for (int r = 0; r < nr; ++r) {  // one row, one token at a time; accuracy
+                const char * row = w + r * nb * xs;
+                if (q5) dequantize_row_q5_0((const block_q5_0 *) row, wf, n); else dequantize_row_q8_0((const block_q8_0 *) row, wf, n);
+                for (int c = 0; c < NTOK; ++c) {
+                    const block_q8_0 * y = (const block_q8_0 *) ((const char *) acts + c * by);
+                    float got;
+                    fn(n, 1, 1, &got, 1, row, nb * xs, y, by);
+                    one[c * Q0_ROWS + r] = got;
+                    const float want = q0_ref(row, q5, nb, y);
+                    if (bits(got) == bits(want)) n_ref++;
+                    else fail("= the arithmetic of reame_q0_canon", name, nb, rep, 1, c, got, want);
+                    double e = 0.0, m = 0.0;
+                    for (int j = 0; j < n; ++j) {
+                        const double a = (double) ggml_fp16_to_fp32(y[j / 32].d) * y[j / 32].qs[j % 32];
+                        e += (double) wf[j] * a;
+                        m += fabs((double) wf[j] * a);
+                    }
+                    K.n_acc += check_acc(&K, name, nb, rep, c, got, e, m);
+                }
+            }
+            for (int k = 1; k <= NTOK; ++k) {  // all rows, k tokens at once (two windows of the 40)
+                const int offs[2] = {0, NTOK - k};
+                for (int o_i = 0; o_i < (offs[1] > 0 ? 2 : 1); ++o_i) {
+                    const int o = offs[o_i];
+                    const size_t bs = BS * Q0_ROWS;  // token c's row r at out[r + c * bs]
+                    for (int j = 0; j < NTOK * BS * Q0_ROWS; ++j) out[j] = NAN;
+                    fn(n, nr, k, out, bs, w, nb * xs, (const char *) acts + o * by, by);
+                    for (int j = 0; j < NTOK * BS * Q0_ROWS; ++j) {
+                        const int c = j / bs, r = j % bs;
+                        if (r < nr && c < k) {
+                            if (bits(out[j]) == bits(one[(o + c) * Q0_ROWS + r])) K.n_batched++;
+                            else fail("batched = alone", name, nb, rep, k, o + c, out[j], one[(o + c) * Q0_ROWS + r]);
+                        } else if (!isnan(out[j])) {
+                            fail("wrote outside its k results", name, nb, rep, k, c, out[j], NAN);
+                        }
+                    }
+                }
+            }
+        }
+        free(acts); free(w); free(f); free(wf); free(one); free(out);
+    }
+    printf("  %-28s %6ld batched results (k = 1..%d tokens, %d rows) bit-equal to one token and row at a time, "
+           "%ld of those bit-equal to their arithmetic computed here, %ld within the accuracy bound (worst error "
+           "%.3f of the float rounding bound)\n", name, K.n_batched, NTOK, nr, n_ref, K.n_acc, K.worst);
+}
+#endif
+
 #ifdef HAVE_Q0_MC
-// The AVX2 Q8_0/Q5_0 kernels (reame_mm_*_0_q8_0_mc: nr rows at once) on 3 rows of nb blocks
+// The AVX2 Q8_0 kernel (reame_mm_q8_0_q8_0_mc: nr rows at once) on 3 rows of nb blocks
 // (0.5B: 28 and 152; 300: past the scale table) against 40 q8_0 tokens: each result, one row
-// and token alone and 3 rows x k = 1..40 tokens at once, has the bits of ggml_vec_dot_q{8,5}_0_q8_0
+// and token alone and 3 rows x k = 1..40 tokens at once, has the bits of ggml_vec_dot_q8_0_q8_0
 // for that row and token (checks 1 and 2 above; the accuracy is ggml's).
 #define MC_ROWS 3
-static void test_q0_mc(int q5) {
+static void test_q8_mc(void) {
     static const int nbs[] = {1, 2, 4, 28, 152, 300};
-    const char * name = q5 ? "reame_mm_q5_0_q8_0_mc" : "reame_mm_q8_0_q8_0_mc";
-    void (*fn)(int, int, int, float *, size_t, const void *, size_t, const void *, size_t) =
-        q5 ? reame_mm_q5_0_q8_0_mc : reame_mm_q8_0_q8_0_mc;
-    const one_fn ggml = q5 ? ggml_vec_dot_q5_0_q8_0 : ggml_vec_dot_q8_0_q8_0;
-    const size_t xs = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0), bs = BS * MC_ROWS;
+    const int q5 = 0;
+    const char * name = "reame_mm_q8_0_q8_0_mc";
+    void (*fn)(int, int, int, float *, size_t, const void *, size_t, const void *, size_t) = reame_mm_q8_0_q8_0_mc;
+    const one_fn ggml = ggml_vec_dot_q8_0_q8_0;
+    const size_t xs = sizeof(block_q8_0), bs = BS * MC_ROWS;
     const uint32_t SENTINEL = 0x7fc0beefu;
     long n_ggml = 0, n_batched = 0;
     for (size_t inb = 0; inb < sizeof(nbs) / sizeof(nbs[0]); ++inb) {
@@ -306,102 +404,10 @@ static void test_q0_mc(int q5) {
         free(acts); free(w); free(f); free(out);
     }
     printf("  %-28s %6ld results (k = 1..%d tokens, %d rows a call) and %ld alone bit-equal to %s\n", name,
-           n_batched, NTOK, MC_ROWS, n_ggml, q5 ? "ggml_vec_dot_q5_0_q8_0" : "ggml_vec_dot_q8_0_q8_0");
+           n_batched, NTOK, MC_ROWS, n_ggml, "ggml_vec_dot_q8_0_q8_0");
 }
 #endif
 
-#ifdef HAVE_512
-static int q0_int(const char * row, int q5, int i, int j) {  // weight j of block i, as an integer
-    if (!q5) return ((const block_q8_0 *) row)[i].qs[j];
-    const block_q5_0 * x = (const block_q5_0 *) row + i;
-    const int lo = x->qs[j % 16], nib = j < 16 ? lo & 15 : lo >> 4;
-    return nib + 16 * ((x->qh[j / 8] >> (j % 8)) & 1) - 16;
-}
-// The arithmetic of every Q8_0/Q5_0 kernel (reame-kernels.c, reame_q0_canon), per (row,
-// token), stated here on its own: S_i = the exact integer sum of block i, four accumulators
-// a_e = fma((float) S_i * dx_i, dy_i, a_e) with e = (i / 4) mod 4 for i = 0 .. nb - 1 in
-// order, and the result (a_0 + a_2) + (a_1 + a_3)
-static float q0_ref(const char * row, int q5, int nb, const block_q8_0 * y) {
-    const size_t xs = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0);
-    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int i = 0; i < nb; ++i) {
-        int32_t S = 0;
-        for (int j = 0; j < 32; ++j) S += q0_int(row, q5, i, j) * y[i].qs[j];
-        ggml_half dh;
-        memcpy(&dh, row + i * xs, sizeof(dh));
-        a[(i / 4) % 4] = fmaf((float) S * ggml_fp16_to_fp32(dh), ggml_fp16_to_fp32(y[i].d), a[(i / 4) % 4]);
-    }
-    return (a[0] + a[2]) + (a[1] + a[3]);
-}
-// The Q8_0/Q5_0 kernels (reame_mm_*_0_q8_0_512: nr rows at once) on 3 rows of nb blocks
-// (n = 32 nb; 0.5B: 28 and 152) against 40 q8_0 tokens: kind 0 quantized from random floats,
-// 1 random bits (q8_0 tokens: random values in -127..127, as quantize_row_q8_0 makes), 2
-// extremes. Checks 1 (k = 1..40 tokens, and 3 rows against one at a time) and 3 above.
-#define Q0_ROWS 3
-static void test_q0(int q5) {
-    static const int nbs[] = {2, 4, 6, 28, 152};
-    const char * name = q5 ? "reame_mm_q5_0_q8_0_512" : "reame_mm_q8_0_q8_0_512";
-    const size_t xs = q5 ? sizeof(block_q5_0) : sizeof(block_q8_0);
-    struct kernel K = {name, q5, NULL, NTOK, 0, 0, 0, 0, 0.0};  // (q6: here Q5_0 or Q8_0)
-    long n_ref = 0;
-    for (size_t inb = 0; inb < sizeof(nbs) / sizeof(nbs[0]); ++inb) {
-        const int nb = nbs[inb], n = nb * 32;
-        const size_t by = nb * sizeof(block_q8_0);
-        block_q8_0 * acts = malloc(NTOK * by);
-        char * w = malloc(Q0_ROWS * nb * xs);
-        float * f = malloc(n * sizeof(float)), * wf = malloc(n * sizeof(float));
-        float * one = malloc(NTOK * Q0_ROWS * sizeof(float)), * out = malloc(NTOK * BS * Q0_ROWS * sizeof(float));
-        for (int c = 0; c < NTOK; ++c) make_q0_token(c % 5 == 4 ? 2 : c % 2, nb, (block_q8_0 *) ((char *) acts + c * by), f);
-        for (int rep = 0; rep < 12; ++rep) {
-            const int kind = rep % 3;
-            for (int r = 0; r < Q0_ROWS; ++r) make_q0_row(q5, kind, nb, w + r * nb * xs, f);
-            for (int r = 0; r < Q0_ROWS; ++r) {  // one row, one token at a time; accuracy
-                const char * row = w + r * nb * xs;
-                if (q5) dequantize_row_q5_0((const block_q5_0 *) row, wf, n); else dequantize_row_q8_0((const block_q8_0 *) row, wf, n);
-                for (int c = 0; c < NTOK; ++c) {
-                    const block_q8_0 * y = (const block_q8_0 *) ((const char *) acts + c * by);
-                    float got;
-                    (q5 ? reame_mm_q5_0_q8_0_512 : reame_mm_q8_0_q8_0_512)(n, 1, 1, &got, 1, row, nb * xs, y, by);
-                    one[c * Q0_ROWS + r] = got;
-                    const float want = q0_ref(row, q5, nb, y);
-                    if (bits(got) == bits(want)) n_ref++;
-                    else fail("= the arithmetic of reame_q0_canon", name, nb, rep, 1, c, got, want);
-                    double e = 0.0, m = 0.0;
-                    for (int j = 0; j < n; ++j) {
-                        const double a = (double) ggml_fp16_to_fp32(y[j / 32].d) * y[j / 32].qs[j % 32];
-                        e += (double) wf[j] * a;
-                        m += fabs((double) wf[j] * a);
-                    }
-                    K.n_acc += check_acc(&K, name, nb, rep, c, got, e, m);
-                }
-            }
-            for (int k = 1; k <= NTOK; ++k) {  // all rows, k tokens at once (two windows of the 40)
-                const int offs[2] = {0, NTOK - k};
-                for (int o_i = 0; o_i < (offs[1] > 0 ? 2 : 1); ++o_i) {
-                    const int o = offs[o_i];
-                    const size_t bs = BS * Q0_ROWS;  // token c's row r at out[r + c * bs]
-                    for (int j = 0; j < NTOK * BS * Q0_ROWS; ++j) out[j] = NAN;
-                    (q5 ? reame_mm_q5_0_q8_0_512 : reame_mm_q8_0_q8_0_512)(n, Q0_ROWS, k, out, bs, w, nb * xs,
-                                                                          (const char *) acts + o * by, by);
-                    for (int j = 0; j < NTOK * BS * Q0_ROWS; ++j) {
-                        const int c = j / bs, r = j % bs;
-                        if (r < Q0_ROWS && c < k) {
-                            if (bits(out[j]) == bits(one[(o + c) * Q0_ROWS + r])) K.n_batched++;
-                            else fail("batched = alone", name, nb, rep, k, o + c, out[j], one[(o + c) * Q0_ROWS + r]);
-                        } else if (!isnan(out[j])) {
-                            fail("wrote outside its k results", name, nb, rep, k, c, out[j], NAN);
-                        }
-                    }
-                }
-            }
-        }
-        free(acts); free(w); free(f); free(wf); free(one); free(out);
-    }
-    printf("  %-28s %6ld batched results (k = 1..%d tokens, %d rows) bit-equal to one token and row at a time, "
-           "%ld of those bit-equal to their arithmetic computed here, %ld within the accuracy bound (worst error "
-           "%.3f of the float rounding bound)\n", name, K.n_batched, NTOK, Q0_ROWS, n_ref, K.n_acc, K.worst);
-}
-#endif
 
 #ifdef HAVE_512
 // The prompt-chunk kernels reame_mm_{q8,q5}_0_amx (AMX tiles where reame_amx_ok(), else the
@@ -642,12 +648,12 @@ int main(int argc, char ** argv) {
         printf(", %ld within the accuracy bound (worst error %.3f of the float rounding bound)\n", K->n_acc, K->worst);
     }
 #ifdef HAVE_Q0_MC
-    test_q0_mc(0);
-    test_q0_mc(1);
+    test_q8_mc();
+    test_q0(1, reame_mm_q5_0_q8_0_avx2, "reame_mm_q5_0_q8_0_avx2", Q0_ROWS, 1);
 #endif
 #ifdef HAVE_512
-    test_q0(0);
-    test_q0(1);
+    test_q0(0, reame_mm_q8_0_q8_0_512, "reame_mm_q8_0_q8_0_512", 3, 0);
+    test_q0(1, reame_mm_q5_0_q8_0_512, "reame_mm_q5_0_q8_0_512", 3, 0);
     test_q0_amx(0);
     test_q0_amx(1);
     test_q4_K_rows();

@@ -1,4 +1,5 @@
-// time_kernels.c -- times reame-kernels.c's AVX-512 kernels: nanoseconds per (weight block,
+// time_kernels.c -- times reame-kernels.c's kernels (AVX-512, or the AVX2 ones where the
+// compiler has no AVX-512: Q4_K/Q6_K/Q8_0 ggml's own for one token): nanoseconds per (weight block,
 // token) for k = 1..32 tokens a call, the weights in L2 (256 rows of n values; more rows
 // put them in memory), best of 20 passes. Type 0 Q4_K (beside it, where reame_amx_ok(), the
 // AMX tiles' kernel), 1 Q6_K (256-value blocks), 2 Q8_0,
@@ -38,6 +39,7 @@
 #include "ggml-quants.h"  // quantize_row_*_ref (libggml-base)
 #include "quants.h"       // quantize_row_q8_K, quantize_row_q8_0, ggml_vec_dot_q8_0_q8_0 (libggml-cpu)
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_mm_q8_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
@@ -47,6 +49,33 @@ int reame_amx_ok(void);
 void reame_mm_q4_K_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 void reame_mm_q8_0_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 void reame_mm_q5_0_amx(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+// the kernel ggml-cpu.c gives a k-token matmul of this type
+static void run_kernel(int type, int n, int rows, int k, float * out, const char * w, size_t rs, const char * y, size_t by) {
+    if (type == 2) reame_mm_q8_0_q8_0_512(n, rows, k, out, rows, w, rs, y, by);
+    else if (type == 3) reame_mm_q5_0_q8_0_512(n, rows, k, out, rows, w, rs, y, by);
+    else if (type == 0) reame_mm_q4_K_q8_K_512(n, rows, k, out, rows, w, rs, y, by);
+    else for (int r = 0; r < rows; ++r) reame_vec_dot_q6_K_q8_K_512(n, k, out + r, rows, w + r * rs, y, by);
+}
+#else  // AVX2: the kernels ggml-cpu.c calls there (one Q4_K/Q6_K/Q8_0 token: ggml's own)
+void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
+void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
+void reame_mm_q8_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+void reame_mm_q5_0_q8_0_avx2(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+static void run_kernel(int type, int n, int rows, int k, float * out, const char * w, size_t rs, const char * y, size_t by) {
+    if (type == 3) {
+        reame_mm_q5_0_q8_0_avx2(n, rows, k, out, rows, w, rs, y, by);
+    } else if (type == 2 && k > 1) {
+        reame_mm_q8_0_q8_0_mc(n, rows, k, out, rows, w, rs, y, by);
+    } else if (type == 2) {
+        for (int r = 0; r < rows; ++r) ggml_vec_dot_q8_0_q8_0(n, out + r, 0, w + r * rs, 0, y, 0, 1);
+    } else {
+        for (int r = 0; r < rows; ++r) {
+            if (k == 1) (type == 0 ? ggml_vec_dot_q4_K_q8_K : ggml_vec_dot_q6_K_q8_K)(n, out + r, 0, w + r * rs, 0, y, 0, 1);
+            else (type == 0 ? reame_vec_dot_q4_K_q8_K_mc : reame_vec_dot_q6_K_q8_K_mc)(n, k, out + r, rows, w + r * rs, y, by);
+        }
+    }
+}
+#endif
 
 static double now(void) {
     struct timespec t;
@@ -87,18 +116,17 @@ int main(int argc, char ** argv) {
         double best = 1e30, best_ggml = 1e30, best_amx = 1e30;
         for (int rep = 0; rep < 20; ++rep) {
             double t0 = now();
-            if (type == 2) reame_mm_q8_0_q8_0_512(n, rows, k, out, rows, w, rs, y, by);
-            else if (type == 3) reame_mm_q5_0_q8_0_512(n, rows, k, out, rows, w, rs, y, by);
-            else if (type == 0) reame_mm_q4_K_q8_K_512(n, rows, k, out, rows, w, rs, y, by);
-            else for (int r = 0; r < rows; ++r) reame_vec_dot_q6_K_q8_K_512(n, k, out + r, rows, w + r * rs, y, by);
+            run_kernel(type, n, rows, k, out, w, rs, y, by);
             double t = now() - t0;
             best = t < best ? t : best;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
             if (type != 1 && reame_amx_ok()) {  // the AMX tiles (ggml-cpu.c takes them from REAME_AMX_MIN tokens)
                 t0 = now();
                 (type == 0 ? reame_mm_q4_K_amx : type == 2 ? reame_mm_q8_0_amx : reame_mm_q5_0_amx)(n, rows, k, out, rows, w, rs, y, by);
                 t = now() - t0;
                 best_amx = t < best_amx ? t : best_amx;
             }
+#endif
             if (!q0) continue;
             t0 = now();
             for (int c = 0; c < k; ++c) for (int r = 0; r < rows; ++r) {
