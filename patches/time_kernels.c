@@ -14,6 +14,9 @@
 //      -I$X86 patches/time_kernels.c DIR/quants.c -L_llama -lggml-cpu -lggml-base -lm
 //      -Wl,-rpath,_llama -o time_kernels && ./time_kernels [n] [rows] [type]
 //
+// AVX2 (a 2-core Zen 3 guest), Q5_0, n = 896, 256 rows: 1.77 ns per block-token for one token
+// against ggml's one-row kernel's 2.15, 0.62 at 16 tokens; from memory (131072 rows) 2.04
+// against 2.29 with the next 8 rows prefetched, 3.70 without.
 // Measured on the 2-core Sapphire Rapids guest (n = 1536, Q4_K): 6.2 ns per block-token
 // for one token, 4.5 for 2, 3.6 for 4, 3.2 for 8 to 32. A candidate with the same products
 // on 256-bit registers (bit-identical results; Intel cores run zmm VNNI on one port) gave
