@@ -1827,23 +1827,22 @@ def run_step_cost(args, noise: CpuNoise) -> dict:
             for i, tok in enumerate(toks):
                 b.add(tok, i, 0, i == len(toks) - 1)
             ctx.decode(b)
+
+            def step(k: int, all_logits: bool) -> float:
+                """Seconds of one k-token decode step after the prompt (then taken back out of the KV)."""
+                b.clear()
+                for j in range(k):
+                    b.add(toks[j], len(toks) + j, 0, all_logits or j == k - 1)
+                t0 = time.perf_counter()
+                ctx.decode(b, rowwise=True)
+                sec = time.perf_counter() - t0
+                ctx.seq_rm(0, len(toks), -1)
+                return sec
             for rnd in range(args.repeats):
                 for k in (STEP_SIZES if rnd % 2 == 0 else STEP_SIZES[::-1]):
-                    b.clear()
-                    for j in range(k):
-                        b.add(toks[j], len(toks) + j, 0, True)
-                    t0 = time.perf_counter()
-                    ctx.decode(b, rowwise=True)
-                    times["this"].setdefault(k, []).append(time.perf_counter() - t0)
-                    ctx.seq_rm(0, len(toks), -1)
+                    times["this"].setdefault(k, []).append(step(k, True))
                     if k in STOCK_PP and k > 1:  # the same step with only the last token's logits: pp-k's work
-                        b.clear()
-                        for j in range(k):
-                            b.add(toks[j], len(toks) + j, 0, j == k - 1)
-                        t0 = time.perf_counter()
-                        ctx.decode(b, rowwise=True)
-                        last.setdefault(k, []).append(time.perf_counter() - t0)
-                        ctx.seq_rm(0, len(toks), -1)
+                        last.setdefault(k, []).append(step(k, False))
                 if os.access(stock, os.X_OK) and not args.no_server:  # llama-bench between Reame's rounds
                     pp = ",".join(map(str, STOCK_PP))
                     for name, binary, flags in (("stock", stock, ("-p", pp, "-n", "64")),

@@ -314,12 +314,8 @@ static inline __attribute__((always_inline)) void reame_q5_prep8(const block_q5_
 }
 // 16 x the sum of a q8_0 block's 32 values
 static inline int32_t reame_q8_sum16(const block_q8_0 * y) {
-    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *) y->qs)),
-                                        _mm256_set1_epi16(1));
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return 16 * _mm_cvtsi128_si32(s);
+    return 16 * hsum_i32_8(_mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *) y->qs)),
+                                             _mm256_set1_epi16(1)));
 }
 // g (1..4) tokens (y[t]; sy, dy: their tables, nb a token) against 8 rows' blocks b0 .. b0 +
 // bc - 1 (w, dx: reame_q5_prep8's); acc[t][e]: token t's accumulator e, 8 rows
@@ -353,9 +349,6 @@ static inline __attribute__((always_inline)) void reame_q5_toks(const int g, int
 }
 #define REAME_Q5_TOK 64  // the most tokens sharing one unpacking of the rows
 #define REAME_Q5_BC 32   // blocks of 8 rows unpacked at a time (9 KiB)
-#ifndef REAME_Q5_PF_GROUPS
-#define REAME_Q5_PF_GROUPS 1
-#endif
 // up to 8 rows (xr[r]; past nrow, copies whose results are not stored) against ms tokens;
 // pf: pf_len bytes (the rows that come next) to prefetch meanwhile, or NULL. The rows' blocks
 // are read 8 rows abreast, which the hardware prefetcher does not follow as it does one row.
@@ -410,7 +403,7 @@ void reame_mm_q5_0_q8_0_avx2(int n, int nr, int nc, float * s, size_t bs, const 
             const block_q5_0 * xr[8];
             for (int r = 0; r < 8; ++r)
                 xr[r] = (const block_q5_0 *) ((const char *) vx + (r0 + (r < nrow ? r : nrow - 1))*bx);
-            const int pf0 = r0 + 8 * REAME_Q5_PF_GROUPS, pfn = nr - pf0 < 8 ? nr - pf0 : 8;
+            const int pf0 = r0 + 8, pfn = nr - pf0 < 8 ? nr - pf0 : 8;  // the next 8 rows (2 groups ahead: no faster)
             reame_q5_rows8(nb, xr, nrow, ms, y, sy, dy, s + r0 + cs*bs, bs,
                            pfn > 0 ? (const char *) vx + pf0*bx : NULL, pfn > 0 ? (size_t) pfn * bx : 0);
         }
