@@ -2491,7 +2491,8 @@ MOE_GENERATOR = 2  # bump when make_moe_gguf writes other bytes: cached files ar
 MOE_SHAPES = {  # name: (arch, layers, n_embd, heads, kv heads, expert ff, experts, used, shared ff)
     "tiny-qwen2moe": ("qwen2moe", 2, 256, 4, 2, 224, 8, 2, 256),  # experts 224 wide: Q5_0 down experts
     "tiny-olmoe": ("olmoe", 2, 256, 4, 4, 256, 8, 2, 0),
-    "olmoe-1b-7b-shaped": ("olmoe", 16, 2048, 16, 16, 1024, 64, 8, 0)}
+    "olmoe-1b-7b-shaped": ("olmoe", 16, 2048, 16, 16, 1024, 64, 8, 0),
+    "qwen2moe-704-shaped": ("qwen2moe", 8, 1024, 8, 4, 704, 32, 4, 2816)}  # Q5_0/Q8_0 down experts, 650 MB
 
 
 class _QuantizeParams(ctypes.Structure):
@@ -2709,7 +2710,8 @@ OPTIONS = [  # flag, default (False: a switch; a tuple: the choices, the first t
     ("--against", "", "--step-cost: also this libllama (an older build's, say), alternating: the ratio"),
     ("--suggest-only", "", "--suggest: only the workloads whose name contains this text"),
     ("--make-moe", "", "make (or find cached) the MoE GGUF of this shape with random weights, print its path and "
-     "exit: tiny-qwen2moe, tiny-olmoe, olmoe-1b-7b-shaped (about 4 GB, minutes); then --model PATH")]
+     "exit: tiny-qwen2moe, tiny-olmoe, olmoe-1b-7b-shaped (about 4 GB, minutes), qwen2moe-704-shaped (650 MB); "
+     "then --model PATH")]
 
 
 def parse_args(argv=None) -> tuple:
