@@ -2525,18 +2525,6 @@ def _touch(path: str) -> None:
         pass
 
 
-def _background_priority() -> None:
-    """Lower the calling thread's CPU priority to the least (nice 19; Linux sets it per
-    thread). For threads that compress or index beside the decode: on 2 cores, ggml's
-    threads wait at every barrier for the one a writer preempted. A cold 2,585-token
-    prefill that wrote its KV snapshots took 14.84 s at normal priority, 14.63 s like
-    this, 14.37 s writing none (medians of 3, alternated)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):  # not Linux, or not allowed: the same, a little slower
-        pass
-
-
 class RecordStore:
     """The one writer of records: any thread queues a write (Shelf.put, .write,
     .append), its thread does them in order. ``flush`` waits for what is queued;
@@ -2580,7 +2568,6 @@ class RecordStore:
             self._thread.join(timeout)
 
     def _run(self) -> None:
-        _background_priority()
         while True:
             item = self._queue.get()
             if item is None:
@@ -3586,7 +3573,6 @@ class _ScopeArchive:
             box: dict = {}
 
             def work():
-                _background_priority()
                 t0 = time.perf_counter()
                 try:
                     box["built"] = ArchiveIndex.build(tokens, idx.lengths)
