@@ -2489,7 +2489,7 @@ def print_cluster(cl: dict, w) -> None:
 
 MOE_GENERATOR = 2  # bump when make_moe_gguf writes other bytes: cached files are keyed by it
 MOE_SHAPES = {  # name: (arch, layers, n_embd, heads, kv heads, expert ff, experts, used, shared ff)
-    "tiny-qwen2moe": ("qwen2moe", 2, 256, 4, 2, 224, 8, 2, 256),  # experts 224 wide: Q5_0 down experts
+    "tiny-qwen2moe": ("qwen2moe", 2, 256, 4, 2, 224, 8, 2, 256),  # experts 224 wide: Q5_0/Q8_0 down experts
     "tiny-olmoe": ("olmoe", 2, 256, 4, 4, 256, 8, 2, 0),
     "olmoe-1b-7b-shaped": ("olmoe", 16, 2048, 16, 16, 1024, 64, 8, 0),
     "qwen2moe-704-shaped": ("qwen2moe", 8, 1024, 8, 4, 704, 32, 4, 2816)}  # Q5_0/Q8_0 down experts, 650 MB
