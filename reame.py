@@ -5538,7 +5538,7 @@ class Request:
         self.cache_tag = cache_tag
         self.tenant = ""   # whose prefix cache it may reuse and feeds ("": the shared one)
         self.cuts = ()     # extra prefill chunk ends (the end of a chat's system message)
-        self.snap = ()     # chunk ends worth a snapshot on the disk tier
+        self.snap = ()     # chunk ends worth a snapshot on the disk tier (each ends a prefill pass)
         self.disk = None   # (length, state or None: load it at admission) found on the disk tier by submit()
         self.memory_hint = 0  # what the memory tier held of the prompt at submit (the disk was searched past it)
         self.spec: Optional[SpecOptions] = None  # None: the engine's default
@@ -5685,7 +5685,8 @@ class _Stop(NamedTuple):
 # shape (tiled matmul and flash attention for many rows, vector kernels for one), so
 # a token's KV from a decode step, or from a prefill chunk cut at another place, is
 # not bit-identical to a cold prefill's. Prompts are therefore prefilled in chunks of
-# ``prefill_chunk`` tokens at fixed multiples from position 0, and with
+# ``prefill_chunk`` tokens at fixed multiples from position 0 (several whole chunks of
+# a prompt may share a llama_decode with the same bits: PACK_ROWS), and with
 # cache_reuse="exact" (the default) only whole prefilled chunks are reused: the
 # computation after a hit is then the cold one, bit for bit. cache_reuse="all" also
 # reuses partial chunks and generated tokens (cheaper; greedy output can then differ
@@ -5934,7 +5935,8 @@ class EnginePart:
         """A group's first sequence has its slot; its prompt is about to be prefilled."""
 
     def chunk(self, s: _Seq, end: int) -> None:
-        """s's prompt is computed up to end, exactly (a whole chunk on an exact prefix)."""
+        """s's KV holds exactly prompt[:end], whole chunks on an exact prefix (a prefill
+        pass ends there; every point in req.snap ends one)."""
 
     def drafts(self, decoding: List[_Seq], plans: list, capacity: int) -> None:
         """Fill in the draft plans of this step (plans[i] for decoding[i]) that are empty."""
@@ -6314,6 +6316,7 @@ class EngineCounters:
     kv_active: int = 0             # KV cells holding active sequences' tokens
     kv_cached: int = 0             # KV cells kept by free slots (the memory tier; reclaimable)
     n_prefill_tok: int = 0
+    n_prefill_passes: int = 0      # llama_decodes of prompt chunks (whole chunks packed: PACK_ROWS)
     n_decode_tok: int = 0          # rows computed by decode steps (drafts verified included)
     t_decode_s: float = 0.0        # inside llama_decode
     t_step_s: float = 0.0          # whole steps
@@ -6370,6 +6373,16 @@ def engine_parts(*, disk_cache: int = 0, disk_dir: Optional[str] = None, replay:
 # request with that tag prefills only what follows the common token prefix.
 # Off the step (section 22): a request whose answer is on record is answered on its
 # submitter's thread, and warm-ahead prefills likely prompt heads while no request runs.
+
+# A prompt chunk of PACK_ROWS tokens or more gives each token the same bits alone or
+# packed with the chunks after it in one llama_decode: ggml's tiled flash attention
+# (64+ query rows) always computes a whole 64-row tile of queries, each on its own, and
+# the tiled matmuls (8+ rows) sum each token's row in one order at any row count. So a
+# step packs whole chunks of one prompt into one decode (fewer passes over the weights)
+# and the prefill plan, and every cache hit's bits, stay those of 128-token chunks.
+# A shorter chunk (a system message's end, a prompt's tail) has other bits: alone.
+# test_packed_prefill_keeps_the_bits_of_chunks checks it on every model.
+PACK_ROWS = 64
 
 
 class _Scheduler:
@@ -6533,8 +6546,9 @@ class _Scheduler:
 
         Greedy output must not depend on who else is in the batch, and llama.cpp's CPU
         kernels pick tiling by batch shape (flash attention tiles 64+ queries, K-quant
-        matmuls 8+ rows). So each prompt chunk runs in its own llama_decode, ending at a
-        multiple of self.chunk (the same chunks as when it runs alone and cold); the
+        matmuls 8+ rows). So prompt chunks run in llama_decodes of their own, ending at
+        multiples of self.chunk (the same chunks as when it runs alone and cold; whole
+        chunks of one prompt packed together: PACK_ROWS); the
         decode batch (every sequence's next token, and the drafts to verify) is computed
         row by row; and decode tokens go in ascending slot order (llama.cpp splits a
         multi-stream batch at a gap in seq ids).
@@ -6607,17 +6621,28 @@ class _Scheduler:
             if s is oldest and budget <= 0:
                 budget = 1
             while budget > 0 and s.n_done < s.n_prompt:
-                n = self._prefill_chunk(s)
+                n = self._prefill_chunk(s, budget)
                 if n < 0:
                     break
                 budget -= n
         self.counters.n_steps += 1
         self.counters.t_step_s += time.perf_counter() - t0
 
-    def _prefill_chunk(self, s: _Seq) -> int:
-        """Prefill s's next prompt chunk in its own llama_decode; -1 if the sequence failed."""
-        start = s.n_done
-        end = min([(start // self.chunk + 1) * self.chunk, s.n_prompt] + [c for c in s.cuts if c > start])
+    def _prefill_chunk(self, s: _Seq, limit: int = 0) -> int:
+        """Prefill s's next prompt chunk in its own llama_decode, with the whole chunks
+        after it (PACK_ROWS tokens or more each) up to limit tokens in all; -1 if the
+        sequence failed. A chunk gives its tokens the same bits alone or packed (see
+        PACK_ROWS), and a pack ends at a snapshot point (the disk tier takes the KV
+        there)."""
+        start, limit = s.n_done, min(limit, self._batch.capacity)
+        ends = [c for c in s.cuts if c > start] + [s.n_prompt]
+        end = min([(start // self.chunk + 1) * self.chunk] + ends)
+        if end - start >= PACK_ROWS:
+            while end < s.n_prompt and end not in s.req.snap:
+                nxt = min([(end // self.chunk + 1) * self.chunk] + [c for c in ends if c > end])
+                if nxt - end < PACK_ROWS or nxt - start > limit:
+                    break
+                end = nxt
         b = self._batch
         b.clear()
         prompt, seq_id, last = s.req.prompt, s.seq_id, s.n_prompt - 1
@@ -6627,12 +6652,14 @@ class _Scheduler:
         if not self._decode(b, [s]):
             return -1
         self.counters.t_decode_s += time.perf_counter() - t1
-        if s.n_exact == start and (end % self.chunk == 0 or end in s.cuts):
-            s.n_exact = end  # a whole chunk on an exact prefix: what a cold prefill computes
-            for part in self.parts:
-                part.chunk(s, end)
+        if s.n_exact == start:  # whole chunks on an exact prefix: what a cold prefill computes
+            s.n_exact = max([c for c in s.cuts if start < c <= end] + [end // self.chunk * self.chunk, start])
+            if s.n_exact == end:  # (a pack never passes a snapshot point)
+                for part in self.parts:
+                    part.chunk(s, end)
         s.n_done = s.n_past = end
         self.counters.n_prefill_tok += end - start
+        self.counters.n_prefill_passes += 1
         if s.req.warm:
             self.counters.n_warm_tok += end - start
             if end == s.n_prompt:
@@ -7056,7 +7083,8 @@ class Engine(_Scheduler):
 
     def stats(self) -> dict:
         c, sl = self.counters, self.slots
-        out = {"steps": c.n_steps, "prefill_tokens": c.n_prefill_tok, "decode_tokens": c.n_decode_tok,
+        out = {"steps": c.n_steps, "prefill_tokens": c.n_prefill_tok, "prefill_passes": c.n_prefill_passes,
+               "decode_tokens": c.n_decode_tok,
                "prefills": c.n_prefills, "twin_tokens": c.n_twin_tok, "cached_tokens": c.n_cached_tok,
                "cache_hits": sl.n_cache_hits, "cache_misses": sl.n_cache_misses,
                "cache_evictions": sl.n_cache_evictions, "slot_moves": sl.n_moves,
@@ -7093,6 +7121,7 @@ class Engine(_Scheduler):
             Metric("twin_tokens_total", "counter", "tokens of n > 1 choices sampled from a shared row",
                    st["twin_tokens"]),
             Metric("prefill_tokens_total", "counter", "prompt tokens computed", st["prefill_tokens"]),
+            Metric("prefill_passes_total", "counter", "llama_decodes of prompt chunks", st["prefill_passes"]),
             Metric("cached_prompt_tokens_total", "counter", "prompt tokens reused, not computed", st["cached_tokens"]),
             Metric("decode_steps_total", "counter", "scheduler steps", st["steps"]),
             Metric("decode_sequences_max", "gauge", "the most sequences one decode step computed together",

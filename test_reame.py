@@ -2682,6 +2682,64 @@ def test_cache_hit_equals_cold(fixture, request):
     eng.forget("ev")
 
 
+def _kv_after(model, tokens, cuts):
+    """The KV state bytes of tokens prefilled in llama_decodes ending at cuts (a fresh context)."""
+    ctx = reame.Context(model, n_ctx=1024, n_seq_max=1, n_batch=512)
+    b = reame.Batch(512)
+    try:
+        start = 0
+        for end in cuts:
+            b.clear()
+            for pos in range(start, end):
+                b.add(tokens[pos], pos, 0, pos == end - 1)
+            ctx.decode(b)
+            start = end
+        return ctx.state_seq_get(0)
+    finally:
+        b.close()
+        ctx.close()
+
+
+@pytest.mark.parametrize("fixture", ["qwen", "gemma", "qwen_moe", "olmoe"])
+def test_packed_prefill_keeps_the_bits_of_chunks(fixture, request):
+    """The scheduler packs whole prompt chunks of PACK_ROWS+ tokens into one llama_decode;
+    each token's KV must be the bits of its 128-token chunk computed alone (what a cache
+    hit resumes from). A tail shorter than PACK_ROWS takes other kernels (ggml's row-by-row
+    flash attention), so packing it would change its bits: the control shows the
+    comparison sees that."""
+    eng = request.getfixturevalue(fixture)
+    tokens = eng.model.tokenize("The harbour master counted the ships by the lighthouse. " * 80, add_special=True)
+    tokens = tokens[:700]
+    assert len(tokens) == 700 and eng.chunk == 128 and reame.PACK_ROWS == 64
+    chunks = _kv_after(eng.model, tokens, [128, 256, 384, 512, 640, 700])
+    assert _kv_after(eng.model, tokens, [512, 640, 700]) == chunks  # how a cold prefill packs
+    assert _kv_after(eng.model, tokens, [384, 640, 700]) == chunks  # a hit at 256 resumes: 128 + 256
+    assert _kv_after(eng.model, tokens, [200, 264, 640, 700]) == chunks  # other whole-enough cuts: 200, 64, 376
+    assert _kv_after(eng.model, tokens, [512, 700]) != chunks  # the 60-token tail packed: other bits
+
+
+@pytest.mark.parametrize("fixture", ["qwen", "olmoe"])
+def test_a_resumed_prefill_packs_and_equals_cold(fixture, request):
+    """A session's next turn resumes at a chunk end (384) and packs the rest into one
+    llama_decode; a cold prefill of the same prompt packs 512 + 208: the same tokens, and
+    every whole chunk of a pack is reusable."""
+    eng = request.getfixturevalue(fixture)
+    tokens = eng.model.tokenize("A ledger of the western fleet, its captains and cargoes. " * 90, add_special=True)
+    turn1, turn2 = tokens[:400], tokens[:720]
+    eng.complete(turn1, temperature=0, max_tokens=2, cache_tag="resume")
+    before = eng.stats()["prefill_passes"]
+    hit = eng.complete(turn2, temperature=0, max_tokens=24, cache_tag="resume")
+    assert hit.n_cached_tok == 384 and eng.stats()["prefill_passes"] - before == 1  # 336 tokens, one pass
+    eng.forget("resume")
+    _drop_cache(eng)
+    before = eng.stats()["prefill_passes"]
+    cold = eng.complete(turn2, temperature=0, max_tokens=24)
+    assert cold.n_cached_tok == 0 and eng.stats()["prefill_passes"] - before == 2  # 512, then 208
+    assert hit.tokens == cold.tokens
+    # a pack's whole chunks are reusable: the next prompt resumes at 640, not at 512
+    assert eng.complete(tokens[:800], temperature=0, max_tokens=1).n_cached_tok == 640
+
+
 def test_memory_tier_reuses_a_shared_prefix(qwen):
     """A second request sharing a long system prompt reuses its KV (whole chunks and the
     cut where the head ends: the same plan for any prompt), with the same tokens as cold; a session's entry is copied, not taken."""
