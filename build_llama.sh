@@ -31,7 +31,7 @@ PIN_VERSION="11434.0.0"
 PIN_SHA256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 # The patches in ./patches (see apply_patches): bump PATCH_ID whenever they change, so the
 # source is unpacked and patched afresh and the build cache key changes.
-PATCH_ID="reame-p36"
+PATCH_ID="reame-p37"
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PATCH_DIR="$HERE/patches"
@@ -331,6 +331,13 @@ if [ "$need_build" = 1 ]; then
   fi
   touch "$BDIR/done-lib"
   say "compiled in $(( $(date +%s) - start )) s"
+  # Builds of this source at older patch levels are dead weight (80 MB each): removed.
+  # This level's other builds (another CPU's, the other arch's) and the stock one stay.
+  if [ "$SRC_KIND" = sdist ] && [ "$STOCK" != 1 ]; then
+    for d in "$REAME_HOME/build/$PIN_NAME-$PIN_VERSION-${PIN_SHA256:0:12}"-reame-*; do
+      case "$d" in *-"$PATCH_ID"-*) ;; *) rm -rf "$d" ;; esac
+    done
+  fi
 else
   say "cached build found: $BDIR"
 fi

@@ -22,6 +22,8 @@
 //                                      many. Its arithmetic is reame_q0_canon's (the 512-bit and
 //                                      AMX kernels' bits), so a token's result does not depend
 //                                      on nc, nr or the other tokens.
+//   reame_mm_q0_avx2                   AVX2 without AVX-512: which of the two above a Q8_0/Q5_0
+//                                      matmul block takes (ggml-cpu.c's mul_mat and mul_mat_id).
 //   reame_vec_dot_{q4,q6}_K_q8_K_512   AVX-512 F+BW (VNNI when there); any nc. A column's
 //                                      result does not depend on nc or on the other columns.
 //   reame_mm_{q8,q5}_0_q8_0_512        AVX-512 F+BW, Q8_0/Q5_0 weights against q8_0 tokens,
@@ -51,6 +53,7 @@ void reame_vec_dot_q4_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void 
 void reame_vec_dot_q6_K_q8_K_mc(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_mm_q8_0_q8_0_mc(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 void reame_mm_q5_0_q8_0_avx2(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
+int reame_mm_q0_avx2(int type, int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
 void reame_vec_dot_q4_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_vec_dot_q6_K_q8_K_512(int n, int nc, float * s, size_t bs, const void * vx, const void * vy, size_t by);
 void reame_mm_q8_0_q8_0_512(int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by);
@@ -408,6 +411,20 @@ void reame_mm_q5_0_q8_0_avx2(int n, int nr, int nc, float * s, size_t bs, const 
                            pfn > 0 ? (const char *) vx + pf0*bx : NULL, pfn > 0 ? (size_t) pfn * bx : 0);
         }
     }
+}
+// The AVX2 rule for Q8_0/Q5_0 weights, the one place mul_mat and mul_mat_id (ggml-cpu.c)
+// ask: Q5_0 at any number of tokens, Q8_0 from two tokens (one token keeps ggml's kernel,
+// whose bits reame_mm_q8_0_q8_0_mc computes). 1: computed here; 0: the caller's path.
+int reame_mm_q0_avx2(int type, int n, int nr, int nc, float * s, size_t bs, const void * vx, size_t bx, const void * vy, size_t by) {
+    if (type == GGML_TYPE_Q5_0) {
+        reame_mm_q5_0_q8_0_avx2(n, nr, nc, s, bs, vx, bx, vy, by);
+        return 1;
+    }
+    if (type == GGML_TYPE_Q8_0 && nc > 1) {
+        reame_mm_q8_0_q8_0_mc(n, nr, nc, s, bs, vx, bx, vy, by);
+        return 1;
+    }
+    return 0;
 }
 #endif
 #elif defined(__AVX__)
