@@ -953,6 +953,7 @@ class Model:
         self.n_bytes = L.llama_model_size(ptr)
         self.n_params = L.llama_model_n_params(ptr)
         self.arch = self.meta("general.architecture") or ""
+        self.n_expert = int(self.meta("%s.expert_count" % self.arch) or 0)  # 0: dense
         tmpl = L.llama_model_chat_template(ptr, None)
         self.chat_template = tmpl.decode("utf-8", "replace") if tmpl else None
         if not self.chat_template and self.arch in _FAMILY_TEMPLATES:
@@ -6381,7 +6382,10 @@ def engine_parts(*, disk_cache: int = 0, disk_dir: Optional[str] = None, replay:
 # step packs whole chunks of one prompt into one decode (fewer passes over the weights)
 # and the prefill plan, and every cache hit's bits, stay those of 128-token chunks.
 # A shorter chunk (a system message's end, a prompt's tail) has other bits: alone.
-# test_packed_prefill_keeps_the_bits_of_chunks checks it on every model.
+# Not for a MoE model: its experts' matmuls take the tiled kernel when 8+ of the decode's
+# tokens chose the expert, so a token's bits there depend on the tokens beside it (the
+# same for a chunk alone, cold or after a hit; not for a chunk packed with others).
+# test_packed_prefill_keeps_the_bits_of_chunks checks the dense models.
 PACK_ROWS = 64
 
 
@@ -6637,7 +6641,7 @@ class _Scheduler:
         start, limit = s.n_done, min(limit, self._batch.capacity)
         ends = [c for c in s.cuts if c > start] + [s.n_prompt]
         end = min([(start // self.chunk + 1) * self.chunk] + ends)
-        if end - start >= PACK_ROWS:
+        if self.pack and end - start >= PACK_ROWS:
             while end < s.n_prompt and end not in s.req.snap:
                 nxt = min([(end // self.chunk + 1) * self.chunk] + [c for c in ends if c > end])
                 if nxt - end < PACK_ROWS or nxt - start > limit:
@@ -6895,6 +6899,7 @@ class Engine(_Scheduler):
                            n_threads=n_threads, **context_kw)
         self._batch = Batch(self.ctx.n_batch)
         self.chunk = max(1, min(prefill_chunk, self.ctx.n_batch))  # prompt tokens per prefill decode
+        self.pack = not self.model.n_expert  # whole chunks share a decode (PACK_ROWS): dense models only
         self._own_records = records is None
         self.records = records or RecordStore()
         if parts is None:

@@ -2700,7 +2700,7 @@ def _kv_after(model, tokens, cuts):
         ctx.close()
 
 
-@pytest.mark.parametrize("fixture", ["qwen", "gemma", "qwen_moe", "olmoe"])
+@pytest.mark.parametrize("fixture", ["qwen", "gemma"])
 def test_packed_prefill_keeps_the_bits_of_chunks(fixture, request):
     """The scheduler packs whole prompt chunks of PACK_ROWS+ tokens into one llama_decode;
     each token's KV must be the bits of its 128-token chunk computed alone (what a cache
@@ -2722,19 +2722,22 @@ def test_packed_prefill_keeps_the_bits_of_chunks(fixture, request):
 def test_a_resumed_prefill_packs_and_equals_cold(fixture, request):
     """A session's next turn resumes at a chunk end (384) and packs the rest into one
     llama_decode; a cold prefill of the same prompt packs 512 + 208: the same tokens, and
-    every whole chunk of a pack is reusable."""
+    every whole chunk of a pack is reusable. A MoE model does not pack (an expert's
+    kernel depends on how many of the decode's tokens chose it): one chunk a pass."""
     eng = request.getfixturevalue(fixture)
+    moe = eng.model.n_expert > 0
+    assert eng.pack is not moe and eng.model.n_expert == (8 if moe else 0)
     tokens = eng.model.tokenize("A ledger of the western fleet, its captains and cargoes. " * 90, add_special=True)
     turn1, turn2 = tokens[:400], tokens[:720]
     eng.complete(turn1, temperature=0, max_tokens=2, cache_tag="resume")
     before = eng.stats()["prefill_passes"]
     hit = eng.complete(turn2, temperature=0, max_tokens=24, cache_tag="resume")
-    assert hit.n_cached_tok == 384 and eng.stats()["prefill_passes"] - before == 1  # 336 tokens, one pass
+    assert hit.n_cached_tok == 384 and eng.stats()["prefill_passes"] - before == (3 if moe else 1)  # 336 tokens
     eng.forget("resume")
     _drop_cache(eng)
     before = eng.stats()["prefill_passes"]
     cold = eng.complete(turn2, temperature=0, max_tokens=24)
-    assert cold.n_cached_tok == 0 and eng.stats()["prefill_passes"] - before == 2  # 512, then 208
+    assert cold.n_cached_tok == 0 and eng.stats()["prefill_passes"] - before == (6 if moe else 2)  # 512 + 208
     assert hit.tokens == cold.tokens
     # a pack's whole chunks are reusable: the next prompt resumes at 640, not at 512
     assert eng.complete(tokens[:800], temperature=0, max_tokens=1).n_cached_tok == 640
