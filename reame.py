@@ -6365,7 +6365,7 @@ def engine_parts(*, disk_cache: int = 0, disk_dir: Optional[str] = None, replay:
 # HTTP or CLI threads call Engine.submit() and read Request.events. One scheduler
 # thread owns the llama context: each step it admits waiting requests into free
 # slots, runs ONE llama_decode with the next token of every generating sequence,
-# then one prefill chunk of a new prompt in its own llama_decode (see _step for why),
+# then prompt chunks in llama_decodes of their own (see _step for why; PACK_ROWS),
 # samples, and emits text. A request for n choices is a group: one prefill, then the
 # others are twins of the first (Engine._twins_sample): while their tokens are its tokens they
 # sample from its rows and compute none of their own; one that samples another token
@@ -6637,13 +6637,16 @@ class _Scheduler:
         after it (PACK_ROWS tokens or more each) up to limit tokens in all; -1 if the
         sequence failed. A chunk gives its tokens the same bits alone or packed (see
         PACK_ROWS), and a pack ends at a snapshot point (the disk tier takes the KV
-        there)."""
+        there). limit 0 (warm-ahead): the one chunk."""
         start, limit = s.n_done, min(limit, self._batch.capacity)
         ends = [c for c in s.cuts if c > start] + [s.n_prompt]
-        end = min([(start // self.chunk + 1) * self.chunk] + ends)
+
+        def next_end(pos: int) -> int:  # the plan's next chunk end after pos
+            return min([(pos // self.chunk + 1) * self.chunk] + [c for c in ends if c > pos])
+        end = next_end(start)
         if self.pack and end - start >= PACK_ROWS:
             while end < s.n_prompt and end not in s.req.snap:
-                nxt = min([(end // self.chunk + 1) * self.chunk] + [c for c in ends if c > end])
+                nxt = next_end(end)
                 if nxt - end < PACK_ROWS or nxt - start > limit:
                     break
                 end = nxt
