@@ -2867,8 +2867,8 @@ class DiskCache:
         self.shelf.put(path, lambda: self._payload(tokens, state))
 
     def _payload(self, tokens: List[int], state: bytes) -> list:
-        if _zstd is not None:
-            codec, packed = "zstd", _zstd.ZstdCompressor(level=3).compress(state)
+        if _zstd is not None:  # (level 3 took 1.2x the time for the same size: fp16 KV, 0.90 of raw)
+            codec, packed = "zstd", _zstd.ZstdCompressor(level=1).compress(state)
         else:
             codec, packed = "zlib", zlib.compress(state, 1)
         head = json.dumps({"fingerprint": self.fingerprint, "params": self.params, "codec": codec,
