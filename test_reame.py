@@ -1889,6 +1889,35 @@ def test_controller_prices_the_passes_llama_cpp_makes():
     assert abs(ctl.cost.cost(4) - before) < 1e-9
 
 
+def test_controller_drafts_beside_other_sequences_clear_the_costly_margin():
+    """Beside other sequences, one sequence's drafts take a pass of their own that the
+    whole step waits for: they must be expected to pay 3x the margin (1.15x), where a
+    sequence alone drafts at 1.05x."""
+    ctl = reame.SpecController([_FixedSource(list(range(100, 116)))], margin=0.05)
+    for _ in range(4):
+        for n in range(1, 20):
+            ctl.observe_step(n, 0.03 + 0.01 * (n - 1))
+
+    def plan(p, ids):
+        st = ctl.begin(0, [1, 2, 3], reame.SpecOptions("auto", 16))
+        st.acc["fixed"] = acc = reame.Acceptance(64)
+        acc.p, acc.n = [p] * 64, [20] * 64
+        got = ctl.plan([(st, 16)] + [(None, 16)] * (len(ids) - 1), len(ids), ids=ids)[0]
+        return got, ctl.stats()["fixed"]["gain"]
+
+    def acceptance_for(gain, ids):  # the acceptance at which the best k is expected to pay `gain`
+        cost = ctl._step_cost(0, len(ids), [1] * len(ids), ids if len(ids) > 1 else None)
+        return next(p for p in (x / 1000 for x in range(500, 1000))
+                    if reame.choose_k([p] * 16, cost, len(ids), 16)[1] >= gain)
+
+    got, gain = plan(acceptance_for(1.08, [0]), [0])
+    assert got is not None and 1.05 < gain < 1.15            # alone: 1.05x pays
+    got, gain = plan(acceptance_for(1.08, [0, 1]), [0, 1])
+    assert got is None and 1.05 < gain < 1.15                # beside another sequence: not enough
+    got, gain = plan(acceptance_for(1.2, [0, 1]), [0, 1])
+    assert got is not None and gain >= 1.15
+
+
 def test_controller_reprobes_an_engine_wide_source_on_the_request_s_own_gap():
     """A draft model's probe schedule is the engine's (one probe informs every request),
     but where it lost on a request, that request waits its own growing gap too: another
