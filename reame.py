@@ -4079,9 +4079,9 @@ class SpecController:
     position) and speculates when it clears ``margin`` (three times that for a source
     that costs to ask, a draft model: its cost is an estimate that moves with its KV
     catch-up and the machine, and when it wins it wins by more; and for drafts beside
-    other sequences, which the whole step pays for in a pass of their own). A source that does not pay is
-    re-probed with a short draft after ``probe_gap`` tokens, a gap that grows 4x each
-    time the probe loses (up to 2048), so a changed workload or machine is noticed
+    other sequences, which the whole step pays for in a pass of their own). A source
+    that does not pay is re-probed with a short draft after ``probe_gap`` tokens, a gap
+    that grows 4x each time the probe loses (up to 2048), so a changed workload or machine is noticed
     without a steady cost where it cannot help; a source that could not pay even if
     every draft were right (verify or drafting too costly here) is not probed at all.
     An engine-wide source (the draft model) is probed on the engine's clock, and on a
@@ -4222,10 +4222,10 @@ class SpecController:
             acc = st.acc[name] = Acceptance(_SPEC_WINDOW, parent=self.acc[name])  # (the request's text decides)
         sched, clock = (st, len(st.history)) if src.per_sequence else (self, self.n_tokens)
         k_max = min(at.room, st.opts.max_k)
-        # Beside other sequences, drafts take a pass of their own (decode_passes): one
-        # sequence's expected gain is paid by every sequence in the step, and a batch
-        # that gets all its answers no sooner. They clear the costly margin too (rag
-        # retrievals at 4 clients, EPYC: drafts expected at 1.05x-1.10x lost 3%-7%).
+        # Beside other sequences, drafts take a pass of their own (decode_passes): every
+        # sequence in the step pays for one sequence's expected gain, and a batch whose
+        # answers are all as long ends no sooner. So they clear the costly margin too (4
+        # retrievals, EPYC: auto took 1.03x-1.07x off's time with drafts expected at 1.06x-1.10x).
         margin = self.margin if src.free and at.n_cur <= 1 else _SPEC_COSTLY_MARGIN * self.margin
         if not src.free and not forced:  # a slow start: 2, 4, 8, ... drafts as it proves itself here
             k_max = min(k_max, self.probe_k << min(acc.n[0], _SPEC_SLOW_START))
