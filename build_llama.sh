@@ -31,7 +31,7 @@ PIN_VERSION="11434.0.0"
 PIN_SHA256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 # The patches in ./patches (see apply_patches): bump PATCH_ID whenever they change, so the
 # source is unpacked and patched afresh and the build cache key changes.
-PATCH_ID="reame-p37"
+PATCH_ID="reame-p38"
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PATCH_DIR="$HERE/patches"

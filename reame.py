@@ -511,6 +511,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
     return i
 
 
+def chunk_ends(block: int, cuts: Collection[int], hi: int, lo: int = 0) -> List[int]:
+    """A prompt's prefill plan: its chunk ends e with lo < e <= hi, in order. Chunks end
+    at multiples of block and at the prompt's extra cuts (a system message's end). KV
+    computed in other chunks is not the same bits, so both tiers of the prefix cache
+    reuse a prompt's KV only up to a chunk end it was computed with, and the scheduler
+    prefills a chunk (or a pack of whole ones) a decode."""
+    return sorted(set(range((lo // block + 1) * block, hi + 1, block)) | {c for c in cuts if lo < c <= hi})
+
+
 # == 5. libllama binding =======================================================
 # ctypes lives here and only here. Structs and functions follow llama.h order, each
 # with its C declaration. The library is loaded on first use, never at import.
@@ -2798,7 +2807,7 @@ class DiskCache:
         h, out, prev = self._key.copy(), [], 0
         if scope:
             h.update(b"|scope " + scope.encode())
-        for end in sorted(set(range(self.block, limit + 1, self.block)) | {c for c in cuts if 0 < c <= limit}):
+        for end in chunk_ends(self.block, cuts, limit):
             h.update(array.array("i", tokens[prev:end]).tobytes())
             if end % self.block:
                 h.update(b"|cut %d" % end)
@@ -5770,7 +5779,7 @@ class SlotTable:
         if differ:
             limit = min(differ)
         shared = [c for c in mine & theirs if c <= limit]
-        n_exact = max([limit // self.chunk * self.chunk] + shared)
+        n_exact = max(chunk_ends(self.chunk, shared, limit), default=0)
         n_cached = common if self.cache_reuse == "all" else n_exact
         if n_cached < len(entry.tokens) and not self.model.can_truncate:
             return 0, 0  # recurrent state cannot be cut back: only an exact end can be continued
@@ -5994,8 +6003,8 @@ class DiskTier(EnginePart):
     def submit(self, group: List[Request]) -> bool:
         """Find the longest prefix on disk and choose where to snapshot: at 256, 512,
         1024, ... tokens (a shared prefix of any length finds a snapshot at least half as
-        long, for at most twice the prompt's bytes on disk), at the last chunk end before
-        the prompt's end, and at the extra cuts; at least 256 tokens. A warm prompt may be
+        long, for at most twice the prompt's bytes on disk), at the last chunk end a
+        restore can give, and at the extra cuts; at least 256 tokens. A warm prompt may be
         restored whole (it needs no logits); others all but the last token."""
         req = group[0]
         n, c = len(req.prompt), self.block
@@ -6008,7 +6017,8 @@ class DiskTier(EnginePart):
         with self._lock:
             room = self._held < self.hold_bytes
         req.memory_hint = in_memory
-        found = self.cache.find(req.prompt, n if req.warm else n - 1, req.cuts, more_than=in_memory,
+        last = n if req.warm else n - 1  # what a restore may give (others compute the last token, for logits)
+        found = self.cache.find(req.prompt, last, req.cuts, more_than=in_memory,
                                 scope=req.tenant, load=room)
         if found is not None and found[1] is not None:
             with self._lock:
@@ -6017,8 +6027,7 @@ class DiskTier(EnginePart):
                 else:
                     found = (found[0], None)
         req.disk = found
-        ends = set(range(c, n, c)) | set(req.cuts)
-        points = {max(ends, default=0)} | set(req.cuts)
+        points = {max(chunk_ends(c, req.cuts, last), default=0)} | set(req.cuts)
         p = 256
         while p < n:
             points.add(p // c * c)
@@ -6645,17 +6654,14 @@ class _Scheduler:
         PACK_ROWS), and a pack ends at a snapshot point (the disk tier takes the KV
         there). limit 0 (warm-ahead): the one chunk."""
         start, limit = s.n_done, min(limit, self._batch.capacity)
-        ends = [c for c in s.cuts if c > start] + [s.n_prompt]
-
-        def next_end(pos: int) -> int:  # the plan's next chunk end after pos
-            return min([(pos // self.chunk + 1) * self.chunk] + [c for c in ends if c > pos])
-        end = next_end(start)
+        plan = chunk_ends(self.chunk, s.cuts, s.n_prompt, start)
+        if plan[-1:] != [s.n_prompt]:
+            plan.append(s.n_prompt)  # the prompt's tail is a chunk too
+        end, nxt = plan[0], 1
         if self.pack and end - start >= PACK_ROWS:
-            while end < s.n_prompt and end not in s.req.snap:
-                nxt = next_end(end)
-                if nxt - end < PACK_ROWS or nxt - start > limit:
-                    break
-                end = nxt
+            while (end < s.n_prompt and end not in s.req.snap and plan[nxt] - end >= PACK_ROWS
+                   and plan[nxt] - start <= limit):
+                end, nxt = plan[nxt], nxt + 1
         b = self._batch
         b.clear()
         prompt, seq_id, last = s.req.prompt, s.seq_id, s.n_prompt - 1
@@ -6666,7 +6672,7 @@ class _Scheduler:
             return -1
         self.counters.t_decode_s += time.perf_counter() - t1
         if s.n_exact == start:  # whole chunks on an exact prefix: what a cold prefill computes
-            s.n_exact = max([c for c in s.cuts if start < c <= end] + [end // self.chunk * self.chunk, start])
+            s.n_exact = max(chunk_ends(self.chunk, s.cuts, end, start), default=start)
             if s.n_exact == end:  # (a pack never passes a snapshot point)
                 for part in self.parts:
                     part.chunk(s, end)

@@ -2729,6 +2729,15 @@ def _kv_after(model, tokens, cuts):
         ctx.close()
 
 
+def test_chunk_ends_is_one_plan_for_every_tier():
+    """A prompt's chunk ends (multiples of the chunk and its cuts), which the scheduler
+    prefills by, the memory tier reuses up to and the disk tier names its snapshots by."""
+    assert reame.chunk_ends(128, (200,), 500) == [128, 200, 256, 384]
+    assert reame.chunk_ends(128, (200,), 384, 128) == [200, 256, 384]  # after 128, up to 384 included
+    assert reame.chunk_ends(128, (200, 600), 199) == [128]  # cuts past hi are not ends yet
+    assert reame.chunk_ends(128, (), 127) == [] and reame.chunk_ends(128, (256,), 256) == [128, 256]
+
+
 @pytest.mark.parametrize("fixture", ["qwen", "gemma"])
 def test_packed_prefill_keeps_the_bits_of_chunks(fixture, request):
     """The scheduler packs whole prompt chunks of PACK_ROWS+ tokens into one llama_decode;

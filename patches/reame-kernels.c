@@ -331,18 +331,15 @@ static inline __attribute__((always_inline)) void reame_q5_toks(const int g, int
         for (int t = 0; t < g; ++t) a[t] = acc[t][e];
         for (int b = b4; b < be; ++b) {
             const int i = b0 + b;
-            __m256i p0[4], p1[4];
-            for (int j = 0; j < 4; ++j) {  // values 0..15 into p0, 16..31 into p1
-                for (int t = 0; t < g; ++t) {
-                    const int32_t * q = (const int32_t *) y[t][i].qs;
-                    const __m256i ml = _mm256_maddubs_epi16(w[b][j], _mm256_set1_epi32(q[j]));
-                    const __m256i mh = _mm256_maddubs_epi16(w[b][4 + j], _mm256_set1_epi32(q[4 + j]));
-                    p0[t] = j ? _mm256_add_epi16(p0[t], ml) : ml;
-                    p1[t] = j ? _mm256_add_epi16(p1[t], mh) : mh;
+            for (int t = 0; t < g; ++t) {  // a token's 8 products in turn: few registers live
+                const int32_t * q = (const int32_t *) y[t][i].qs;
+                __m256i p0 = _mm256_maddubs_epi16(w[b][0], _mm256_set1_epi32(q[0]));  // values 0..15
+                __m256i p1 = _mm256_maddubs_epi16(w[b][4], _mm256_set1_epi32(q[4]));  // 16..31
+                for (int j = 1; j < 4; ++j) {
+                    p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(w[b][j], _mm256_set1_epi32(q[j])));
+                    p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(w[b][4 + j], _mm256_set1_epi32(q[4 + j])));
                 }
-            }
-            for (int t = 0; t < g; ++t) {
-                const __m256i S = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(p0[t], ones), _mm256_madd_epi16(p1[t], ones)),
+                const __m256i S = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)),
                                                    _mm256_set1_epi32(sy[t*nb + i]));
                 a[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(S), dx[b]), _mm256_set1_ps(dy[t*nb + i]), a[t]);
             }

@@ -16,7 +16,14 @@
 //
 // AVX2 (a 2-core Zen 3 guest), Q5_0, n = 896, 256 rows: 1.77 ns per block-token for one token
 // against ggml's one-row kernel's 2.15, 0.62 at 16 tokens; from memory (131072 rows) 2.04
-// against 2.29 with the next 8 rows prefetched, 3.70 without.
+// against 2.29 with the next 8 rows prefetched, 3.70 without. A token's 8 products summed in
+// turn, not 4 tokens' products abreast (which spilled half of them to the stack): 1.70-1.83
+// against 1.79-1.97 at one token, 0.59-0.62 against 0.62-0.64 at 16, 0.54 against 0.57 at 64
+// (3 alternated runs). Q8_0 on AVX2 keeps ggml's bits: a candidate with the Q5_0 kernel's
+// arithmetic (8 rows transposed, |w| against the token's bytes signed by w, each pair sum to
+// int32) was 1.1x-1.3x as fast from 16 tokens on but 0.8x-0.9x from 1 to 8 (ggml's one-row
+// Q8_0 kernel has nothing to unpack, so transposing only adds work), and so was one that
+// folded untransposed rows' sums with vphaddd for up to 8 tokens.
 // Measured on the 2-core Sapphire Rapids guest (n = 1536, Q4_K): 6.2 ns per block-token
 // for one token, 4.5 for 2, 3.6 for 4, 3.2 for 8 to 32. A candidate with the same products
 // on 256-bit registers (bit-identical results; Intel cores run zmm VNNI on one port) gave
