@@ -2722,7 +2722,7 @@ class Shelf:
 # == 11. Prefix KV cache: disk tier ============================================
 # Snapshots of prompt prefixes' KV (llama_state_seq_get_data), compressed, one file per
 # prefix under $REAME_HOME/kv/<model fingerprint>/, named by a hash of the fingerprint,
-# the KV parameters and the prefix's tokens: another process, or this one after a
+# the KV parameters, the libraries' build and the prefix's tokens: another process, or this one after a
 # restart, finds a prefix without an index. The engine snapshots only whole prefill
 # chunks on an exact prefix (section 21), so a restored prefix is what a cold prefill
 # computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
@@ -5994,8 +5994,10 @@ class DiskTier(EnginePart):
 
     def attach(self, engine: "Engine") -> None:
         st = engine.ctx.settings  # what changes the snapshot bytes or their exactness is in the name and header
-        params = "kv=f16 swa_full=%s fa=%s chunk=%d ctx_train=%d llama_h=%s" % (
-            st["swa_full"], st["flash_attn"], engine.chunk, engine.model.n_ctx_train, _LLAMA_H_SHA256[:16])
+        # build: the libraries' kernels (a rebuild, another CPU's AMX switch) compute other bits
+        params = "kv=f16 swa_full=%s fa=%s chunk=%d ctx_train=%d llama_h=%s build=%s" % (
+            st["swa_full"], st["flash_attn"], engine.chunk, engine.model.n_ctx_train, _LLAMA_H_SHA256[:16],
+            library_build_id())
         self.block, self.slots = engine.chunk, engine.slots
         self.cache = DiskCache(self.root or Config.from_env().kv_dir, engine.model.fingerprint, params,
                                self.max_bytes, engine.chunk, self.records or engine.records)

@@ -888,6 +888,19 @@ def test_disk_tier_survives_restart_exactly(qwen_model, tmp_path):
     assert other.n_cached_tok == st3["system_end"] and st3["system_end"] % 128
 
 
+def test_disk_tier_is_keyed_by_the_build(qwen_model, tmp_path, monkeypatch):
+    """Snapshots are named by the libraries' build too: another build's kernels (a rebuild
+    of other patches, another CPU's AMX switch) compute other bits, so a hit on its
+    snapshot would not be what a cold prefill computes here."""
+    kv = str(tmp_path / "kv")
+    _disk_answer(qwen_model, kv, "Where is order 17?")
+    _, st = _disk_answer(qwen_model, kv, "Where is order 17?")
+    assert st["disk_hits"] == 1
+    monkeypatch.setattr(reame.lib(), "_build_id", "another build")
+    res, st = _disk_answer(qwen_model, kv, "Where is order 17?")
+    assert st["disk_hits"] == 0 and res.n_cached_tok == 0
+
+
 def test_disk_tier_shared_between_processes(qwen_model, tmp_path, monkeypatch):
     """`reame.py run` in another process leaves the system prompt's KV on disk; this
     process, of the same installation (REAME_HOME, its secret), restores it."""
