@@ -2722,10 +2722,10 @@ class Shelf:
 # == 11. Prefix KV cache: disk tier ============================================
 # Snapshots of prompt prefixes' KV (llama_state_seq_get_data), compressed, one file per
 # prefix under $REAME_HOME/kv/<model fingerprint>/, named by a hash of the fingerprint,
-# the KV parameters, the libraries' build and the prefix's tokens: another process, or this one after a
-# restart, finds a prefix without an index. The engine snapshots only whole prefill
-# chunks on an exact prefix (section 21), so a restored prefix is what a cold prefill
-# computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
+# the KV parameters, the libraries' build and the prefix's tokens: another process, or
+# this one after a restart, finds a prefix without an index. The engine snapshots only
+# whole prefill chunks on an exact prefix (section 21, chunk_ends), so a restored prefix
+# is what a cold prefill computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
 # tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
 # the least recently used files go first when the directory is over its size bound.
 # Compression and writing run on a writer thread, never the scheduler. Beside the
