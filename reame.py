@@ -2725,9 +2725,10 @@ class Shelf:
 # the KV parameters, the libraries' build and the prefix's tokens: another process, or
 # this one after a restart, finds a prefix without an index. The engine snapshots only
 # whole prefill chunks on an exact prefix (section 21, chunk_ends), so a restored prefix
-# is what a cold prefill computes, bit for bit. A file is checked (magic, version, fingerprint, parameters,
-# tokens, checksum) before use; a bad one is deleted, never used. Use is an mtime touch;
-# the least recently used files go first when the directory is over its size bound.
+# is what a cold prefill computes, bit for bit. A file is checked (magic, version,
+# fingerprint, parameters, tokens, checksum) before use; a bad one is deleted, never
+# used. Use is an mtime touch; the least recently used files go first when the
+# directory is over its size bound.
 # Compression and writing run on a writer thread, never the scheduler. Beside the
 # snapshots, heads.json counts the prompt heads requests come with (HeadHistory): what an
 # idle engine prefills ahead (warm-ahead, section 22).
@@ -4090,9 +4091,10 @@ class SpecController:
     catch-up and the machine, and when it wins it wins by more; and for drafts beside
     other sequences, which the whole step pays for in a pass of their own). A source
     that does not pay is re-probed with a short draft after ``probe_gap`` tokens, a gap
-    that grows 4x each time the probe loses (up to 2048), so a changed workload or machine is noticed
-    without a steady cost where it cannot help; a source that could not pay even if
-    every draft were right (verify or drafting too costly here) is not probed at all.
+    that grows 4x each time the probe loses (up to 2048), so a changed workload or
+    machine is noticed without a steady cost where it cannot help; a source that could
+    not pay even if every draft were right (verify or drafting too costly here) is not
+    probed at all.
     An engine-wide source (the draft model) is probed on the engine's clock, and on a
     request where it has lost already, after that request's own growing gap too (a
     request where it pays resets the engine's gap; prose should not pay for a copy's).
